@@ -1,0 +1,80 @@
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine.errors import ConfigError
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+def _cpu_has_bf16() -> bool:
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+@dataclass
+class EngineConfig:
+    """Engine knobs, named as in vLLM. Invalid combinations raise ConfigError on construction."""
+
+    model: str | Path
+    served_model_name: str | None = None
+    dtype: str = "auto"  # auto | bfloat16 | float32 | float16
+    device: str = "auto"  # auto | cpu | cuda | npu
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 4096
+    max_model_len: int = 2048  # capped by the model's max_position_embeddings
+    block_size: int = 16
+    kv_cache_bytes: int | None = None  # None: room for max_num_seqs full-length sequences, at most 4 GiB
+    enable_prefix_caching: bool = True
+    batch_buckets: list[int] = field(default_factory=lambda: [8, 16, 32])
+    max_waiting: int = 1024  # bounded queue: beyond it, submissions fail with EngineOverloadedError
+    seed: int = 0
+    num_threads: int | None = None  # torch intra-op threads on CPU; None keeps torch's default
+    compile: bool = False  # torch.compile the decode step per batch bucket
+
+    def __post_init__(self) -> None:
+        self.model = Path(self.model)
+        if self.served_model_name is None:
+            self.served_model_name = self.model.name
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ConfigError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda", "npu") and not self.device.startswith(("cuda:", "npu:")):
+            raise ConfigError(f"device must be auto, cpu, cuda or npu; got {self.device!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "max_waiting"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1; got {getattr(self, name)}")
+        if self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size must be a power of two; got {self.block_size}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ConfigError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({self.max_num_seqs}) so every running sequence can decode in one step"
+            )
+        if not self.batch_buckets or sorted(set(self.batch_buckets)) != self.batch_buckets or self.batch_buckets[0] < 1:
+            raise ConfigError(f"batch_buckets must be increasing positive sizes; got {self.batch_buckets}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
+            raise ConfigError(f"kv_cache_bytes must be > 0; got {self.kv_cache_bytes}")
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device.startswith("npu"):
+            try:
+                import torch_npu  # noqa: F401  # registers the "npu" device with torch
+            except ImportError as e:
+                raise ConfigError("device 'npu' needs torch_npu: pip install 'tianmen[npu]'") from e
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype != "auto":
+            return _DTYPES[self.dtype]
+        if self.torch_device.type == "cpu":
+            return torch.bfloat16 if _cpu_has_bf16() else torch.float32
+        return torch.bfloat16

@@ -1,0 +1,45 @@
+"""Per-step attention metadata, set by the runner before the forward pass and read by attention layers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class PrefillMeta:
+    """A chunk of >= 2 query tokens of one sequence, at rows [start, end) of the step's tokens."""
+
+    start: int
+    end: int
+    context_len: int  # tokens of the sequence in the cache after this step's write
+    block_ids: torch.Tensor | None  # [num_blocks] int64, only when earlier tokens must be read from the cache
+    mask: torch.Tensor | None  # [q_len, context_len] bool (True = attend), with block_ids
+
+
+@dataclass(slots=True)
+class AttentionContext:
+    slot_mapping: torch.Tensor  # [T] int64: where each token's K/V go in the flattened cache
+    num_decodes: int  # rows [0, num_decodes) are single-token queries, one per sequence
+    decode_block_tables: torch.Tensor | None  # [D, max_blocks] int64
+    decode_mask: torch.Tensor | None  # [D, 1, 1, max_blocks * block_size] bool (True = attend)
+    prefills: list[PrefillMeta]
+
+
+_CONTEXT: AttentionContext | None = None
+
+
+def set_context(ctx: AttentionContext) -> None:
+    global _CONTEXT
+    _CONTEXT = ctx
+
+
+def get_context() -> AttentionContext:
+    assert _CONTEXT is not None, "attention ran outside ModelRunner.execute"
+    return _CONTEXT
+
+
+def reset_context() -> None:
+    global _CONTEXT
+    _CONTEXT = None

@@ -1,0 +1,79 @@
+from __future__ import annotations
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.errors import ConfigError
+from engine.loader import DirectoryFiles, ModelFiles, eos_token_ids, read_json
+from engine.model_runner import ModelRunner
+from engine.outputs import EngineOutput
+from engine.request import Request
+from engine.scheduler import Scheduler
+
+
+def model_max_len(config: EngineConfig, hf_config: dict) -> int:
+    limit = config.max_model_len
+    for key in ("max_position_embeddings", "sliding_window"):
+        value = hf_config.get(key)
+        if isinstance(value, int) and value > 0 and (key != "sliding_window" or hf_config.get("use_sliding_window", True)):
+            limit = min(limit, value)
+    return limit
+
+
+class EngineCore:
+    """schedule → execute → update, synchronously, on token ids only."""
+
+    def __init__(self, config: EngineConfig, files: ModelFiles | None = None) -> None:
+        self.config = config
+        self.files = files or DirectoryFiles(config.model)
+        self.hf_config = read_json(self.files, "config.json")
+        self.max_model_len = model_max_len(config, self.hf_config)
+        if config.max_num_batched_tokens < config.block_size:
+            raise ConfigError("max_num_batched_tokens must be >= block_size")
+        self.eos_token_ids = eos_token_ids(self.files, self.hf_config)
+        self.runner = ModelRunner(config, self.files, self.hf_config, self.max_model_len)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            max_waiting=config.max_waiting,
+            vocab_size=self.runner.model.args.vocab_size,
+        )
+
+    def add_request(self, req: Request) -> None:
+        if not req.eos_token_ids:
+            req.eos_token_ids = self.eos_token_ids
+        self.scheduler.add_request(req)
+
+    def finish_request(self, req_id: str, reason: str, stop_reason: str | int | None = None) -> EngineOutput | None:
+        req = self.scheduler.finish_request(req_id, reason, stop_reason)
+        if req is None:
+            return None
+        return EngineOutput(req_id, [], None, reason, self.scheduler.usage(req))
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[EngineOutput]:
+        sched = self.scheduler.schedule()
+        if sched.empty:
+            return []
+        return self.scheduler.update_from_output(sched, self.runner.execute(sched))
+
+    def stats(self) -> dict[str, float | int]:
+        s, bm = self.scheduler, self.block_manager
+        return {
+            "num_running": len(s.running),
+            "num_waiting": len(s.waiting),
+            "kv_blocks_total": bm.num_blocks,
+            "kv_blocks_free": bm.num_free_blocks,
+            "kv_blocks_used": bm.num_blocks - bm.num_free_blocks,
+            "kv_cache_usage": bm.usage,
+            "prefix_cache_queries": bm.num_queried_tokens,
+            "prefix_cache_hits": bm.num_hit_tokens,
+            "prefix_cache_hit_rate": bm.hit_rate,
+            "prompt_tokens_total": s.num_prompt_tokens,
+            "generation_tokens_total": s.num_generation_tokens,
+            "preemptions_total": s.num_preemptions,
+        }

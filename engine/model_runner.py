@@ -1,0 +1,155 @@
+from __future__ import annotations
+
+import logging
+import random
+from typing import Any
+
+import torch
+
+from engine.block_manager import cdiv
+from engine.config import EngineConfig
+from engine.context import AttentionContext, PrefillMeta, reset_context, set_context
+from engine.errors import ConfigError
+from engine.layers.linear import Linear
+from engine.loader import ModelFiles, load_model
+from engine.outputs import ModelOutput, SchedulerOutput
+from engine.sampler import Sampler
+
+log = logging.getLogger(__name__)
+
+MAX_DEFAULT_KV_BYTES = 4 << 30
+
+
+class ModelRunner:
+    """Owns the model, its paged KV cache and the sampler; runs one SchedulerOutput per call."""
+
+    def __init__(self, config: EngineConfig, files: ModelFiles, hf_config: dict[str, Any], max_model_len: int) -> None:
+        self.config = config
+        self.device, self.dtype = config.torch_device, config.torch_dtype
+        if config.num_threads and self.device.type == "cpu":
+            torch.set_num_threads(config.num_threads)
+        self.block_size = config.block_size
+        self.model = load_model(files, hf_config, self.device, self.dtype)
+        self.num_blocks = self._size_kv_cache(max_model_len)
+        self.pad_block = self.num_blocks  # one spare block past the pool absorbs padded slots
+        for layer in self.model.attention_layers():
+            for name, shape in self.model.kv_cache_shape(self.num_blocks + 1, self.block_size):
+                setattr(layer, name, torch.zeros(shape, dtype=self.dtype, device=self.device))
+        self.num_packed = self._prepack() if self.device.type == "cpu" else 0
+        self.sampler = Sampler()
+        self.generators: dict[str, torch.Generator] = {}
+        self._rng = random.Random(config.seed)
+
+    # ---- set-up -------------------------------------------------------------------------------
+    def kv_bytes_per_block(self) -> int:
+        itemsize = torch.empty(0, dtype=self.dtype).element_size()
+        per_layer = sum(torch.Size(shape).numel() for _, shape in self.model.kv_cache_shape(1, self.block_size))
+        return per_layer * itemsize * len(self.model.attention_layers())
+
+    def _size_kv_cache(self, max_model_len: int) -> int:
+        per_block = self.kv_bytes_per_block()
+        need_one = cdiv(max_model_len, self.block_size)
+        if self.config.kv_cache_bytes is None:
+            want = self.config.max_num_seqs * need_one * per_block
+            budget = min(want, MAX_DEFAULT_KV_BYTES)
+        else:
+            budget = self.config.kv_cache_bytes
+        num_blocks = budget // per_block
+        if num_blocks < need_one:
+            raise ConfigError(
+                f"kv_cache_bytes={budget} holds {num_blocks} blocks of {per_block} bytes, fewer than one "
+                f"max_model_len={max_model_len} sequence needs ({need_one}); raise kv_cache_bytes or lower max_model_len"
+            )
+        return num_blocks
+
+    def _prepack(self) -> int:
+        hint = self.config.max_num_seqs
+        tied = getattr(self.model.args, "tie_word_embeddings", False)
+        packed = 0
+        for name, module in self.model.named_modules():
+            if isinstance(module, Linear):
+                packed += module.prepack(hint, keep_weight=tied and name == "lm_head")
+        return packed
+
+    # ---- one step -----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> ModelOutput:
+        for req_id in sched.finished_req_ids:
+            self.generators.pop(req_id, None)
+        input_ids, positions, ctx, sample_rows = self._prepare(sched)
+        set_context(ctx)
+        try:
+            hidden = self.model(input_ids, positions)
+        finally:
+            reset_context()
+        sampled = [s for s in sched.seqs if s.sample]
+        if not sampled:
+            return ModelOutput([], [])
+        logits = self.model.compute_logits(hidden[sample_rows])
+        params = [s.params for s in sampled]
+        gens = [self._generator(s.req_id, s.params.seed) if not s.params.greedy else None for s in sampled]
+        penal = any(p.has_penalties for p in params)
+        tokens, logprobs = self.sampler(
+            logits,
+            params,
+            gens,
+            [s.prompt_token_ids for s in sampled] if penal else (),
+            [s.output_token_ids for s in sampled] if penal else (),
+        )
+        return ModelOutput([s.req_id for s in sampled], tokens, logprobs)
+
+    def _generator(self, req_id: str, seed: int | None) -> torch.Generator:
+        gen = self.generators.get(req_id)
+        if gen is None:
+            gen = torch.Generator(self.device)
+            gen.manual_seed(seed if seed is not None else self._rng.getrandbits(63))
+            self.generators[req_id] = gen
+        return gen
+
+    def _prepare(
+        self, sched: SchedulerOutput
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionContext, torch.Tensor]:
+        bs, dev = self.block_size, self.device
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[int] = []
+        prefills: list[PrefillMeta] = []
+        for i, s in enumerate(sched.seqs):
+            n, row = len(s.token_ids), len(input_ids)
+            input_ids.extend(s.token_ids)
+            pos = range(s.start, s.start + n)
+            positions.extend(pos)
+            slots.extend(s.block_ids[p // bs] * bs + p % bs for p in pos)
+            if s.sample:
+                sample_rows.append(row + n - 1)
+            if i < sched.num_decodes:
+                continue
+            ctx_len = s.start + n
+            if s.start == 0:
+                prefills.append(PrefillMeta(row, row + n, ctx_len, None, None))
+            else:
+                block_ids = torch.tensor(s.block_ids[: cdiv(ctx_len, bs)], device=dev)
+                mask = torch.arange(ctx_len, device=dev) <= torch.arange(s.start, ctx_len, device=dev).unsqueeze(1)
+                prefills.append(PrefillMeta(row, row + n, ctx_len, block_ids, mask))
+
+        tables, dmask = None, None
+        if sched.num_decodes:
+            decodes = sched.seqs[: sched.num_decodes]
+            width = max(len(s.block_ids) for s in decodes)
+            tables = torch.tensor([s.block_ids + [self.pad_block] * (width - len(s.block_ids)) for s in decodes], device=dev)
+            ctx_lens = torch.tensor([s.start + 1 for s in decodes], device=dev)
+            dmask = (torch.arange(width * bs, device=dev) < ctx_lens.unsqueeze(1)).view(len(decodes), 1, 1, -1)
+        ctx = AttentionContext(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            num_decodes=sched.num_decodes,
+            decode_block_tables=tables,
+            decode_mask=dmask,
+            prefills=prefills,
+        )
+        return (
+            torch.tensor(input_ids, dtype=torch.long, device=dev),
+            torch.tensor(positions, dtype=torch.long, device=dev),
+            ctx,
+            torch.tensor(sample_rows, dtype=torch.long, device=dev),
+        )

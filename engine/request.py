@@ -1,0 +1,95 @@
+from __future__ import annotations
+
+import enum
+import time
+
+from engine.params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class Request:
+    """One generation request as the scheduler sees it: token ids and progress, nothing else."""
+
+    __slots__ = (
+        "arrival_time",
+        "block_hashes",
+        "cache_salt",
+        "eos_token_ids",
+        "finish_reason",
+        "max_len",
+        "num_cached_tokens",
+        "num_computed_tokens",
+        "num_preemptions",
+        "output_token_ids",
+        "params",
+        "prompt_token_ids",
+        "req_id",
+        "status",
+        "stop_reason",
+        "token_ids",
+    )
+
+    def __init__(
+        self,
+        req_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        eos_token_ids: frozenset[int] = frozenset(),
+        cache_salt: str | None = None,
+        max_len: int | None = None,
+    ) -> None:
+        self.req_id = req_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.token_ids = list(prompt_token_ids)  # prompt + output: what a recompute after preemption re-reads
+        self.output_token_ids: list[int] = []
+        self.params = params
+        self.eos_token_ids = eos_token_ids
+        self.cache_salt = cache_salt
+        self.max_len = max_len  # model length limit: prompt + output never exceed it
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hits at first admission; -1 until then
+        self.num_preemptions = 0
+        self.block_hashes: list[bytes] = []  # chained hashes of this request's full blocks
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.arrival_time = time.monotonic()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_output(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.token_ids.append(token_id)
+
+    def check_stop(self) -> bool:
+        """After a new token: decide whether it ends the request (EOS, stop token, length)."""
+        token = self.output_token_ids[-1]
+        if not self.params.ignore_eos and token in self.eos_token_ids:
+            self.finish_reason, self.stop_reason = "stop", token
+        elif token in self.params.stop_token_ids:
+            self.finish_reason, self.stop_reason = "stop", token
+        elif self.num_output_tokens >= self.params.max_tokens:
+            self.finish_reason = "length"
+        elif self.max_len is not None and self.num_tokens >= self.max_len:
+            self.finish_reason = "length"
+        return self.finish_reason is not None

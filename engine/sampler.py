@@ -1,0 +1,115 @@
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from engine.outputs import Logprob
+from engine.params import SamplingParams
+
+
+class Sampler:
+    """Turns a batch of logits into one token per row.
+
+    Each row draws from its own torch.Generator (seeded per request), via the exponential race
+    argmax(p / q), q ~ Exp(1): a row's token never depends on what else is in the batch.
+    """
+
+    def __call__(
+        self,
+        logits: torch.Tensor,  # [B, V] float32
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+        prompt_ids: Sequence[Sequence[int]] = (),
+        output_ids: Sequence[Sequence[int]] = (),
+    ) -> tuple[list[int], list[Logprob] | None]:
+        raw_logprobs = (
+            torch.log_softmax(logits, dim=-1) if any(p.logprobs is not None for p in params) else None
+        )
+        if any(p.has_penalties for p in params):
+            logits = apply_penalties(logits.clone(), params, prompt_ids, output_ids)
+        if all(p.greedy for p in params):
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._sample(logits, params, generators)
+        token_list: list[int] = tokens.tolist()
+        if raw_logprobs is None:
+            return token_list, None
+        return token_list, gather_logprobs(raw_logprobs, token_list, params)
+
+    def _sample(
+        self, logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
+    ) -> torch.Tensor:
+        greedy = logits.argmax(dim=-1)
+        rows = [i for i, p in enumerate(params) if not p.greedy]
+        sub = logits[rows]
+        temps = torch.tensor([params[i].temperature for i in rows], dtype=sub.dtype, device=sub.device)
+        sub = sub / temps.unsqueeze(1)
+        sub = apply_top_k_top_p_min_p(sub, [params[i] for i in rows])
+        probs = torch.softmax(sub, dim=-1)
+        q = torch.empty_like(probs)
+        for j, i in enumerate(rows):
+            q[j].exponential_(generator=generators[i])
+        greedy[rows] = (probs / q).argmax(dim=-1)
+        return greedy
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    prompt_ids: Sequence[Sequence[int]],
+    output_ids: Sequence[Sequence[int]],
+) -> torch.Tensor:
+    """repetition (HF/CTRL, over prompt + output), presence and frequency (OpenAI, over output)."""
+    vocab = logits.shape[1]
+    for i, p in enumerate(params):
+        if not p.has_penalties:
+            continue
+        out = torch.tensor(output_ids[i], dtype=torch.long, device=logits.device)
+        counts = torch.bincount(out, minlength=vocab)[:vocab].to(logits.dtype)
+        row = logits[i]
+        if p.repetition_penalty != 1:
+            seen = counts > 0
+            if prompt_ids:
+                seen[torch.tensor(prompt_ids[i], dtype=torch.long, device=logits.device)] = True
+            penalized = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+            row = torch.where(seen, penalized, row)
+        row = row - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).to(logits.dtype)
+        logits[i] = row
+    return logits
+
+
+def apply_top_k_top_p_min_p(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Mask (to -inf) the tokens each row's top_k / top_p / min_p exclude. logits: [B, V], already tempered."""
+    b, vocab = logits.shape
+    dev = logits.device
+    if any(p.min_p > 0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype, device=dev).unsqueeze(1)
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, float("-inf"))
+    if not any(p.top_k > 0 or p.top_p < 1 for p in params):
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=dev).expand(b, vocab)
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev).unsqueeze(1)
+    drop = ranks >= top_k
+    top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=dev).unsqueeze(1)
+    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # a token stays while the mass above it is < top_p
+    drop |= mass_before >= top_p
+    drop[:, 0] = False
+    return logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+
+
+def gather_logprobs(logprobs: torch.Tensor, tokens: list[int], params: Sequence[SamplingParams]) -> list[Logprob]:
+    max_n = max((p.logprobs or 0) for p in params)
+    top_vals, top_ids = logprobs.topk(max_n, dim=-1) if max_n else (None, None)
+    chosen = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device).unsqueeze(1)).squeeze(1).tolist()
+    result = []
+    for i, p in enumerate(params):
+        n = p.logprobs or 0
+        top: list[tuple[int, float]] = []
+        if n and top_ids is not None and top_vals is not None:
+            top = list(zip(top_ids[i, :n].tolist(), top_vals[i, :n].tolist()))
+        result.append(Logprob(tokens[i], chosen[i], top))
+    return result

@@ -1,0 +1,181 @@
+from __future__ import annotations
+
+from collections import deque
+
+from engine.block_manager import BlockManager
+from engine.errors import EngineOverloadedError, InvalidRequestError
+from engine.outputs import EngineOutput, ModelOutput, ScheduledSeq, SchedulerOutput, Usage
+from engine.request import Request, RequestStatus
+
+
+class Scheduler:
+    """Continuous batching: each step spends a token budget on running requests, then admits waiting ones.
+
+    Requests carry `num_computed_tokens` and `num_tokens`; a step gives each one a chunk of its
+    uncomputed tokens (a decode is a chunk of one), so prefill chunks and decodes mix freely.
+    When blocks run out, the newest running request is preempted and later recomputed.
+    """
+
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        max_waiting: int = 1024,
+        vocab_size: int | None = None,
+    ) -> None:
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.max_waiting = max_waiting
+        self.vocab_size = vocab_size
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.finished_req_ids: list[str] = []
+        self.num_preemptions = 0
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+
+    # ---- admission -----------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        if req.req_id in self.requests:
+            raise InvalidRequestError(f"request id {req.req_id!r} is already in use", param="request_id")
+        n = req.num_prompt_tokens
+        if n == 0:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        if n >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {n} tokens, but this model's context length is {self.max_model_len} tokens "
+                "(prompt + completion); shorten the prompt",
+                param="messages",
+            )
+        if self.vocab_size is not None and not all(0 <= t < self.vocab_size for t in req.prompt_token_ids):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
+        if len(self.waiting) >= self.max_waiting:
+            raise EngineOverloadedError(f"the engine's waiting queue is full ({self.max_waiting} requests)")
+        req.max_len = self.max_model_len
+        self.requests[req.req_id] = req
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step --------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+        preempted = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.bm.can_allocate(req, num_new):
+                victim = self.running.pop()  # the newest request gives its blocks back
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            else:
+                self.bm.allocate(req, num_new)
+                scheduled.append((req, num_new))
+                budget -= num_new
+                i += 1
+                continue
+            break
+
+        # NOTE: after a preemption nothing new is admitted, or it would be preempted again at once.
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            computed = self.bm.get_computed_blocks(req)
+            num_computed = len(computed) * self.bm.block_size
+            num_new = min(req.num_tokens - num_computed, budget)
+            if not self.bm.can_allocate(req, num_new, computed):
+                break
+            self.bm.allocate(req, num_new, computed)
+            self.waiting.popleft()
+            req.num_computed_tokens = num_computed
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_computed
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled.append((req, num_new))
+            budget -= num_new
+
+        decodes = [self._seq(r, n) for r, n in scheduled if n == 1]
+        prefills = [self._seq(r, n) for r, n in scheduled if n > 1]
+        for req, n in scheduled:
+            req.num_computed_tokens += n
+        out = SchedulerOutput(
+            seqs=decodes + prefills,
+            num_decodes=len(decodes),
+            num_tokens=self.max_num_batched_tokens - budget,
+            finished_req_ids=self.finished_req_ids,
+        )
+        self.finished_req_ids = []
+        return out
+
+    def _seq(self, req: Request, num_new: int) -> ScheduledSeq:
+        start = req.num_computed_tokens
+        return ScheduledSeq(
+            req_id=req.req_id,
+            token_ids=req.token_ids[start : start + num_new],
+            start=start,
+            block_ids=self.bm.block_ids(req.req_id),
+            sample=start + num_new == req.num_tokens,
+            params=req.params,
+            prompt_token_ids=req.prompt_token_ids,
+            output_token_ids=req.output_token_ids,
+        )
+
+    def _preempt(self, req: Request) -> None:
+        self.bm.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def update_from_output(self, sched: SchedulerOutput, out: ModelOutput) -> list[EngineOutput]:
+        """The one place that changes request state after a step: append tokens, check stops, free."""
+        for seq in sched.seqs:
+            self.num_prompt_tokens += max(0, min(len(seq.token_ids), len(seq.prompt_token_ids) - seq.start))
+        outputs = []
+        for k, (req_id, token) in enumerate(zip(out.req_ids, out.token_ids)):
+            req = self.requests.get(req_id)
+            if req is None or req.finished:  # aborted while the step ran
+                continue
+            req.append_output(token)
+            self.num_generation_tokens += 1
+            if req.check_stop():
+                self._finish(req)
+            lp = [out.logprobs[k]] if out.logprobs is not None and req.params.logprobs is not None else None
+            outputs.append(EngineOutput(req_id, [token], lp, req.finish_reason, self.usage(req)))
+        return outputs
+
+    # ---- ending ------------------------------------------------------------------------------
+    def finish_request(self, req_id: str, reason: str, stop_reason: str | int | None = None) -> Request | None:
+        """End a request from outside a step (abort, or a stop string found by the detokenizer)."""
+        req = self.requests.get(req_id)
+        if req is None:
+            return None
+        req.finish_reason, req.stop_reason = reason, stop_reason
+        self._finish(req)
+        return req
+
+    def _finish(self, req: Request) -> None:
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status = RequestStatus.FINISHED
+        self.bm.free(req)
+        del self.requests[req.req_id]
+        self.finished_req_ids.append(req.req_id)
+
+    @staticmethod
+    def usage(req: Request) -> Usage:
+        return Usage(req.num_prompt_tokens, req.num_output_tokens, max(0, req.num_cached_tokens))
