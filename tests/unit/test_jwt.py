@@ -315,7 +315,7 @@ class Handler(BaseHTTPRequestHandler):
 @pytest.fixture
 def idp() -> Iterator[JWKSServer]:
     server = JWKSServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
     yield server
     server.shutdown()

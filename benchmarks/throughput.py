@@ -1,0 +1,88 @@
+"""Engine throughput vs HF transformers on the same workload, in the same run.
+
+    python -m benchmarks.throughput [--shape qwen2-0.5b] [--num-prompts 32] [--prompt-len 128] [--output-len 128]
+
+Batch: N prompts of random token ids, greedy, EOS ignored → output tok/s. Batch-1: ms per decoded token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import random
+import time
+
+import torch
+
+from benchmarks.shapes import SHAPES, checkpoint
+from engine import LLM, EngineConfig, SamplingParams
+
+
+def ours(path: str, prompts: list[list[int]], n: int, dtype: str) -> tuple[float, float]:
+    llm = LLM(EngineConfig(model=path, dtype=dtype, max_num_seqs=max(len(prompts), 1), max_model_len=1024))
+    params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+    llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    batch_s = time.perf_counter() - t
+    assert all(len(o.token_ids) == n for o in outs)
+    t = time.perf_counter()
+    llm.generate([prompts[0]], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+    prefill_s = time.perf_counter() - t
+    t = time.perf_counter()
+    llm.generate([prompts[1]], params)
+    one_s = time.perf_counter() - t
+    return len(prompts) * n / batch_s, (one_s - prefill_s) / (n - 1) * 1e3
+
+
+def hf(path: str, prompts: list[list[int]], n: int, dtype: torch.dtype) -> tuple[float, float]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.inference_mode():
+        model.generate(torch.tensor([prompts[0][:16]]), max_new_tokens=4, **kw)
+        t = time.perf_counter()
+        model.generate(torch.tensor(prompts), max_new_tokens=n, min_new_tokens=n, **kw)
+        batch_s = time.perf_counter() - t
+        t = time.perf_counter()
+        model.generate(torch.tensor([prompts[0]]), max_new_tokens=1, **kw)
+        prefill_s = time.perf_counter() - t
+        t = time.perf_counter()
+        model.generate(torch.tensor([prompts[1]]), max_new_tokens=n, min_new_tokens=n, **kw)
+        one_s = time.perf_counter() - t
+    return len(prompts) * n / batch_s, (one_s - prefill_s) / (n - 1) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="qwen2-0.5b", choices=sorted(SHAPES))
+    ap.add_argument("--num-prompts", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    ap.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
+    args = ap.parse_args()
+
+    path = str(checkpoint(args.shape))
+    vocab = SHAPES[args.shape]["vocab_size"]
+    rng = random.Random(0)
+    prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(max(args.num_prompts, 2))]
+    dtype = EngineConfig(model=path, dtype=args.dtype).torch_dtype
+    dname = str(dtype).removeprefix("torch.")
+
+    rows = [("tianmen", *ours(path, prompts[: args.num_prompts], args.output_len, dname))]
+    if not args.no_hf:
+        rows.append((f"transformers {__import__('transformers').__version__}", *hf(path, prompts[: args.num_prompts], args.output_len, dtype)))
+
+    print(f"\n{args.shape}, {dname}, {args.num_prompts} x {args.prompt_len} -> {args.output_len}, greedy; "
+          f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    print(f"{'engine':<24} {'batch tok/s':>12} {'batch-1 ms/token':>18}")
+    for name, tps, ms in rows:
+        print(f"{name:<24} {tps:>12.1f} {ms:>18.1f}")
+    if len(rows) == 2:
+        print(f"{'ratio (tianmen / hf)':<24} {rows[0][1] / rows[1][1]:>11.2f}x {rows[1][2] / rows[0][2]:>17.2f}x faster")
+
+
+if __name__ == "__main__":
+    main()

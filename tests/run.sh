@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# The whole suite: lint, then pytest. pytest's exit 5 ("no tests ran") is a failure too.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+.venv/bin/ruff check . || exit 1
+.venv/bin/python -m pytest "$@"
+rc=$?
+if [ "$rc" -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi
+exit "$rc"

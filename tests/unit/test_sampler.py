@@ -1,0 +1,105 @@
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine.errors import InvalidRequestError
+from engine.params import SamplingParams
+from engine.sampler import Sampler, apply_penalties, apply_top_k_top_p_min_p
+
+
+def gen(seed: int) -> torch.Generator:
+    g = torch.Generator()
+    g.manual_seed(seed)
+    return g
+
+
+def test_greedy_is_argmax() -> None:
+    logits = torch.tensor([[0.1, 3.0, 2.0], [5.0, 1.0, 0.0]])
+    tokens, lps = Sampler()(logits, [SamplingParams(temperature=0)] * 2, [None, None])
+    assert tokens == [1, 0] and lps is None
+
+
+def test_seeded_row_is_independent_of_batch() -> None:
+    torch.manual_seed(0)
+    row = torch.randn(1, 1000)
+    others = torch.randn(5, 1000)
+    p = SamplingParams(temperature=0.9, seed=42)
+    alone = [Sampler()(row, [p], [gen(42)])[0][0] for _ in range(1)]
+    g = gen(42)
+    seq_alone = [Sampler()(row, [p], [g])[0][0] for _ in range(10)]
+    g, gs = gen(42), [gen(i) for i in range(5)]
+    seq_batched = []
+    for _ in range(10):
+        batch = torch.cat([others[:2], row, others[2:]])
+        params = [SamplingParams(temperature=1.3)] * 2 + [p] + [SamplingParams(temperature=0.5, top_k=5)] * 3
+        toks, _ = Sampler()(batch, params, [gs[0], gs[1], g, gs[2], gs[3], gs[4]])
+        seq_batched.append(toks[2])
+    assert seq_alone == seq_batched and seq_alone[0] == alone[0]
+    assert len(set(seq_alone)) > 1  # it really samples
+
+
+def test_sampling_follows_the_distribution() -> None:
+    logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]]))
+    g = gen(1)
+    counts = [0, 0, 0]
+    for _ in range(3000):
+        counts[Sampler()(logits, [SamplingParams(temperature=1.0)], [g])[0][0]] += 1
+    assert abs(counts[0] / 3000 - 0.7) < 0.04 and abs(counts[2] / 3000 - 0.1) < 0.03
+
+
+def test_top_k_top_p_min_p_masks() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.25, 0.15, 0.1]] * 3))
+    params = [SamplingParams(top_k=2), SamplingParams(top_p=0.7), SamplingParams(min_p=0.4)]
+    out = apply_top_k_top_p_min_p(logits, params)
+    keep = torch.isfinite(out).tolist()
+    assert keep[0] == [True, True, False, False]
+    assert keep[1] == [True, True, False, False]  # 0.5 < 0.7, then 0.75 >= 0.7 stops after the 2nd
+    assert keep[2] == [True, True, False, False]  # >= 0.4 * 0.5
+    assert torch.equal(out[0, :2], logits[0, :2])
+
+
+def test_top_p_always_keeps_the_best_token() -> None:
+    logits = torch.log(torch.tensor([[0.9, 0.1]]))
+    out = apply_top_k_top_p_min_p(logits, [SamplingParams(top_p=0.05)])
+    assert torch.isfinite(out).tolist() == [[True, False]]
+
+
+def test_penalties() -> None:
+    logits = torch.tensor([[2.0, -2.0, 1.0, 1.0]])
+    rep = apply_penalties(logits.clone(), [SamplingParams(repetition_penalty=2.0)], [[0]], [[1]])
+    assert rep.tolist() == [[1.0, -4.0, 1.0, 1.0]]
+    pf = apply_penalties(
+        logits.clone(), [SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)], [[0]], [[2, 2, 3]]
+    )
+    assert pf.tolist() == [[2.0, -2.0, 1.0 - 0.5 - 0.5, 1.0 - 0.5 - 0.25]]
+
+
+def test_logprobs_are_raw_and_top_n_sorted() -> None:
+    logits = torch.tensor([[1.0, 2.0, 3.0, 0.0]])
+    tokens, lps = Sampler()(logits, [SamplingParams(temperature=0, logprobs=2)], [None])
+    ref = torch.log_softmax(logits, -1)[0]
+    assert tokens == [2] and lps is not None
+    assert math.isclose(lps[0].logprob, ref[2].item(), rel_tol=1e-6)
+    assert [t for t, _ in lps[0].top] == [2, 1]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"top_k": -1}, "top_k"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"presence_penalty": 3}, "presence_penalty"),
+        ({"stop": [""]}, "stop"),
+    ],
+)
+def test_bad_params_raise_typed_errors(kwargs: dict, param: str) -> None:
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(**kwargs)
+    assert e.value.param == param and param in str(e.value)

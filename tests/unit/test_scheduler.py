@@ -1,0 +1,110 @@
+from __future__ import annotations
+
+import pytest
+
+from engine.block_manager import BlockManager
+from engine.errors import EngineOverloadedError, InvalidRequestError
+from engine.outputs import ModelOutput, SchedulerOutput
+from engine.params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.request import Request
+
+
+def make(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 4, budget: int = 32, max_len: int = 64,
+         max_waiting: int = 100) -> Scheduler:
+    return Scheduler(BlockManager(num_blocks, block_size), max_num_seqs, budget, max_len, max_waiting, vocab_size=1000)
+
+
+def add(s: Scheduler, rid: str, n: int, max_tokens: int = 8) -> Request:
+    r = Request(rid, list(range(10, 10 + n)), SamplingParams(max_tokens=max_tokens, temperature=0))
+    s.add_request(r)
+    return r
+
+
+def finish_step(s: Scheduler, out: SchedulerOutput, token: int = 7) -> None:
+    sampled = [q.req_id for q in out.seqs if q.sample]
+    s.update_from_output(out, ModelOutput(sampled, [token] * len(sampled)))
+
+
+def test_budget_is_never_exceeded_and_prefill_is_chunked() -> None:
+    s = make(budget=16)
+    add(s, "a", 40)
+    out = s.schedule()
+    assert [(q.req_id, q.start, len(q.token_ids), q.sample) for q in out.seqs] == [("a", 0, 16, False)]
+    finish_step(s, out)
+    out = s.schedule()
+    assert [(q.start, len(q.token_ids)) for q in out.seqs] == [(16, 16)]
+    finish_step(s, out)
+    out = s.schedule()
+    assert [(q.start, len(q.token_ids), q.sample) for q in out.seqs] == [(32, 8, True)]
+
+
+def test_decodes_come_first_and_share_the_budget() -> None:
+    s = make(budget=10)
+    add(s, "a", 3)
+    finish_step(s, s.schedule())
+    add(s, "b", 20)
+    out = s.schedule()
+    assert out.num_decodes == 1
+    assert [(q.req_id, len(q.token_ids)) for q in out.seqs] == [("a", 1), ("b", 9)]
+    assert out.num_tokens == 10
+
+
+def test_max_num_seqs_caps_admission_fcfs() -> None:
+    s = make(max_num_seqs=2)
+    for rid in "abc":
+        add(s, rid, 4)
+    out = s.schedule()
+    assert [q.req_id for q in out.seqs] == ["a", "b"]
+    assert [r.req_id for r in s.waiting] == ["c"]
+
+
+def test_preempts_newest_when_blocks_run_out_and_recomputes() -> None:
+    s = make(num_blocks=4, block_size=4, max_len=64)
+    a, b = add(s, "a", 7, max_tokens=20), add(s, "b", 7, max_tokens=20)
+    finish_step(s, s.schedule())  # prefill: each holds 2 blocks (8 slots)
+    finish_step(s, s.schedule())  # decode of token 8 still fits
+    out = s.schedule()  # both need a 3rd block for token 9: the pool is empty, so b (newest) gives way
+    assert [q.req_id for q in out.seqs] == ["a"]
+    assert b.status.value == "preempted" and a.status.value == "running"
+    assert s.num_preemptions == 1 and b.num_computed_tokens == 0
+    assert [r.req_id for r in s.waiting] == ["b"]
+    assert s.bm.num_free_blocks == 1
+
+
+def test_prompt_too_long_and_bad_ids_are_refused() -> None:
+    s = make(max_len=16)
+    with pytest.raises(InvalidRequestError, match="16 tokens"):
+        add(s, "a", 16)
+    with pytest.raises(InvalidRequestError, match="empty"):
+        s.add_request(Request("b", [], SamplingParams()))
+    with pytest.raises(InvalidRequestError, match="token ids"):
+        s.add_request(Request("c", [5, 1000], SamplingParams()))
+
+
+def test_waiting_queue_is_bounded() -> None:
+    s = make(max_waiting=2)
+    add(s, "a", 3)
+    add(s, "b", 3)
+    with pytest.raises(EngineOverloadedError):
+        add(s, "c", 3)
+
+
+def test_stop_conditions_and_abort_free_blocks() -> None:
+    s = make()
+    r = add(s, "a", 3, max_tokens=2)
+    finish_step(s, s.schedule())
+    out = s.schedule()
+    outs = s.update_from_output(out, ModelOutput(["a"], [5]))
+    assert outs[-1].finish_reason == "length" and r.output_token_ids == [7, 5]
+    assert s.bm.num_free_blocks == 64 and not s.has_unfinished()
+
+    r = add(s, "b", 3)
+    r.eos_token_ids = frozenset({2})
+    outs = s.update_from_output(s.schedule(), ModelOutput(["b"], [2]))
+    assert outs[0].finish_reason == "stop" and r.stop_reason == 2
+
+    add(s, "c", 3)
+    s.schedule()
+    s.finish_request("c", "abort")
+    assert s.bm.num_free_blocks == 64 and "c" in s.schedule().finished_req_ids
