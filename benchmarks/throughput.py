@@ -73,15 +73,24 @@ def main() -> None:
 
     rows = [("tianmen", *ours(path, prompts[: args.num_prompts], args.output_len, dname))]
     if not args.no_hf:
-        rows.append((f"transformers {__import__('transformers').__version__}", *hf(path, prompts[: args.num_prompts], args.output_len, dtype)))
+        rows.append(
+            (
+                f"transformers {__import__('transformers').__version__}",
+                *hf(path, prompts[: args.num_prompts], args.output_len, dtype),
+            )
+        )
 
-    print(f"\n{args.shape}, {dname}, {args.num_prompts} x {args.prompt_len} -> {args.output_len}, greedy; "
-          f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    print(
+        f"\n{args.shape}, {dname}, {args.num_prompts} x {args.prompt_len} -> {args.output_len}, greedy; "
+        f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    )
     print(f"{'engine':<24} {'batch tok/s':>12} {'batch-1 ms/token':>18}")
     for name, tps, ms in rows:
         print(f"{name:<24} {tps:>12.1f} {ms:>18.1f}")
     if len(rows) == 2:
-        print(f"{'ratio (tianmen / hf)':<24} {rows[0][1] / rows[1][1]:>11.2f}x {rows[1][2] / rows[0][2]:>17.2f}x faster")
+        print(
+            f"{'ratio (tianmen / hf)':<24} {rows[0][1] / rows[1][1]:>11.2f}x {rows[1][2] / rows[0][2]:>17.2f}x faster"
+        )
 
 
 if __name__ == "__main__":

@@ -14,7 +14,11 @@ def model_max_len(config: EngineConfig, hf_config: dict) -> int:
     limit = config.max_model_len
     for key in ("max_position_embeddings", "sliding_window"):
         value = hf_config.get(key)
-        if isinstance(value, int) and value > 0 and (key != "sliding_window" or hf_config.get("use_sliding_window", True)):
+        if (
+            isinstance(value, int)
+            and value > 0
+            and (key != "sliding_window" or hf_config.get("use_sliding_window", True))
+        ):
             limit = min(limit, value)
     return limit
 

@@ -14,8 +14,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import gguf
 import numpy as np
 import torch
+from gguf import GGUFReader, GGUFValueType, ReaderField, ReaderTensor
 from safetensors.torch import save_file
 
 from engine.errors import ModelLoadError
@@ -54,10 +56,8 @@ def import_gguf(
     Quantized tensors are dequantized and stored as `dtype`. `progress(done, total)` is called per tensor.
     Raises ModelLoadError for a non-Llama architecture, an unknown tensor or an unsupported tensor type.
     """
-    import gguf  # dev/optional dependency: only the importer needs it
-
-    reader = gguf.GGUFReader(str(gguf_path))
-    meta = {name: _field_value(field, gguf.GGUFValueType) for name, field in reader.fields.items()}
+    reader = GGUFReader(str(gguf_path))
+    meta = {name: _field_value(field) for name, field in reader.fields.items()}
     arch = meta.get("general.architecture")
     if arch != "llama":
         raise ModelLoadError(f"{gguf_path}: GGUF architecture {arch!r} is not supported, only 'llama'")
@@ -68,9 +68,9 @@ def import_gguf(
     config = _config(meta, tensors, dtype)
     names = {name: _hf_name(name, gguf_path) for name in tensors if not _SKIPPED.fullmatch(name)}
     for name in names:
-        _check_dequantizable(tensors[name], gguf)
+        _check_dequantizable(tensors[name])
     if "rope_freqs.weight" in tensors:
-        config["rope_scaling"] = _llama3_rope_scaling(_dequantize(tensors["rope_freqs.weight"], gguf), config)
+        config["rope_scaling"] = _llama3_rope_scaling(_dequantize(tensors["rope_freqs.weight"]), config)
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -86,7 +86,7 @@ def import_gguf(
     for shard, file in zip(shards, files):
         state: dict[str, torch.Tensor] = {}
         for name in shard:
-            weight = torch.from_numpy(_dequantize(tensors[name], gguf))
+            weight = torch.from_numpy(_dequantize(tensors[name]))
             kind = name.split(".")[2] if name.startswith("blk.") else ""
             if kind in heads:
                 weight = _unpermute(weight, heads[kind])
@@ -123,16 +123,16 @@ def find_demo_gguf() -> Path | None:
     return None
 
 
-def _field_value(field: Any, value_type: Any) -> Any:
-    def scalar(part: np.ndarray, kind: Any) -> Any:
-        return bytes(part).decode("utf-8") if kind == value_type.STRING else part.tolist()[0]
+def _field_value(field: ReaderField) -> Any:
+    def scalar(part: np.ndarray, kind: GGUFValueType) -> Any:
+        return bytes(part).decode("utf-8") if kind == GGUFValueType.STRING else part.tolist()[0]
 
-    if field.types[0] == value_type.ARRAY:
+    if field.types[0] == GGUFValueType.ARRAY:
         return [scalar(field.parts[i], field.types[-1]) for i in field.data]
     return scalar(field.parts[field.data[0]], field.types[0])
 
 
-def _config(meta: dict[str, Any], tensors: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
+def _config(meta: dict[str, Any], tensors: dict[str, ReaderTensor], dtype: torch.dtype) -> dict[str, Any]:
     def key(name: str, default: Any = None) -> Any:
         value = meta.get(f"llama.{name}", default)
         if value is None:
@@ -181,7 +181,7 @@ def _hf_name(name: str, path: str | Path) -> str:
     raise ModelLoadError(f"{path}: tensor {name!r} has no Llama equivalent")
 
 
-def _check_dequantizable(tensor: Any, gguf: Any) -> None:
+def _check_dequantizable(tensor: ReaderTensor) -> None:
     qtype = tensor.tensor_type
     try:
         _, type_size = gguf.GGML_QUANT_SIZES[qtype]
@@ -190,7 +190,7 @@ def _check_dequantizable(tensor: Any, gguf: Any) -> None:
         raise ModelLoadError(f"tensor {tensor.name!r} has type {qtype.name}, which gguf cannot dequantize") from e
 
 
-def _dequantize(tensor: Any, gguf: Any) -> np.ndarray:
+def _dequantize(tensor: ReaderTensor) -> np.ndarray:
     # GGUF shapes are ggml order (innermost first); numpy wants them reversed
     shape = tuple(int(d) for d in reversed(tensor.shape))
     values = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False).reshape(shape)

@@ -70,7 +70,9 @@ def build_tokenizer(meta: Mapping[str, Any]) -> Tokenizer:
     kind = meta.get("tokenizer.ggml.model")
     tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
     token_types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [])
-    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]] if "tokenizer.ggml.merges" in meta else None
+    merges = (
+        [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]] if "tokenizer.ggml.merges" in meta else None
+    )
     if kind == "gpt2":
         tokenizer = _byte_level(tokens, merges or [], meta.get("tokenizer.ggml.pre"))
     elif kind == "llama":
@@ -124,7 +126,14 @@ def _byte_level(tokens: list[str], merges: list[tuple[str, ...]], pre: str | Non
         t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")): i for i, t in enumerate(tokens)
     }
     tokenizer = Tokenizer(
-        BPE(vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False)
+        BPE(
+            vocab=vocab,
+            merges=merges,
+            dropout=None,
+            continuing_subword_prefix="",
+            end_of_word_suffix="",
+            fuse_unk=False,
+        )
     )
     split = PRE_TOKENIZER_SPLITS.get(pre or "")
     if split is None:
@@ -163,7 +172,9 @@ def _merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list
     # (transformers' `generate_merges`, including its tie-breaking, so ids match)
     ranked: list[tuple[str, str, float]] = []
     for piece, score in scores.items():
-        local = [(piece[:i], piece[i:], score) for i in range(1, len(piece)) if piece[:i] in vocab and piece[i:] in vocab]
+        local = [
+            (piece[:i], piece[i:], score) for i in range(1, len(piece)) if piece[:i] in vocab and piece[i:] in vocab
+        ]
         ranked.extend(sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]])))
     ranked.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
     return [(left, right) for left, right, _ in ranked]

@@ -45,9 +45,7 @@ class LLM:
             self.core.add_request(req)
             processor.add(req.req_id, ids, p)
             req_ids.append(req.req_id)
-        results: dict[str, Completion] = {
-            r: Completion("", [], "", Usage(0, 0)) for r in req_ids
-        }
+        results: dict[str, Completion] = {r: Completion("", [], "", Usage(0, 0)) for r in req_ids}
         while self.core.has_unfinished():
             deltas, stopped = processor.process(self.core.step())
             for req_id, stop in stopped:

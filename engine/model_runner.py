@@ -58,7 +58,8 @@ class ModelRunner:
         if num_blocks < need_one:
             raise ConfigError(
                 f"kv_cache_bytes={budget} holds {num_blocks} blocks of {per_block} bytes, fewer than one "
-                f"max_model_len={max_model_len} sequence needs ({need_one}); raise kv_cache_bytes or lower max_model_len"
+                f"max_model_len={max_model_len} sequence needs ({need_one}); "
+                "raise kv_cache_bytes or lower max_model_len"
             )
         return num_blocks
 
@@ -106,9 +107,7 @@ class ModelRunner:
             self.generators[req_id] = gen
         return gen
 
-    def _prepare(
-        self, sched: SchedulerOutput
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionContext, torch.Tensor]:
+    def _prepare(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionContext, torch.Tensor]:
         bs, dev = self.block_size, self.device
         input_ids: list[int] = []
         positions: list[int] = []
@@ -137,7 +136,9 @@ class ModelRunner:
         if sched.num_decodes:
             decodes = sched.seqs[: sched.num_decodes]
             width = max(len(s.block_ids) for s in decodes)
-            tables = torch.tensor([s.block_ids + [self.pad_block] * (width - len(s.block_ids)) for s in decodes], device=dev)
+            tables = torch.tensor(
+                [s.block_ids + [self.pad_block] * (width - len(s.block_ids)) for s in decodes], device=dev
+            )
             ctx_lens = torch.tensor([s.start + 1 for s in decodes], device=dev)
             dmask = (torch.arange(width * bs, device=dev) < ctx_lens.unsqueeze(1)).view(len(decodes), 1, 1, -1)
         ctx = AttentionContext(

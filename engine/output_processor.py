@@ -41,5 +41,7 @@ class OutputProcessor:
                     stop_reason = out.new_token_ids[-1]  # EOS or a stop token id
             if finish is not None:
                 del self.detok[out.req_id]
-            deltas.append(RequestOutput(out.req_id, out.new_token_ids, text, finish, out.usage, out.logprobs, stop_reason))
+            deltas.append(
+                RequestOutput(out.req_id, out.new_token_ids, text, finish, out.usage, out.logprobs, stop_reason)
+            )
         return deltas, stopped

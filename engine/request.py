@@ -84,12 +84,10 @@ class Request:
     def check_stop(self) -> bool:
         """After a new token: decide whether it ends the request (EOS, stop token, length)."""
         token = self.output_token_ids[-1]
-        if not self.params.ignore_eos and token in self.eos_token_ids:
+        if (not self.params.ignore_eos and token in self.eos_token_ids) or token in self.params.stop_token_ids:
             self.finish_reason, self.stop_reason = "stop", token
-        elif token in self.params.stop_token_ids:
-            self.finish_reason, self.stop_reason = "stop", token
-        elif self.num_output_tokens >= self.params.max_tokens:
-            self.finish_reason = "length"
-        elif self.max_len is not None and self.num_tokens >= self.max_len:
+        elif self.num_output_tokens >= self.params.max_tokens or (
+            self.max_len is not None and self.num_tokens >= self.max_len
+        ):
             self.finish_reason = "length"
         return self.finish_reason is not None

@@ -23,9 +23,7 @@ class Sampler:
         prompt_ids: Sequence[Sequence[int]] = (),
         output_ids: Sequence[Sequence[int]] = (),
     ) -> tuple[list[int], list[Logprob] | None]:
-        raw_logprobs = (
-            torch.log_softmax(logits, dim=-1) if any(p.logprobs is not None for p in params) else None
-        )
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(p.logprobs is not None for p in params) else None
         if any(p.has_penalties for p in params):
             logits = apply_penalties(logits.clone(), params, prompt_ids, output_ids)
         if all(p.greedy for p in params):

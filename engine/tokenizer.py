@@ -254,7 +254,7 @@ def _plain(value: Any) -> Any:
 
 class _GenerationTag(jinja2.ext.Extension):
     # `{% generation %}` marks assistant spans for training masks; for inference the body renders as-is
-    tags = {"generation"}  # noqa: RUF012 (jinja2's declared type)
+    tags = {"generation"}
 
     def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
         lineno = next(parser.stream).lineno
@@ -276,7 +276,8 @@ class _TemplateDict:
 
 class _TemplateNamespace(jinja2.utils.Namespace):
     # namespaces reject underscore names, which would reach CPython internals
-    def __init__(*args: Any, **kwargs: Any) -> None:  # noqa: N805 (jinja2's Namespace signature)
+    def __init__(*args: Any, **kwargs: Any) -> None:
+        # `self` taken from *args, as jinja2's Namespace does, so that `namespace(self=...)` still works
         self, args = args[0], args[1:]
         attrs = dict(*args, **kwargs)
         for name in attrs:

@@ -51,7 +51,12 @@ class PagedAttention(nn.Module):
         gqa = self.num_heads != kv
         if p.block_ids is None:  # nothing before this chunk: attend to the fresh K/V
             out = F.scaled_dot_product_attention(
-                q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=self.scale, enable_gqa=gqa
+                q.transpose(0, 1),
+                k.transpose(0, 1),
+                v.transpose(0, 1),
+                is_causal=True,
+                scale=self.scale,
+                enable_gqa=gqa,
             )
         else:  # earlier tokens (prefix-cache hits or earlier chunks) live in the cache
             n = p.context_len

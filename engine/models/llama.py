@@ -54,7 +54,9 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
         self.q_size, self.kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-        self.qkv_proj = MergedLinear(a.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}, a.qkv_bias)
+        self.qkv_proj = MergedLinear(
+            a.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}, a.qkv_bias
+        )
         self.o_proj = Linear(self.q_size, a.hidden_size)
         self.attn = PagedAttention(a.num_heads, a.num_kv_heads, a.head_dim, a.head_dim**-0.5)
 

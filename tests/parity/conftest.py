@@ -22,9 +22,17 @@ def build_llama(path: Path, **over: object) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = dict(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=False,
-        bos_token_id=1, eos_token_id=2,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
     )
     cfg.update(over)
     torch.manual_seed(0)
@@ -35,8 +43,16 @@ def build_qwen2(path: Path) -> Path:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     cfg = Qwen2Config(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=1, max_position_embeddings=512, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
     )
     torch.manual_seed(1)
     model = Qwen2ForCausalLM(cfg).float()
@@ -51,8 +67,16 @@ def build_mistral(path: Path) -> Path:
     from transformers import MistralConfig, MistralForCausalLM
 
     cfg = MistralConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=8,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, sliding_window=None, bos_token_id=1,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        sliding_window=None,
+        bos_token_id=1,
         eos_token_id=2,
     )
     torch.manual_seed(2)
@@ -83,7 +107,11 @@ def hf_model(cache: dict[Path, torch.nn.Module], path: Path) -> torch.nn.Module:
 def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
     with torch.no_grad():
         out = model.generate(
-            torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None,
+            torch.tensor([prompt]),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
             pad_token_id=0,
         )
     return out[0, len(prompt) :].tolist()
@@ -95,8 +123,13 @@ def make_core(path: Path, **over: object) -> EngineCore:
     return EngineCore(EngineConfig(**cfg))  # type: ignore[arg-type]
 
 
-def run_core(core: EngineCore, prompts: dict[str, list[int]], n: int, arrivals: dict[int, list[str]] | None = None,
-             salt: str | None = None) -> dict[str, list[int]]:
+def run_core(
+    core: EngineCore,
+    prompts: dict[str, list[int]],
+    n: int,
+    arrivals: dict[int, list[str]] | None = None,
+    salt: str | None = None,
+) -> dict[str, list[int]]:
     """Run to completion; `arrivals` maps a step number to request ids added at that step (others at step 0)."""
     arrivals = arrivals or {0: list(prompts)}
     tokens: dict[str, list[int]] = {r: [] for r in prompts}

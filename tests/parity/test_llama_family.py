@@ -16,7 +16,9 @@ NEW_TOKENS = 32
 def _prompts(n: int = 8, seed: int = 0, prefix: list[int] | None = None) -> dict[str, list[int]]:
     rng = random.Random(seed)
     lengths = [3, 17, 33, 8, 64, 1, 40, 25][:n]
-    return {f"r{i}": (prefix or []) + [rng.randrange(3, VOCAB) for _ in range(length)] for i, length in enumerate(lengths)}
+    return {
+        f"r{i}": (prefix or []) + [rng.randrange(3, VOCAB) for _ in range(length)] for i, length in enumerate(lengths)
+    }
 
 
 def _expected(hf: dict, path: Path, prompts: dict[str, list[int]]) -> dict[str, list[int]]:

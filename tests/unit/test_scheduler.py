@@ -6,12 +6,18 @@ from engine.block_manager import BlockManager
 from engine.errors import EngineOverloadedError, InvalidRequestError
 from engine.outputs import ModelOutput, SchedulerOutput
 from engine.params import SamplingParams
-from engine.scheduler import Scheduler
 from engine.request import Request
+from engine.scheduler import Scheduler
 
 
-def make(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 4, budget: int = 32, max_len: int = 64,
-         max_waiting: int = 100) -> Scheduler:
+def make(
+    num_blocks: int = 64,
+    block_size: int = 4,
+    max_num_seqs: int = 4,
+    budget: int = 32,
+    max_len: int = 64,
+    max_waiting: int = 100,
+) -> Scheduler:
     return Scheduler(BlockManager(num_blocks, block_size), max_num_seqs, budget, max_len, max_waiting, vocab_size=1000)
 
 

@@ -46,7 +46,8 @@ CHATML_TEMPLATE = r"""{%- if tools %}
     {%- endif %}
 {%- endif %}
 {%- for message in messages %}
-    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first)
+        or (message.role == "assistant" and not message.tool_calls) %}
         {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}
     {%- elif message.role == "assistant" %}
         {{- '<|im_start|>' + message.role }}
@@ -253,7 +254,7 @@ BUILDERS = {"chatml": build_chatml, "llama3": build_llama3, "llama2": build_llam
 @pytest.fixture(scope="module", params=list(BUILDERS))
 def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Tokenizer, Any]:
     """(ours, transformers') loaded from the same model directory."""
-    path = BUILDERS[request.param](tmp_path_factory.getbasetemp() / request.param)
+    path = BUILDERS[request.param](tmp_path_factory.getbasetemp() / f"tokenizer-{request.param}")
     return Tokenizer.from_dir(path), PreTrainedTokenizerFast.from_pretrained(str(path))
 
 
@@ -354,7 +355,7 @@ def test_bos_in_template_is_not_doubled(llama3_dir: Path) -> None:
 
 
 def test_smollm2_real_template(tmp_path_factory: pytest.TempPathFactory) -> None:
-    ours = Tokenizer.from_dir(build_smollm2(tmp_path_factory.getbasetemp() / "smollm2"))
+    ours = Tokenizer.from_dir(build_smollm2(tmp_path_factory.getbasetemp() / "tokenizer-smollm2"))
     text = ours.apply_chat_template([{"role": "user", "content": "Hi"}])
     assert text == (
         "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
@@ -505,3 +506,38 @@ def test_template_helpers(tmp_path: Path) -> None:
     tok = Tokenizer.from_dir(write_model_dir(tmp_path, train_byte_level(["<unk>"]), config))
     text = tok.apply_chat_template(CONVERSATIONS["multi_turn"], custom="C")
     assert text == '4|{"a": 1}|{\n "k": "猫"\n}|4|And 3+3?|<unk>|C'
+
+
+def test_block_whitespace_matches_transformers(tmp_path: Path) -> None:
+    template = (
+        "{% for message in messages %}\n"
+        "    {% if message.role == 'user' %}\n"
+        "User: {{ message.content }}\n"
+        "    {% else %}\n"
+        "Bot: {{ message.content }}\n"
+        "    {% endif %}\n"
+        "{% endfor %}\n"
+        "{% if add_generation_prompt %}Bot:{% endif %}"
+    )
+    path = write_model_dir(tmp_path, train_byte_level([]), {"chat_template": template})
+    ours, hf = Tokenizer.from_dir(path), PreTrainedTokenizerFast.from_pretrained(str(path))
+    messages = CONVERSATIONS["multi_turn"][1:]
+    text = ours.apply_chat_template(messages)
+    assert text == hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert text == "User: What is 2+2?\nBot: 4.\nUser: And 3+3?\nBot:"
+
+
+def test_message_normalization_matches_transformers(tmp_path: Path) -> None:
+    template = (
+        "{% for m in messages %}{{ m.name | default('anon') }}:{{ m.content }}"
+        "[{{ m.reasoning_content }}|{{ m.thinking }}]{% endfor %}"
+    )
+    path = write_model_dir(tmp_path, train_byte_level([]), {"chat_template": template})
+    ours, hf = Tokenizer.from_dir(path), PreTrainedTokenizerFast.from_pretrained(str(path))
+    messages = [
+        {"role": "user", "content": "x", "name": None},  # None values are dropped, not rendered as "None"
+        {"role": "assistant", "content": "y", "reasoning": "because"},  # aliased to reasoning_content/thinking
+    ]
+    text = ours.apply_chat_template(messages)
+    assert text == hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert text == "anon:x[|]anon:y[because|because]"

@@ -1,0 +1,67 @@
+"""create_app(deps) → Starlette: the routes, the middleware stack and the lifespan that owns resources."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.routing import Route
+
+from gateway import routes
+from gateway.errors import APIError, api_error_handler, http_exception_handler, unhandled_error_handler
+from gateway.middleware import AuditHook, Auth, BodyLimit, RequestContext
+from security.jwt import TokenVerifier
+
+
+@dataclass
+class Deps:
+    """Everything the app needs, built by gateway.server (or a test) and passed in."""
+
+    engine: Any  # engine.AsyncEngine, or a test double with the same surface
+    verifier: TokenVerifier
+    max_body_bytes: int = 1 << 20
+    required_scope: str | None = None
+    on_complete: AuditHook | None = None
+    startup: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+    shutdown: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+    started: int = field(default_factory=lambda: int(time.time()))
+
+
+def create_app(deps: Deps) -> Starlette:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
+        for start in deps.startup:
+            await start()
+        try:
+            yield {"deps": deps}
+        finally:
+            for stop in reversed(deps.shutdown):
+                await stop()
+
+    return Starlette(
+        routes=[
+            Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
+            Route("/v1/completions", routes.completions, methods=["POST"]),
+            Route("/v1/models", routes.models, methods=["GET"]),
+            Route("/health", routes.health, methods=["GET"]),
+            Route("/ready", routes.ready, methods=["GET"]),
+            Route("/openapi.json", routes.openapi, methods=["GET"]),
+        ],
+        middleware=[
+            Middleware(RequestContext, on_complete=deps.on_complete),
+            Middleware(BodyLimit, max_bytes=deps.max_body_bytes),
+            Middleware(Auth, verifier=deps.verifier, required_scope=deps.required_scope),
+        ],
+        exception_handlers={
+            APIError: api_error_handler,
+            HTTPException: http_exception_handler,
+            Exception: unhandled_error_handler,
+        },
+        lifespan=lifespan,
+    )

@@ -1,0 +1,74 @@
+"""OpenAI-shaped errors: {"error": {"message", "type", "param", "code"}} with the right status, never a traceback."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+log = logging.getLogger("tianmen.gateway")
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    """Raised anywhere below the routes; turned into an OpenAI-shaped response by the handler."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers or {}
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": _TYPES.get(status, "server_error"), "param": param, "code": code}}
+
+
+def error_response(
+    status: int, message: str, param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+
+
+async def api_error_handler(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, APIError)
+    return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
+
+
+async def http_exception_handler(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        return error_response(404, f"no route {request.method} {request.url.path}", code="not_found")
+    if exc.status_code == 405:
+        return error_response(
+            405,
+            f"method {request.method} is not allowed on {request.url.path}",
+            code="method_not_allowed",
+            headers=dict(exc.headers or {}),
+        )
+    return error_response(exc.status_code, str(exc.detail), headers=dict(exc.headers or {}))
+
+
+async def unhandled_error_handler(request: Request, exc: Exception) -> Response:
+    log.error("internal error on %s %s: %s", request.method, request.url.path, type(exc).__name__, exc_info=exc)
+    return error_response(500, "internal server error; the request id in x-request-id identifies it in the logs")

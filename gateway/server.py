@@ -1,0 +1,129 @@
+"""The composition root: settings → engine, verifier, TLS, app → uvicorn."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+
+import uvicorn
+
+from engine import AsyncEngine, EngineConfig
+from gateway.app import Deps, create_app
+from gateway.demo import ensure_demo_model
+from gateway.settings import Settings, SettingsError
+from gateway.tls_protocol import http_protocol_class
+from security.devpki import DevPKI, ensure_dev_pki
+from security.jwt import JWTConfig, JWTVerifier
+from security.tls import TLSConfig, uvicorn_ssl_kwargs
+
+log = logging.getLogger("tianmen.gateway")
+
+DEV_ISSUER, DEV_AUDIENCE = "tianmen-dev", "tianmen"
+
+
+def build_engine(settings: Settings) -> AsyncEngine:
+    fields = asdict(settings.engine)
+    model = fields.pop("model") or ensure_demo_model(settings.home)
+    return AsyncEngine.from_config(EngineConfig(model=model, **fields))
+
+
+def build_verifier(settings: Settings, pki: DevPKI | None) -> JWTVerifier:
+    a = settings.auth
+    common = dict(
+        leeway_s=a.leeway_s,
+        tenant_claim=a.tenant_claim,
+        scope_claim=a.scope_claim,
+        models_claim=a.models_claim,
+        tier_claim=a.tier_claim,
+        default_tenant=a.default_tenant,
+    )
+    try:
+        if a.external:
+            secret = a.hs256_secret_file.read_bytes().strip() if a.hs256_secret_file else None
+            return JWTVerifier(
+                JWTConfig(
+                    jwks_file=a.jwks_file,
+                    jwks_url=a.jwks_url,
+                    hs256_secret=secret,
+                    issuer=a.issuer,
+                    audience=a.audience,
+                    **common,
+                )
+            )  # type: ignore[arg-type]
+        assert pki is not None
+        return JWTVerifier(
+            JWTConfig(jwks_file=pki.jwks, issuer=a.issuer or DEV_ISSUER, audience=a.audience or DEV_AUDIENCE, **common)
+        )  # type: ignore[arg-type]
+    except (OSError, ValueError) as e:
+        raise SettingsError(f"auth: {e}") from None
+
+
+def tls_config(settings: Settings, pki: DevPKI | None) -> TLSConfig:
+    s = settings.server
+    if s.tls_cert is not None and s.tls_key is not None:
+        cert, key = s.tls_cert, s.tls_key
+    else:
+        assert pki is not None
+        cert, key = pki.server_cert, pki.server_key
+    try:
+        return TLSConfig(certfile=Path(cert), keyfile=Path(key), client_ca=s.client_ca)
+    except ValueError as e:
+        raise SettingsError(f"server: {e}") from None
+
+
+def needs_dev_pki(settings: Settings) -> bool:
+    return not settings.auth.external or settings.server.tls_cert is None
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server, calling `on_ready` once the socket listens."""
+
+    def __init__(self, config: uvicorn.Config, on_ready: Callable[[], None] | None) -> None:
+        super().__init__(config)
+        self.on_ready = on_ready
+
+    async def startup(self, sockets: list | None = None) -> None:  # type: ignore[override]
+        await super().startup(sockets)
+        if self.started and self.on_ready is not None:
+            self.on_ready()
+
+
+def build_app_and_config(settings: Settings) -> tuple[uvicorn.Config, AsyncEngine]:
+    pki = ensure_dev_pki(settings.home) if needs_dev_pki(settings) else None
+    verifier = build_verifier(settings, pki)
+    ssl_kwargs = {} if settings.server.insecure_http else uvicorn_ssl_kwargs(tls_config(settings, pki))
+    engine = build_engine(settings)
+    deps = Deps(
+        engine=engine,
+        verifier=verifier,
+        max_body_bytes=settings.server.max_body_bytes,
+        required_scope=settings.auth.required_scope,
+        shutdown=[engine.shutdown],
+    )
+    config = uvicorn.Config(
+        create_app(deps),
+        host=settings.server.host,
+        port=settings.server.port,
+        http=http_protocol_class(),
+        ws="none",
+        lifespan="on",
+        log_level=settings.server.log_level,
+        server_header=False,
+        **ssl_kwargs,
+    )
+    return config, engine
+
+
+def serve(settings: Settings, on_ready: Callable[[], None] | None = None) -> None:
+    logging.basicConfig(
+        level=settings.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if settings.server.insecure_http:
+        log.warning(
+            "SERVING PLAIN HTTP (--insecure-http): tokens and prompts cross the network unencrypted; "
+            "never use this outside a development machine"
+        )
+    config, _ = build_app_and_config(settings)
+    Server(config, on_ready).run()

@@ -1,0 +1,177 @@
+"""Settings: one TOML file plus TIANMEN_* environment overrides, read once and validated.
+
+`TIANMEN_<SECTION>_<KEY>` overrides `[section] key` (e.g. TIANMEN_SERVER_PORT=9443); `TIANMEN_HOME`
+overrides `home`. This is the only module that reads os.environ.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class SettingsError(ValueError):
+    """A setting is missing or invalid; the message names it."""
+
+
+@dataclass
+class ServerSettings:
+    host: str = "127.0.0.1"
+    port: int = 8443
+    insecure_http: bool = False  # dev only: plain HTTP, logged loudly at every start
+    tls_cert: Path | None = None  # None: the dev certificate under home/pki
+    tls_key: Path | None = None
+    client_ca: Path | None = None  # set: mTLS
+    max_body_bytes: int = 1 << 20
+    max_concurrent_streams: int = 256
+    log_level: str = "info"
+
+
+@dataclass
+class AuthSettings:
+    jwks_file: Path | None = None  # None (and no jwks_url): the dev key set under home/pki
+    jwks_url: str | None = None
+    hs256_secret_file: Path | None = None
+    issuer: str | None = None
+    audience: str | None = None
+    leeway_s: int = 30
+    tenant_claim: str = "tenant"
+    scope_claim: str = "scope"
+    models_claim: str = "models"
+    tier_claim: str = "tier"
+    default_tenant: str | None = None
+    required_scope: str | None = None  # e.g. "inference": a token without it gets 403
+    admin_scope: str = "admin"
+
+    @property
+    def external(self) -> bool:
+        return self.jwks_file is not None or self.jwks_url is not None or self.hs256_secret_file is not None
+
+
+@dataclass
+class EngineSettings:
+    model: Path | None = None  # None: the demo model, imported into home/models on first run
+    served_model_name: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 4096
+    max_model_len: int = 2048
+    block_size: int = 16
+    kv_cache_bytes: int | None = None
+    enable_prefix_caching: bool = True
+    max_waiting: int = 1024
+    num_threads: int | None = None
+    seed: int = 0
+
+
+@dataclass
+class Settings:
+    home: Path = Path(".tianmen")
+    server: ServerSettings = field(default_factory=ServerSettings)
+    auth: AuthSettings = field(default_factory=AuthSettings)
+    engine: EngineSettings = field(default_factory=EngineSettings)
+
+    @property
+    def pki_dir(self) -> Path:
+        return self.home / "pki"
+
+
+SECTIONS = {f.name: f.type for f in dataclasses.fields(Settings) if f.name != "home"}
+
+
+def load_settings(config_file: Path | None = None, environ: Mapping[str, str] | None = None) -> Settings:
+    environ = os.environ if environ is None else environ
+    raw: dict[str, Any] = {}
+    if config_file is not None:
+        try:
+            raw = tomllib.loads(Path(config_file).read_text())
+        except FileNotFoundError:
+            raise SettingsError(f"config file {config_file} does not exist") from None
+        except tomllib.TOMLDecodeError as e:
+            raise SettingsError(f"config file {config_file}: {e}") from None
+    hints = typing.get_type_hints(Settings)
+    settings = Settings()
+    for key in raw:
+        if key != "home" and key not in SECTIONS:
+            raise SettingsError(f"unknown setting {key!r} in {config_file}; known: home, {', '.join(SECTIONS)}")
+    home = environ.get("TIANMEN_HOME", raw.get("home"))
+    if home is not None:
+        settings.home = _cast("home", home, Path)
+    for section in SECTIONS:
+        values = raw.get(section, {})
+        if not isinstance(values, dict):
+            raise SettingsError(f"[{section}] must be a table")
+        target = getattr(settings, section)
+        fields = typing.get_type_hints(hints[section])
+        for key, value in values.items():
+            if key not in fields:
+                raise SettingsError(f"unknown setting {section}.{key}; known: {', '.join(fields)}")
+            setattr(target, key, _cast(f"{section}.{key}", value, fields[key]))
+        prefix = f"TIANMEN_{section.upper()}_"
+        for env_key, value in environ.items():
+            if env_key.startswith(prefix):
+                key = env_key[len(prefix) :].lower()
+                if key not in fields:
+                    raise SettingsError(f"unknown setting {env_key} (no {section}.{key}); known: {', '.join(fields)}")
+                setattr(target, key, _cast(env_key, value, fields[key]))
+    _validate(settings)
+    return settings
+
+
+def _cast(name: str, value: Any, typ: Any) -> Any:
+    """Cast a TOML value or an environment string to the field's type, or fail naming the setting."""
+    args = typing.get_args(typ)
+    if typing.get_origin(typ) in (typing.Union, types.UnionType):
+        if value is None or (isinstance(value, str) and value.lower() in ("", "none", "null")):
+            return None
+        return _cast(name, value, next(a for a in args if a is not type(None)))
+    try:
+        if typ is bool:
+            if isinstance(value, bool):
+                return value
+            if str(value).lower() in ("1", "true", "yes", "on"):
+                return True
+            if str(value).lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if typ is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            return int(value)
+        if typ is float:
+            return float(value)
+        if typ is Path:
+            return Path(str(value)).expanduser()
+        if typ is str:
+            if not isinstance(value, (str, int, float)):
+                raise ValueError
+            return str(value)
+    except (TypeError, ValueError):
+        raise SettingsError(f"{name}: expected {getattr(typ, '__name__', typ)}, got {value!r}") from None
+    raise SettingsError(f"{name}: unsupported setting type {typ}")
+
+
+def _validate(s: Settings) -> None:
+    if not 0 < s.server.port < 65536:
+        raise SettingsError(f"server.port must be in 1..65535, got {s.server.port}")
+    if (s.server.tls_cert is None) != (s.server.tls_key is None):
+        raise SettingsError("server.tls_cert and server.tls_key go together: set both or neither")
+    if s.server.max_body_bytes < 1024:
+        raise SettingsError(f"server.max_body_bytes must be >= 1024, got {s.server.max_body_bytes}")
+    if s.auth.jwks_file is not None and s.auth.jwks_url is not None:
+        raise SettingsError("auth.jwks_file and auth.jwks_url are exclusive: set one")
+    if s.server.log_level not in ("critical", "error", "warning", "info", "debug"):
+        raise SettingsError(f"server.log_level must be critical|error|warning|info|debug, got {s.server.log_level!r}")

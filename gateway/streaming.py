@@ -1,0 +1,168 @@
+"""Engine deltas → OpenAI response bodies and SSE chunks (chat.completion[.chunk], text_completion)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine import Logprob, RequestOutput, Usage
+
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+def finish_reason(reason: str | None) -> str | None:
+    return None if reason is None else ("length" if reason == "length" else "stop")
+
+
+def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+@dataclass
+class Choice:
+    text: str = ""
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    logprobs: list[Logprob] = field(default_factory=list)
+    started: bool = False
+
+
+class ResponseBuilder:
+    """Accumulates the deltas of n choices and renders chunks or the final body for one endpoint."""
+
+    def __init__(self, chat: bool, req_id: str, model: str, n: int, token_text: Callable[[int], str]) -> None:
+        self.chat, self.id, self.model = chat, req_id, model
+        self.created = int(time.time())
+        self.choices = [Choice() for _ in range(n)]
+        self.token_text = token_text
+        self.object = "chat.completion" if chat else "text_completion"
+
+    def add(self, index: int, out: RequestOutput) -> Choice:
+        c = self.choices[index]
+        c.text += out.new_text
+        c.logprobs.extend(out.logprobs or [])
+        if out.usage is not None:
+            c.usage = out.usage
+        if out.finish_reason is not None:
+            c.finish_reason = finish_reason(out.finish_reason)
+        return c
+
+    def usage(self) -> dict[str, Any]:
+        usages = [c.usage for c in self.choices if c.usage is not None]
+        if not usages:
+            return usage_body(0, 0, 0)
+        return usage_body(usages[0].prompt_tokens, sum(u.completion_tokens for u in usages), usages[0].cached_tokens)
+
+    # ---- logprobs ----------------------------------------------------------------------------------
+    def _chat_logprobs(self, lps: list[Logprob]) -> dict[str, Any]:
+        def entry(token_id: int, lp: float) -> dict[str, Any]:
+            text = self.token_text(token_id)
+            return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+
+        return {
+            "content": [entry(x.token_id, x.logprob) | {"top_logprobs": [entry(t, v) for t, v in x.top]} for x in lps],
+            "refusal": None,
+        }
+
+    def _text_logprobs(self, lps: list[Logprob], offset: int) -> dict[str, Any]:
+        tokens = [self.token_text(x.token_id) for x in lps]
+        offsets, pos = [], offset
+        for t in tokens:
+            offsets.append(pos)
+            pos += len(t)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [x.logprob for x in lps],
+            "top_logprobs": [{self.token_text(t): v for t, v in x.top} for x in lps],
+            "text_offset": offsets,
+        }
+
+    # ---- non-stream ------------------------------------------------------------------------------------
+    def body(self, want_logprobs: bool) -> dict[str, Any]:
+        choices = []
+        for i, c in enumerate(self.choices):
+            if self.chat:
+                lp = self._chat_logprobs(c.logprobs) if want_logprobs else None
+                choices.append(
+                    {
+                        "index": i,
+                        "message": {"role": "assistant", "content": c.text, "refusal": None},
+                        "logprobs": lp,
+                        "finish_reason": c.finish_reason,
+                    }
+                )
+            else:
+                lp = self._text_logprobs(c.logprobs, 0) if want_logprobs else None
+                choices.append({"index": i, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason})
+        return {
+            "id": self.id,
+            "object": self.object,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": self.usage(),
+            "system_fingerprint": None,
+        }
+
+    # ---- stream ------------------------------------------------------------------------------------------
+    def chunk(self, index: int, out: RequestOutput, want_logprobs: bool, include_usage: bool) -> bytes:
+        c = self.choices[index]
+        before = len(c.text) - len(out.new_text)
+        lps = out.logprobs or []
+        if self.chat:
+            delta: dict[str, Any] = {"content": out.new_text} if out.new_text or not c.started else {}
+            if not c.started:
+                delta = {"role": "assistant"} | delta
+            choice: dict[str, Any] = {
+                "index": index,
+                "delta": delta,
+                "logprobs": self._chat_logprobs(lps) if want_logprobs and lps else None,
+                "finish_reason": c.finish_reason if out.finished else None,
+            }
+            obj = "chat.completion.chunk"
+        else:
+            choice = {
+                "index": index,
+                "text": out.new_text,
+                "logprobs": self._text_logprobs(lps, before) if want_logprobs and lps else None,
+                "finish_reason": c.finish_reason if out.finished else None,
+            }
+            obj = "text_completion"
+        c.started = True
+        chunk: dict[str, Any] = {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": None,
+            "choices": [choice],
+        }
+        if include_usage:
+            chunk["usage"] = None
+        return sse(chunk)
+
+    def usage_chunk(self) -> bytes:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return sse(
+            {
+                "id": self.id,
+                "object": obj,
+                "created": self.created,
+                "model": self.model,
+                "system_fingerprint": None,
+                "choices": [],
+                "usage": self.usage(),
+            }
+        )
