@@ -1,9 +1,29 @@
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
+from engine.errors import ModelLoadError
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    gate, up = x.chunk(2, dim=-1)  # [T, 2I] -> [T, I]
-    return F.silu(gate) * up
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
+def act_and_mul(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The gated MLP's act(gate) * up over a merged [T, 2I] projection."""
+    if name not in _ACTIVATIONS:
+        raise ModelLoadError(f"unsupported hidden_act {name!r}; supported: {', '.join(_ACTIVATIONS)}")
+    act = _ACTIVATIONS[name]
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)  # [T, 2I] -> [T, I]
+        return act(gate) * up
+
+    return fn

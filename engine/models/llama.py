@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.layers.activation import silu_and_mul
+from engine.layers.activation import act_and_mul
 from engine.layers.attention import PagedAttention
 from engine.layers.linear import Linear, MergedLinear
 from engine.layers.norm import RMSNorm
@@ -28,6 +28,9 @@ class LlamaArgs:
     max_position: int
     rope: dict[str, Any]
     qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    hidden_act: str
     tie_word_embeddings: bool
 
     @classmethod
@@ -45,6 +48,9 @@ class LlamaArgs:
             max_position=hf.get("max_position_embeddings", 2048),
             rope=rope_parameters(hf),
             qkv_bias=hf.get("attention_bias", False) or hf.get("model_type") == "qwen2",
+            o_bias=hf.get("attention_bias", False),  # Llama's flag covers o_proj too; Qwen2 has no o_proj bias
+            mlp_bias=hf.get("mlp_bias", False),
+            hidden_act=hf.get("hidden_act", "silu"),
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
         )
 
@@ -57,7 +63,7 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = MergedLinear(
             a.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}, a.qkv_bias
         )
-        self.o_proj = Linear(self.q_size, a.hidden_size)
+        self.o_proj = Linear(self.q_size, a.hidden_size, a.o_bias)
         self.attn = PagedAttention(a.num_heads, a.num_kv_heads, a.head_dim, a.head_dim**-0.5)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -70,11 +76,13 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, a: LlamaArgs) -> None:
         super().__init__()
-        self.gate_up_proj = MergedLinear(a.hidden_size, {"gate": a.intermediate_size, "up": a.intermediate_size})
-        self.down_proj = Linear(a.intermediate_size, a.hidden_size)
+        sizes = {"gate": a.intermediate_size, "up": a.intermediate_size}
+        self.gate_up_proj = MergedLinear(a.hidden_size, sizes, a.mlp_bias)
+        self.down_proj = Linear(a.intermediate_size, a.hidden_size, a.mlp_bias)
+        self.act = act_and_mul(a.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):

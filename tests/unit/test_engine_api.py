@@ -1,0 +1,126 @@
+"""The engine's public surface on a tiny real model: typed errors, abort, stops, stats."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from engine import (
+    LLM,
+    AsyncEngine,
+    ConfigError,
+    EngineConfig,
+    InvalidRequestError,
+    ModelLoadError,
+    SamplingParams,
+)
+from tests.tiny_model import build_tiny_chat_model
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_chat_model(tmp_path_factory.mktemp("m") / "tiny")
+
+
+def cfg(path: Path, **kw: object) -> EngineConfig:
+    return EngineConfig(model=path, **{"dtype": "float32", **kw})  # type: ignore[arg-type]
+
+
+def test_bad_model_directories_raise_model_load_error(model: Path, tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        LLM(cfg(tmp_path / "nowhere"))
+    broken = tmp_path / "broken"
+    shutil.copytree(model, broken)
+    (broken / "config.json").write_text("{ not json")
+    with pytest.raises(ModelLoadError, match=r"config\.json is not valid JSON"):
+        LLM(cfg(broken))
+    (broken / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ModelLoadError, match="unsupported model architecture"):
+        LLM(cfg(broken))
+    shutil.copy(model / "config.json", broken / "config.json")
+    (broken / "model.safetensors").unlink()
+    with pytest.raises(ModelLoadError, match=r"no \*\.safetensors"):
+        LLM(cfg(broken))
+
+
+def test_bad_config_values_say_what_to_change(model: Path) -> None:
+    with pytest.raises(ConfigError, match="max_num_batched_tokens"):
+        cfg(model, max_num_seqs=64, max_num_batched_tokens=32)
+    with pytest.raises(ConfigError, match="dtype"):
+        cfg(model, dtype="int3")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="kv_cache_bytes"):
+        LLM(cfg(model, kv_cache_bytes=1024))
+
+
+def test_prompt_too_long_is_refused(model: Path) -> None:
+    llm = LLM(cfg(model, max_model_len=32))
+    with pytest.raises(InvalidRequestError, match="context length is 32"):
+        llm.generate([list(range(40))])
+
+
+def test_max_model_len_ends_generation(model: Path) -> None:
+    llm = LLM(cfg(model, max_model_len=32))
+    out = llm.generate([list(range(5, 25))], SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 12
+
+
+def test_stop_strings_end_requests_and_free_blocks(model: Path) -> None:
+    llm = LLM(cfg(model))
+    greedy = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    full = llm.generate(["Hello world"], greedy)[0]
+    stop = full.text[4:7]
+    out = llm.generate(["Hello world"], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop=[stop]))[0]
+    assert out.finish_reason == "stop" and out.text == full.text[: full.text.index(stop)]
+    assert llm.core.stats()["kv_blocks_used"] == 0
+
+
+def test_async_abort_returns_every_block(model: Path) -> None:
+    async def run() -> None:
+        engine = AsyncEngine.from_config(cfg(model))
+        try:
+            params = SamplingParams(max_tokens=10_000 // 20, temperature=0, ignore_eos=True)
+            ids = engine.tokenizer.encode("Hello world " * 10)
+            seen = 0
+            async for out in engine.generate(ids, params, "r1"):
+                seen += len(out.new_token_ids)
+                if seen >= 3:
+                    assert engine.stats()["kv_blocks_used"] > 0
+                    break  # leaving the iterator aborts the request
+            for _ in range(200):
+                if engine.stats()["kv_blocks_used"] == 0:
+                    break
+                await asyncio.sleep(0.02)
+            stats = engine.stats()
+            assert stats["kv_blocks_used"] == 0 and stats["num_running"] == 0 and stats["num_waiting"] == 0
+            # explicit abort of a running request ends its stream with finish_reason "abort"
+            outs = []
+
+            async def consume() -> None:
+                async for out in engine.generate(ids, params, "r2"):
+                    outs.append(out)
+                    if len(outs) == 2:
+                        await engine.abort("r2")
+
+            await consume()
+            assert outs[-1].finish_reason == "abort" and engine.stats()["kv_blocks_used"] == 0
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(run())
+
+
+def test_async_errors_are_typed(model: Path) -> None:
+    async def run() -> None:
+        engine = AsyncEngine.from_config(cfg(model, max_model_len=16))
+        try:
+            with pytest.raises(InvalidRequestError, match="context length"):
+                async for _ in engine.generate(list(range(5, 30)), SamplingParams(), "r"):
+                    pass
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(run())
