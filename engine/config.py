@@ -31,11 +31,11 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_bytes: int | None = None  # None: room for max_num_seqs full-length sequences, at most 4 GiB
     enable_prefix_caching: bool = True
+    # NOTE: decode batch sizes to pad to for captured (CUDA graph / torch.compile) steps; validated, not yet used
     batch_buckets: list[int] = field(default_factory=lambda: [8, 16, 32])
     max_waiting: int = 1024  # bounded queue: beyond it, submissions fail with EngineOverloadedError
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU; None keeps torch's default
-    compile: bool = False  # torch.compile the decode step per batch bucket
 
     def __post_init__(self) -> None:
         self.model = Path(self.model)

@@ -1,0 +1,135 @@
+"""Gateway overhead: the full HTTPS + JWT path against calling the engine directly, max_tokens=1.
+
+    python -m benchmarks.gateway [--requests 640] [--concurrency 32] [--model DIR]
+
+Starts `tianmen serve` in a subprocess (embedded default: dev TLS + dev JWT, the demo model unless --model)
+and drives it from this process with 32 keep-alive HTTPS clients; the direct run uses AsyncEngine in-process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from engine import AsyncEngine, EngineConfig, SamplingParams
+from security.devpki import ensure_dev_pki, mint_token
+from security.tls import client_ssl_context
+
+PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def pct(xs: list[float], p: float) -> float:
+    return statistics.quantiles(xs, n=100, method="inclusive")[int(p) - 1] if len(xs) > 1 else xs[0]
+
+
+async def drive(n: int, concurrency: int, call) -> tuple[float, list[float]]:  # type: ignore[no-untyped-def]
+    latencies: list[float] = []
+    counter = iter(range(n))
+
+    async def worker() -> None:
+        for _ in counter:
+            t = time.perf_counter()
+            await call()
+            latencies.append(time.perf_counter() - t)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return n / (time.perf_counter() - t0), latencies
+
+
+async def direct(model: Path, n: int, concurrency: int) -> tuple[float, list[float]]:
+    engine = AsyncEngine.from_config(EngineConfig(model=model, max_num_seqs=concurrency))
+    ids = engine.tokenizer.encode_chat(PROMPT)
+    params = SamplingParams(max_tokens=1, temperature=0)
+    seq = iter(range(10**9))
+
+    async def call() -> None:
+        async for _ in engine.generate(ids, params, f"d{next(seq)}"):
+            pass
+
+    await drive(concurrency, concurrency, call)  # warm-up
+    try:
+        return await drive(n, concurrency, call)
+    finally:
+        await engine.shutdown()
+
+
+async def through_gateway(
+    url: str, token: str, ca: Path, model: str, n: int, concurrency: int
+) -> tuple[float, list[float]]:
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    body = {"model": model, "messages": PROMPT, "max_tokens": 1, "temperature": 0}
+    headers = {"Authorization": f"Bearer {token}"}
+    async with httpx.AsyncClient(verify=client_ssl_context(ca), limits=limits, timeout=120) as client:
+
+        async def call() -> None:
+            r = await client.post(url + "/v1/chat/completions", json=body, headers=headers)
+            assert r.status_code == 200, r.text
+
+        await drive(concurrency, concurrency, call)  # warm-up: TLS handshakes, connection pool
+        return await drive(n, concurrency, call)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=640)
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--model", type=Path, help="model directory (default: the demo model)")
+    ap.add_argument("--port", type=int, default=18443)
+    args = ap.parse_args()
+
+    home = Path(tempfile.mkdtemp(prefix="tianmen-bench-"))
+    demo_home = Path(os.environ.get("TIANMEN_HOME", ".tianmen"))
+    if args.model is None:
+        from gateway.demo import ensure_demo_model
+
+        args.model = ensure_demo_model(demo_home)
+    pki = ensure_dev_pki(home)
+    env = {
+        **os.environ,
+        "TIANMEN_HOME": str(home),
+        "TIANMEN_SERVER_PORT": str(args.port),
+        "TIANMEN_ENGINE_MODEL": str(args.model),
+        "TIANMEN_ENGINE_MAX_NUM_SEQS": str(args.concurrency),
+        "TIANMEN_SERVER_LOG_LEVEL": "warning",
+    }
+    server = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve"], env=env)
+    url = f"https://127.0.0.1:{args.port}"
+    try:
+        for _ in range(600):
+            try:
+                if httpx.get(url + "/ready", verify=client_ssl_context(pki.ca_cert)).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        token = mint_token(pki.jwt_key, pki.kid, sub="bench", tenant="bench")
+        gw_rps, gw_lat = asyncio.run(
+            through_gateway(url, token, pki.ca_cert, args.model.name, args.requests, args.concurrency)
+        )
+    finally:
+        server.terminate()
+        server.wait(30)
+    d_rps, d_lat = asyncio.run(direct(args.model, args.requests, args.concurrency))
+
+    print(f"\n{args.requests} chat requests, max_tokens=1, {args.concurrency} concurrent, model {args.model.name}")
+    print(f"{'path':<28} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8}")
+    for name, rps, lat in (("engine direct (in-process)", d_rps, d_lat), ("HTTPS + JWT gateway", gw_rps, gw_lat)):
+        print(f"{name:<28} {rps:>8.1f} {pct(lat, 50) * 1e3:>8.1f} {pct(lat, 99) * 1e3:>8.1f}")
+    print(
+        f"{'added by the gateway':<28} {'':>8} {(pct(gw_lat, 50) - pct(d_lat, 50)) * 1e3:>8.1f} "
+        f"{(pct(gw_lat, 99) - pct(d_lat, 99)) * 1e3:>8.1f}"
+    )
+
+
+if __name__ == "__main__":
+    main()
