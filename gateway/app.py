@@ -17,6 +17,7 @@ from gateway import routes
 from gateway.errors import APIError, api_error_handler, http_exception_handler, unhandled_error_handler
 from gateway.middleware import AuditHook, Auth, BodyLimit, RequestContext
 from security.jwt import TokenVerifier
+from security.ratelimit import RateLimiter
 
 
 @dataclass
@@ -27,6 +28,8 @@ class Deps:
     verifier: TokenVerifier
     max_body_bytes: int = 1 << 20
     required_scope: str | None = None
+    limiter: RateLimiter | None = None
+    default_completion_estimate: int = 256  # tokens reserved when a request sets no max_tokens
     on_complete: AuditHook | None = None
     startup: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
     shutdown: list[Callable[[], Awaitable[None]]] = field(default_factory=list)

@@ -34,25 +34,35 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         headers: dict[str, str] | None = None,
+        error_type: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.headers = headers or {}
+        self.error_type = error_type
 
 
-def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": _TYPES.get(status, "server_error"), "param": param, "code": code}}
+def error_body(
+    status: int, message: str, param: str | None = None, code: str | None = None, error_type: str | None = None
+) -> dict[str, Any]:
+    kind = error_type or _TYPES.get(status, "server_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def error_response(
-    status: int, message: str, param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None
+    status: int,
+    message: str,
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+    error_type: str | None = None,
 ) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+    return JSONResponse(error_body(status, message, param, code, error_type), status_code=status, headers=headers)
 
 
 async def api_error_handler(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, APIError)
-    return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
+    return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers, exc.error_type)
 
 
 async def http_exception_handler(request: Request, exc: Exception) -> Response:

@@ -20,6 +20,7 @@ from engine import (
     RequestOutput,
     SamplingParams,
 )
+from gateway import admission
 from gateway.errors import APIError, error_body
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, openapi_schema, parse
 from gateway.streaming import DONE, ResponseBuilder, sse
@@ -118,16 +119,43 @@ async def _complete(request: Request, chat: bool) -> Response:
             param="max_tokens",
             code="context_length_exceeded",
         )
+    audit["prompt_text"] = (
+        json.dumps([m.model_dump(exclude_none=True) for m in body.messages], ensure_ascii=False)
+        if isinstance(body, ChatCompletionRequest)
+        else (body.prompt if isinstance(body.prompt, str) else json.dumps(body.prompt))
+    )
     n_logprobs = body.num_logprobs() if isinstance(body, ChatCompletionRequest) else body.logprobs
     params = [body.sampling_params(max_tokens, n_logprobs, i) for i in range(body.n)]
 
+    requested = body.requested_max_tokens()
+    est = len(prompt) + body.n * (requested or deps.default_completion_estimate)
+    adm = await admission.admit(deps.limiter, principal, est, audit)
+    headers = dict(adm.headers) if adm is not None else {}
+    try:
+        return await _run(request, engine, body, prompt, params, n_logprobs is not None, adm, headers)
+    finally:  # a stream settles when it ends; everything else (done, failed, cut) settles here
+        if not audit.get("settled_by_stream"):
+            await admission.settle(deps.limiter, adm, int(audit.get("total_tokens", 0)))
+
+
+async def _run(
+    request: Request,
+    engine: Any,
+    body: ChatCompletionRequest | CompletionRequest,
+    prompt: list[int],
+    params: list[SamplingParams],
+    want_lp: bool,
+    adm: Any,
+    headers: dict[str, str],
+) -> Response:
+    deps, audit = request.state.deps, request.scope["audit"]
+    chat = isinstance(body, ChatCompletionRequest)
     req_id = ("chatcmpl-" if chat else "cmpl-") + request.scope["request_id"]
     builder = ResponseBuilder(chat, req_id, engine.model_name, body.n, engine.tokenizer.token_text)
     started = time.monotonic()
-    stream = _generate(engine, prompt, params, req_id, principal.tenant)
+    stream = _generate(engine, prompt, params, req_id, request.scope["principal"].tenant)
     first = await _first(stream)
     audit["ttft_ms"] = (time.monotonic() - started) * 1e3
-    want_lp = n_logprobs is not None
 
     if body.stream:
 
@@ -153,8 +181,11 @@ async def _complete(request: Request, chat: bool) -> Response:
             finally:
                 _record(audit, builder, None if finished else "client_disconnected")
                 await stream.aclose()
+                await admission.settle(deps.limiter, adm, audit["total_tokens"])
 
-        return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        audit["settled_by_stream"] = True
+        headers["Cache-Control"] = "no-cache"
+        return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
 
     async def collect() -> None:
         item: tuple[int, RequestOutput] | None = first
@@ -163,18 +194,20 @@ async def _complete(request: Request, chat: bool) -> Response:
             item = await anext(stream, None)
 
     try:
-        if not await _until_disconnect(request, collect()):
-            _record(audit, builder, "client_disconnected")
-            return Response(status_code=499)  # nobody is listening any more; recorded for the audit trail
+        completed = await _until_disconnect(request, collect())
     finally:
         await stream.aclose()
-    _record(audit, builder, None)
-    return JSONResponse(builder.body(want_lp))
+        _record(audit, builder, None)
+    if not completed:
+        audit["finish_reason"] = "client_disconnected"
+        return Response(status_code=499)  # nobody is listening any more; recorded for the audit trail
+    return JSONResponse(builder.body(want_lp), headers=headers)
 
 
 def _record(audit: dict[str, Any], builder: ResponseBuilder, override: str | None) -> None:
     usage = builder.usage()
     audit["completion_tokens"] = usage["completion_tokens"]
+    audit["total_tokens"] = usage["total_tokens"]
     audit["cached_tokens"] = usage["prompt_tokens_details"]["cached_tokens"]
     audit["finish_reason"] = override or ",".join(sorted({c.finish_reason or "none" for c in builder.choices}))
     audit["response_text"] = "".join(c.text for c in builder.choices)

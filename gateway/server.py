@@ -16,6 +16,7 @@ from gateway.settings import Settings, SettingsError
 from gateway.tls_protocol import http_protocol_class
 from security.devpki import DevPKI, ensure_dev_pki
 from security.jwt import JWTConfig, JWTVerifier
+from security.ratelimit import RateLimitConfig, RateLimiter, RateLimitTier
 from security.tls import TLSConfig, uvicorn_ssl_kwargs
 
 log = logging.getLogger("tianmen.gateway")
@@ -60,6 +61,29 @@ def build_verifier(settings: Settings, pki: DevPKI | None) -> JWTVerifier:
         raise SettingsError(f"auth: {e}") from None
 
 
+def build_limiter(settings: Settings) -> RateLimiter:
+    r = settings.ratelimit
+    url = r.redis_url_file.read_text().strip() if r.redis_url_file else r.redis_url
+    try:
+        tiers = {"default": RateLimitTier(r.requests_per_minute, r.tokens_per_minute, r.max_concurrent)}
+        for name, t in (r.tiers or {}).items():
+            if not isinstance(t, dict):
+                raise ValueError(f"tiers.{name} must be a table")
+            tiers[name] = RateLimitTier(**t)
+        return RateLimiter(
+            RateLimitConfig(
+                redis_url=url,
+                tiers=tiers,
+                tenant_tiers=dict(r.tenant_tiers or {}),
+                on_redis_error=r.on_redis_error,  # type: ignore[arg-type]
+                lease_ttl_s=r.lease_ttl_s,
+                default_completion_estimate=r.default_completion_estimate,
+            )
+        )
+    except (OSError, TypeError, ValueError) as e:
+        raise SettingsError(f"ratelimit: {e}") from None
+
+
 def tls_config(settings: Settings, pki: DevPKI | None) -> TLSConfig:
     s = settings.server
     if s.tls_cert is not None and s.tls_key is not None:
@@ -94,13 +118,16 @@ def build_app_and_config(settings: Settings) -> tuple[uvicorn.Config, AsyncEngin
     pki = ensure_dev_pki(settings.home) if needs_dev_pki(settings) else None
     verifier = build_verifier(settings, pki)
     ssl_kwargs = {} if settings.server.insecure_http else uvicorn_ssl_kwargs(tls_config(settings, pki))
+    limiter = build_limiter(settings)
     engine = build_engine(settings)
     deps = Deps(
         engine=engine,
         verifier=verifier,
         max_body_bytes=settings.server.max_body_bytes,
         required_scope=settings.auth.required_scope,
-        shutdown=[engine.shutdown],
+        limiter=limiter,
+        default_completion_estimate=settings.ratelimit.default_completion_estimate,
+        shutdown=[engine.shutdown, limiter.aclose],
     )
     config = uvicorn.Config(
         create_app(deps),

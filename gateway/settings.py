@@ -78,11 +78,27 @@ class EngineSettings:
 
 
 @dataclass
+class RateLimitSettings:
+    redis_url: str | None = None  # None: an in-process limiter (one replica)
+    redis_url_file: Path | None = None  # the URL (with its password) from a secret file instead
+    on_redis_error: str = "closed"  # closed: 503 while Redis is down; open: local limits, logged
+    # the default tier, per subject; [ratelimit.tiers.NAME] tables add tiers a token's tier claim may name
+    requests_per_minute: int | None = 1200
+    tokens_per_minute: int | None = 1_000_000
+    max_concurrent: int | None = 64
+    lease_ttl_s: float = 600.0
+    default_completion_estimate: int = 256
+    tiers: dict | None = None  # {name: {requests_per_minute, tokens_per_minute, max_concurrent}}
+    tenant_tiers: dict | None = None  # {tenant: tier name}: limits shared by the whole tenant
+
+
+@dataclass
 class Settings:
     home: Path = Path(".tianmen")
     server: ServerSettings = field(default_factory=ServerSettings)
     auth: AuthSettings = field(default_factory=AuthSettings)
     engine: EngineSettings = field(default_factory=EngineSettings)
+    ratelimit: RateLimitSettings = field(default_factory=RateLimitSettings)
 
     @property
     def pki_dir(self) -> Path:
@@ -159,6 +175,10 @@ def _cast(name: str, value: Any, typ: Any) -> Any:
             if not isinstance(value, (str, int, float)):
                 raise ValueError
             return str(value)
+        if typ is dict:
+            if not isinstance(value, dict):
+                raise ValueError
+            return value
     except (TypeError, ValueError):
         raise SettingsError(f"{name}: expected {getattr(typ, '__name__', typ)}, got {value!r}") from None
     raise SettingsError(f"{name}: unsupported setting type {typ}")
@@ -173,5 +193,7 @@ def _validate(s: Settings) -> None:
         raise SettingsError(f"server.max_body_bytes must be >= 1024, got {s.server.max_body_bytes}")
     if s.auth.jwks_file is not None and s.auth.jwks_url is not None:
         raise SettingsError("auth.jwks_file and auth.jwks_url are exclusive: set one")
+    if s.ratelimit.on_redis_error not in ("closed", "open"):
+        raise SettingsError(f"ratelimit.on_redis_error must be closed or open, got {s.ratelimit.on_redis_error!r}")
     if s.server.log_level not in ("critical", "error", "warning", "info", "debug"):
         raise SettingsError(f"server.log_level must be critical|error|warning|info|debug, got {s.server.log_level!r}")
