@@ -67,6 +67,38 @@ def cmd_token(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_seal(args: argparse.Namespace) -> int:
+    from security.keys import provider_from_spec
+    from security.seal import rewrap, seal
+
+    env = _settings(args).environ
+    if args.rewrap:
+        if args.dst is not None or not args.new_key_provider:
+            print("usage: tianmen seal --rewrap DIR --key-provider OLD --new-key-provider NEW", file=sys.stderr)
+            return 2
+        old, new = provider_from_spec(args.key_provider, env), provider_from_spec(args.new_key_provider, env)
+        manifest = rewrap(args.src, old, new)
+        print(f"rewrapped {args.src}: key {manifest.key_id}")
+        return 0
+    if args.dst is None:
+        print("usage: tianmen seal SRC DST --key-provider SPEC", file=sys.stderr)
+        return 2
+    manifest = seal(
+        args.src, args.dst, provider_from_spec(args.key_provider, env), chunk_size=args.chunk_size, progress=True
+    )
+    print(f"sealed {args.src} into {args.dst}: {len(manifest.files)} files, key {manifest.key_id}")
+    return 0
+
+
+def cmd_unseal(args: argparse.Namespace) -> int:
+    from security.keys import provider_from_spec
+    from security.sealed import verify
+
+    manifest = verify(args.dir, provider_from_spec(args.key_provider, _settings(args).environ), progress=True)
+    print(f"{args.dir}: every chunk tag and SM3 digest verifies ({len(manifest.files)} files, key {manifest.key_id})")
+    return 0
+
+
 def cmd_import_gguf(args: argparse.Namespace) -> int:
     from engine.gguf_import import import_gguf
 
@@ -97,6 +129,23 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--ttl", type=_duration, default=3600, help="lifetime, e.g. 30m, 1h (default 1h)")
     p.set_defaults(func=cmd_token)
 
+    p = sub.add_parser("seal", help="encrypt a model directory with SM4-GCM under a key provider's key")
+    p.add_argument("--config", type=Path)
+    p.add_argument("src", type=Path, help="the clear model directory (with --rewrap: the sealed one)")
+    p.add_argument("dst", type=Path, nargs="?", help="the sealed directory to create")
+    p.add_argument("--key-provider", required=True, help="file:PATH | env:VAR | pkcs11:module=..;token=..;key=..")
+    p.add_argument("--rewrap", action="store_true", help="move a sealed model to --new-key-provider's key")
+    p.add_argument("--new-key-provider")
+    p.add_argument("--chunk-size", type=int, default=4 << 20)
+    p.set_defaults(func=cmd_seal)
+
+    p = sub.add_parser("unseal", help="check a sealed model without writing plaintext")
+    p.add_argument("--config", type=Path)
+    p.add_argument("--verify", action="store_true", required=True, help="check every chunk tag and file digest")
+    p.add_argument("dir", type=Path)
+    p.add_argument("--key-provider", required=True)
+    p.set_defaults(func=cmd_unseal)
+
     p = sub.add_parser("import-gguf", help="convert a Llama-architecture GGUF into a model directory")
     p.add_argument("file", type=Path)
     p.add_argument("out", type=Path)
@@ -106,11 +155,19 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    from engine.errors import ModelLoadError
+    from gateway.server import StartupError
+    from security.keys import KeyProviderError
+    from security.manifest import SealError
+
     try:
         return int(args.func(args))
     except SettingsError as e:
         print(f"tianmen: configuration error: {e}", file=sys.stderr)
         return 2
+    except (StartupError, SealError, KeyProviderError, ModelLoadError) as e:
+        print(f"tianmen: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

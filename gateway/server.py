@@ -9,14 +9,17 @@ from pathlib import Path
 
 import uvicorn
 
-from engine import AsyncEngine, EngineConfig
+from engine import AsyncEngine, EngineConfig, EngineError
 from gateway.app import Deps, create_app
-from gateway.demo import ensure_demo_model
+from gateway.demo import dev_key_spec, ensure_demo_model
 from gateway.settings import Settings, SettingsError
 from gateway.tls_protocol import http_protocol_class
 from security.devpki import DevPKI, ensure_dev_pki
 from security.jwt import JWTConfig, JWTVerifier
+from security.keys import KeyProviderError, provider_from_spec
+from security.manifest import SealError
 from security.ratelimit import RateLimitConfig, RateLimiter, RateLimitTier
+from security.sealed import SealedFiles, is_sealed
 from security.tls import TLSConfig, uvicorn_ssl_kwargs
 
 log = logging.getLogger("tianmen.gateway")
@@ -24,10 +27,29 @@ log = logging.getLogger("tianmen.gateway")
 DEV_ISSUER, DEV_AUDIENCE = "tianmen-dev", "tianmen"
 
 
+class StartupError(RuntimeError):
+    """The server cannot start (a bad or tampered model, a wrong key); the message says what to fix."""
+
+
 def build_engine(settings: Settings) -> AsyncEngine:
     fields = asdict(settings.engine)
-    model = fields.pop("model") or ensure_demo_model(settings.home)
-    return AsyncEngine.from_config(EngineConfig(model=model, **fields))
+    spec, threads = fields.pop("key_provider"), fields.pop("decrypt_threads")
+    model = fields.pop("model")
+    if model is None:
+        model = ensure_demo_model(settings.home)
+        spec = spec or dev_key_spec(settings.home)
+    try:
+        files = None
+        if is_sealed(model):
+            if spec is None:
+                raise SettingsError(f"the model at {model} is sealed: set engine.key_provider to the key that opens it")
+            files = SealedFiles(model, provider_from_spec(spec, settings.environ), threads=threads, progress=True)
+            log.info("sealed model %s: key %s, manifest sm3 %s", model, files.manifest.key_id, files.digest)
+        return AsyncEngine.from_config(EngineConfig(model=model, **fields), files)
+    except (SealError, KeyProviderError) as e:
+        raise StartupError(f"cannot open the sealed model: {e}") from None
+    except (EngineError, ValueError) as e:
+        raise StartupError(f"cannot load the model: {e}") from None
 
 
 def build_verifier(settings: Settings, pki: DevPKI | None) -> JWTVerifier:

@@ -75,6 +75,9 @@ class EngineSettings:
     max_waiting: int = 1024
     num_threads: int | None = None
     seed: int = 0
+    # sealed models: file:PATH | env:VAR | pkcs11:module=...;token=...;key=...;pin-file=...
+    key_provider: str | None = None
+    decrypt_threads: int | None = None
 
 
 @dataclass
@@ -99,13 +102,14 @@ class Settings:
     auth: AuthSettings = field(default_factory=AuthSettings)
     engine: EngineSettings = field(default_factory=EngineSettings)
     ratelimit: RateLimitSettings = field(default_factory=RateLimitSettings)
+    environ: dict[str, str] = field(default_factory=dict, repr=False)  # for env: key providers
 
     @property
     def pki_dir(self) -> Path:
         return self.home / "pki"
 
 
-SECTIONS = {f.name: f.type for f in dataclasses.fields(Settings) if f.name != "home"}
+SECTIONS = {f.name: f.type for f in dataclasses.fields(Settings) if f.name not in ("home", "environ")}
 
 
 def load_settings(config_file: Path | None = None, environ: Mapping[str, str] | None = None) -> Settings:
@@ -119,7 +123,7 @@ def load_settings(config_file: Path | None = None, environ: Mapping[str, str] | 
         except tomllib.TOMLDecodeError as e:
             raise SettingsError(f"config file {config_file}: {e}") from None
     hints = typing.get_type_hints(Settings)
-    settings = Settings()
+    settings = Settings(environ=dict(environ))
     for key in raw:
         if key != "home" and key not in SECTIONS:
             raise SettingsError(f"unknown setting {key!r} in {config_file}; known: home, {', '.join(SECTIONS)}")

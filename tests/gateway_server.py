@@ -35,15 +35,16 @@ class RunningGateway:
 
 
 @contextmanager
-def run_gateway(home: Path, model: Path, env: dict[str, str] | None = None) -> Iterator[RunningGateway]:
+def run_gateway(home: Path, model: Path | None, env: dict[str, str] | None = None) -> Iterator[RunningGateway]:
     port = free_port()
     environ = {
         "TIANMEN_HOME": str(home),
         "TIANMEN_SERVER_PORT": str(port),
-        "TIANMEN_ENGINE_MODEL": str(model),
         "TIANMEN_ENGINE_DTYPE": "float32",
         "TIANMEN_SERVER_LOG_LEVEL": "warning",
     }
+    if model is not None:  # None: the embedded default's sealed demo model
+        environ["TIANMEN_ENGINE_MODEL"] = str(model)
     environ.update(env or {})
     settings = load_settings(environ=environ)
     config, engine = build_app_and_config(settings)
@@ -63,7 +64,7 @@ def run_gateway(home: Path, model: Path, env: dict[str, str] | None = None) -> I
             settings,
             ensure_dev_pki(home),
             engine,
-            str(settings.engine.served_model_name or model.name),
+            engine.model_name,
         )
     finally:
         server.should_exit = True
