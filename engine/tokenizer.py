@@ -7,6 +7,7 @@ the same sandboxed jinja2 environment, globals, filters and template variables. 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
@@ -112,6 +113,14 @@ class Tokenizer:
     def from_dir(cls, path: str | Path) -> Tokenizer:
         root = Path(path)
         return cls.from_files(lambda name: (root / name).read_bytes())
+
+    @functools.cached_property
+    def control_tokens(self) -> tuple[str, ...]:
+        """Special token strings (e.g. <|im_start|>): in chat content they would forge roles, so callers refuse them."""
+        return tuple(t.content for t in self._tok.get_added_tokens_decoder().values() if t.special and t.content)
+
+    def find_control_token(self, text: str) -> str | None:
+        return next((t for t in self.control_tokens if t in text), None)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids

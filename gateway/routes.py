@@ -76,7 +76,17 @@ def _prompt_ids(engine: Any, body: ChatCompletionRequest | CompletionRequest) ->
     tok = engine.tokenizer
     try:
         if isinstance(body, ChatCompletionRequest):
-            return list(tok.encode_chat([m.to_template() for m in body.messages]))
+            messages = [m.to_template() for m in body.messages]
+            for i, m in enumerate(messages):
+                token = tok.find_control_token(m["content"])
+                if token is not None:  # NOTE: it would become a real control token and forge a role turn
+                    raise APIError(
+                        400,
+                        f"message content contains the control token {token!r}; control tokens "
+                        "may only come from the chat template",
+                        param=f"messages.{i}.content",
+                    )
+            return list(tok.encode_chat(messages))
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
             return list(prompt)  # type: ignore[arg-type]
