@@ -225,3 +225,21 @@ async def test_a_reused_event_id_is_kept_not_dropped(
     assert sorted(h["_id"] for h in hits) == ["req-0007", "req-0007~gw-1~1"]
     report = await verify(ElasticsearchSource(es, "tianmen-audit-*"))
     assert report.ok, report.problems
+
+
+async def test_a_document_the_server_refuses_is_set_aside_and_shipping_goes_on(
+    tmp_path: Path, es_server: EsServer, es: AsyncElasticsearch
+) -> None:
+    auditor = Auditor(config(tmp_path, es_server.url))
+    await auditor.start()
+    await auditor.emit(request_event(1))
+    await auditor.emit({**request_event(2), "user": "alice"})  # `user` is an object in the mapping: 400
+    await auditor.emit(request_event(3))
+    await wait_until(lambda: auditor.stats()["unshipped_events"] == 0, "shipping")
+    assert auditor.stats()["ship_rejected"] == 1
+    await auditor.stop()
+    assert sorted(h["_id"] for h in requests_only(await all_docs(es))) == ["req-0001", "req-0003"]
+    (rejected,) = (tmp_path / "spool" / "rejected.jsonl").read_text().splitlines()
+    assert json.loads(rejected)["record"]["event"]["id"] == "req-0002"
+    report = await verify(ElasticsearchSource(es, "tianmen-audit-*"))
+    assert report.first_bad is not None and report.first_bad.event_id == "req-0003"  # the hole shows

@@ -222,3 +222,34 @@ async def test_failed_fsync_refuses_the_batch_and_recovers_without_a_gap(tmp_pat
 def test_config_rejects_unknown_content_policy(tmp_path: Path) -> None:
     with pytest.raises(AssertionError):
         AuditConfig(spool_dir=tmp_path, content_policy="some")  # type: ignore[arg-type]
+
+
+def test_without_shipping_only_segments_past_retention_make_room(tmp_path: Path) -> None:
+    line = json.dumps(ev(0, 900)).encode() + b"\n"
+    keep = open_spool(tmp_path / "keep", max_bytes=16384, shipping=False, retention_s=86400.0)
+    with pytest.raises(SpoolFull):
+        for _ in range(100):
+            write(keep, [line])
+    keep.close()
+    expire = open_spool(tmp_path / "expire", max_bytes=16384, shipping=False, retention_s=0.0)
+    for _ in range(100):
+        write(expire, [line])
+    assert sum(p.stat().st_size for p in (tmp_path / "expire").glob("seg-*.jsonl")) <= 16384
+    expire.close()
+
+
+async def test_an_idle_writer_signs_its_tail_after_the_interval(tmp_path: Path) -> None:
+    key = tmp_path / "sm2.key"
+    key.write_text(f"{11:064x}")
+    auditor = Auditor(config(tmp_path, sm2_private_key_path=key, checkpoint_interval_s=0.05))
+    await auditor.start()
+    await auditor.emit(ev(0))
+    seg = tmp_path / "spool" / "seg-000000000001.jsonl"
+    for _ in range(500):
+        if b"audit-checkpoint" in seg.read_bytes():
+            break
+        await asyncio.sleep(0.01)
+    records = [json.loads(line) for line in seg.read_bytes().splitlines()]
+    assert [r["event"]["action"] for r in records] == ["chat", "audit-checkpoint"]
+    await auditor.stop()
+    assert len(seg.read_bytes().splitlines()) == 2  # nothing new to sign at stop

@@ -24,6 +24,9 @@ class FakeTokenizer:
     def token_text(self, token_id: int) -> str:
         return chr(token_id)
 
+    def find_control_token(self, text: str) -> str | None:
+        return "<|ctl|>" if "<|ctl|>" in text else None
+
 
 class FakeEngine:
     model_name = "fake"

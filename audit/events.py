@@ -1,0 +1,121 @@
+"""One audit event per request, in Elastic Common Schema field names plus `tianmen.*`."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+from audit.config import ContentPolicy
+from audit.digest import sm3_text
+
+CHECKPOINT_ACTION = "audit-checkpoint"
+
+
+@dataclass(slots=True)
+class AuditEvent:
+    """A finished request → `to_dict()`, the ECS document `Auditor.emit` takes.
+
+    `content` comes from `content_fields()`; it is kept out of `repr` so it never reaches a log."""
+
+    request_id: str
+    action: str  # e.g. "chat.completions", "completions", "models"
+    status_code: int | None = None
+    outcome: str | None = None  # "success" | "failure" | "unknown"; None: from status_code
+    timestamp: datetime | None = None  # when the request arrived; None: now
+    duration_ns: int | None = None
+    user_id: str | None = None
+    tenant: str | None = None
+    source_ip: str | None = None
+    tls_version: str | None = None  # "1.3"
+    tls_client_subject: str | None = None
+    http_method: str | None = None
+    url_path: str | None = None
+    user_agent: str | None = None
+    model: str | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+    ttft_ms: float | None = None
+    finish_reason: str | None = None
+    stream: bool | None = None
+    ratelimit_decision: str | None = None  # "allowed" | "limited" | "unavailable"
+    error_type: str | None = None  # "invalid_token", "rate_limited", "client_disconnected", ...
+    content: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        outcome = self.outcome or _outcome(self.status_code)
+        doc: dict[str, Any] = {
+            "@timestamp": format_timestamp(self.timestamp or datetime.now(timezone.utc)),
+            "event": {
+                "id": self.request_id,
+                "kind": "event",
+                "action": self.action,
+                "outcome": outcome,
+                "duration": self.duration_ns,
+            },
+            "user": {"id": self.user_id},
+            "organization": {"id": self.tenant},
+            "source": {"ip": self.source_ip},
+            "tls": {"version": self.tls_version, "version_protocol": "tls" if self.tls_version else None},
+            "http": {"request": {"method": self.http_method}, "response": {"status_code": self.status_code}},
+            "url": {"path": self.url_path},
+            "user_agent": {"original": self.user_agent},
+            "error": {"type": self.error_type},
+            "tianmen": {
+                "model": self.model,
+                "prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.completion_tokens,
+                "cached_tokens": self.cached_tokens,
+                "ttft_ms": _finite(self.ttft_ms),
+                "finish_reason": self.finish_reason,
+                "stream": self.stream,
+                "ratelimit": {"decision": self.ratelimit_decision},
+                **self.content,
+            },
+        }
+        if self.tls_client_subject is not None:
+            doc["tls"]["client"] = {"subject": self.tls_client_subject}
+        return _prune(doc)
+
+
+def content_fields(policy: ContentPolicy, prompt: str | bytes | None, response: str | bytes | None) -> dict[str, Any]:
+    """The `tianmen.*` content fields under `policy`: nothing, SM3 digests (default), or digests + text."""
+    out: dict[str, Any] = {"content_policy": policy}
+    if policy == "none":
+        return out
+    for name, value in (("prompt", prompt), ("response", response)):
+        if value is None:
+            continue
+        out[name] = {"sm3": sm3_text(value)}
+        if policy == "full":
+            out[name]["text"] = value if isinstance(value, str) else value.decode("utf-8", "replace")
+    return out
+
+
+def format_timestamp(ts: datetime) -> str:
+    assert ts.tzinfo is not None, "audit timestamps are timezone-aware"
+    return ts.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
+
+
+def _outcome(status: int | None) -> str:
+    if status is None:
+        return "unknown"
+    return "success" if status < 400 else "failure"
+
+
+def _finite(x: float | None) -> float | None:
+    return round(x, 3) if x is not None and math.isfinite(x) else None
+
+
+def _prune(d: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            v = _prune(v)
+            if not v:
+                continue
+        if v is not None:
+            out[k] = v
+    return out
