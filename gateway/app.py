@@ -31,6 +31,7 @@ class Deps:
     limiter: RateLimiter | None = None
     default_completion_estimate: int = 256  # tokens reserved when a request sets no max_tokens
     on_complete: AuditHook | None = None
+    audit_precheck: Callable[[], None] | None = None
     startup: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
     shutdown: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
     started: int = field(default_factory=lambda: int(time.time()))
@@ -57,7 +58,7 @@ def create_app(deps: Deps) -> Starlette:
             Route("/openapi.json", routes.openapi, methods=["GET"]),
         ],
         middleware=[
-            Middleware(RequestContext, on_complete=deps.on_complete),
+            Middleware(RequestContext, on_complete=deps.on_complete, precheck=deps.audit_precheck),
             Middleware(BodyLimit, max_bytes=deps.max_body_bytes),
             Middleware(Auth, verifier=deps.verifier, required_scope=deps.required_scope),
         ],

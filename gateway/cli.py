@@ -99,6 +99,38 @@ def cmd_unseal(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_audit(args: argparse.Namespace) -> int:
+    import asyncio
+    import json
+
+    from audit import format_report, format_table, open_source, search, verify
+    from audit.signer import Sm2Verifier
+    from gateway.audit_hook import audit_config
+
+    cfg = audit_config(_settings(args))
+
+    async def run() -> int:
+        async with open_source(cfg, spool=args.spool) as source:
+            if args.audit_command == "search":
+                events = await search(
+                    source,
+                    user=args.user,
+                    tenant=args.tenant,
+                    outcome=args.outcome,
+                    model=args.model,
+                    since=args.since,
+                    limit=args.limit,
+                )
+                print(json.dumps(events, ensure_ascii=False, indent=2) if args.json else format_table(events))
+                return 0
+            keys = [Sm2Verifier.from_file(cfg.sm2_public_key_path).public_key] if cfg.sm2_public_key_path else []
+            report = await verify(source, public_keys=keys)
+            print(format_report(report))
+            return 0 if report.ok else 1
+
+    return asyncio.run(run())
+
+
 def cmd_import_gguf(args: argparse.Namespace) -> int:
     from engine.gguf_import import import_gguf
 
@@ -145,6 +177,22 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("dir", type=Path)
     p.add_argument("--key-provider", required=True)
     p.set_defaults(func=cmd_unseal)
+
+    p = sub.add_parser("audit", help="search or verify the audit trail (Elasticsearch, or the local spool)")
+    audit_sub = p.add_subparsers(dest="audit_command", required=True)
+    for name, text in (("search", "find audit events"), ("verify", "check the hash chain and SM2 checkpoints")):
+        q = audit_sub.add_parser(name, help=text)
+        q.add_argument("--config", type=Path)
+        q.add_argument("--spool", action="store_true", help="read the local spool instead of Elasticsearch")
+        q.set_defaults(func=cmd_audit)
+        if name == "search":
+            q.add_argument("--user")
+            q.add_argument("--tenant")
+            q.add_argument("--outcome", choices=["success", "failure", "unknown"])
+            q.add_argument("--model")
+            q.add_argument("--since", help="e.g. 30m, 1h, 7d, or an ISO time")
+            q.add_argument("--limit", type=int, default=100)
+            q.add_argument("--json", action="store_true", help="print the events as JSON")
 
     p = sub.add_parser("import-gguf", help="convert a Llama-architecture GGUF into a model directory")
     p.add_argument("file", type=Path)

@@ -22,10 +22,14 @@ AuditHook = Callable[[Scope, dict[str, Any]], Awaitable[None]]
 
 class RequestContext:
     """Gives each request an id and an `audit` dict, times it, captures its status, and hands the
-    finished record to `on_complete` — exactly once, whatever the outcome."""
+    finished record to `on_complete` — exactly once, whatever the outcome. `precheck` runs first:
+    if it raises, the request is refused with 503 (no request is served that cannot be audited).
+    Health probes (PUBLIC_PATHS) are not audited."""
 
-    def __init__(self, app: ASGIApp, on_complete: AuditHook | None = None) -> None:
-        self.app, self.on_complete = app, on_complete
+    def __init__(
+        self, app: ASGIApp, on_complete: AuditHook | None = None, precheck: Callable[[], None] | None = None
+    ) -> None:
+        self.app, self.on_complete, self.precheck = app, on_complete, precheck
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -44,13 +48,27 @@ class RequestContext:
             await send(message)
 
         try:
+            if self.precheck is not None and scope["path"] not in PUBLIC_PATHS:
+                try:
+                    self.precheck()
+                except Exception as e:
+                    audit["error"] = "audit_unavailable"
+                    log.error("refusing request %s: the audit trail cannot be written (%s)", request_id, e)
+                    response = error_response(
+                        503,
+                        "the audit trail cannot be written, so no request is served; retry later",
+                        code="audit_unavailable",
+                        headers={"Retry-After": "5"},
+                    )
+                    await response(scope, receive, send_wrapper)
+                    return
             await self.app(scope, receive, send_wrapper)
         except BaseException:
             audit.setdefault("error", "unhandled")
             raise
         finally:
             audit["duration_s"] = time.monotonic() - started
-            if self.on_complete is not None:
+            if self.on_complete is not None and scope["path"] not in PUBLIC_PATHS:
                 await self.on_complete(scope, audit)
 
 

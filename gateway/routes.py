@@ -105,7 +105,7 @@ async def _complete(request: Request, chat: bool) -> Response:
     principal: Principal = request.scope["principal"]
     audit: dict[str, Any] = request.scope["audit"]
     body = parse(ChatCompletionRequest if chat else CompletionRequest, await _read_json(request))
-    audit["model"] = body.model
+    audit["model"], audit["stream"] = body.model, body.stream
     _check_model(engine, principal, body.model)
     prompt = _prompt_ids(engine, body)
     audit["prompt_tokens"] = len(prompt)

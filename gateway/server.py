@@ -9,8 +9,10 @@ from pathlib import Path
 
 import uvicorn
 
+from audit import Auditor
 from engine import AsyncEngine, EngineConfig, EngineError
 from gateway.app import Deps, create_app
+from gateway.audit_hook import AuditHook, audit_config
 from gateway.demo import dev_key_spec, ensure_demo_model
 from gateway.settings import Settings, SettingsError
 from gateway.tls_protocol import http_protocol_class
@@ -141,6 +143,8 @@ def build_app_and_config(settings: Settings) -> tuple[uvicorn.Config, AsyncEngin
     verifier = build_verifier(settings, pki)
     ssl_kwargs = {} if settings.server.insecure_http else uvicorn_ssl_kwargs(tls_config(settings, pki))
     limiter = build_limiter(settings)
+    auditor = Auditor(audit_config(settings))
+    hook = AuditHook(auditor)
     engine = build_engine(settings)
     deps = Deps(
         engine=engine,
@@ -149,7 +153,10 @@ def build_app_and_config(settings: Settings) -> tuple[uvicorn.Config, AsyncEngin
         required_scope=settings.auth.required_scope,
         limiter=limiter,
         default_completion_estimate=settings.ratelimit.default_completion_estimate,
-        shutdown=[engine.shutdown, limiter.aclose],
+        on_complete=hook,
+        audit_precheck=hook.check,
+        startup=[auditor.start],
+        shutdown=[auditor.stop, engine.shutdown, limiter.aclose],
     )
     config = uvicorn.Config(
         create_app(deps),

@@ -96,12 +96,33 @@ class RateLimitSettings:
 
 
 @dataclass
+class AuditSettings:
+    spool_dir: Path | None = None  # None: home/audit/spool; one directory per gateway process
+    content_policy: str = "sm3"  # none | sm3 (digests of prompt and response) | full (content in the event)
+    elasticsearch_url: str | None = None  # None: the spool alone is the trail
+    es_username: str | None = None
+    es_password_file: Path | None = None
+    es_api_key_file: Path | None = None
+    es_ca_certs: Path | None = None
+    index_prefix: str = "tianmen-audit"
+    retention_days: int = 180  # China's minimum for network logs is six months
+    checkpoint_every: int = 1000
+    checkpoint_interval_s: float = 60.0
+    sm2_private_key: Path | None = None  # None: a dev key pair generated under home/audit/keys
+    sm2_public_key: Path | None = None
+    fsync_interval_ms: float = 50.0
+    max_spool_bytes: int = 1 << 30
+    writer_id: str | None = None
+
+
+@dataclass
 class Settings:
     home: Path = Path(".tianmen")
     server: ServerSettings = field(default_factory=ServerSettings)
     auth: AuthSettings = field(default_factory=AuthSettings)
     engine: EngineSettings = field(default_factory=EngineSettings)
     ratelimit: RateLimitSettings = field(default_factory=RateLimitSettings)
+    audit: AuditSettings = field(default_factory=AuditSettings)
     environ: dict[str, str] = field(default_factory=dict, repr=False)  # for env: key providers
 
     @property
@@ -197,6 +218,8 @@ def _validate(s: Settings) -> None:
         raise SettingsError(f"server.max_body_bytes must be >= 1024, got {s.server.max_body_bytes}")
     if s.auth.jwks_file is not None and s.auth.jwks_url is not None:
         raise SettingsError("auth.jwks_file and auth.jwks_url are exclusive: set one")
+    if s.audit.content_policy not in ("none", "sm3", "full"):
+        raise SettingsError(f"audit.content_policy must be none, sm3 or full, got {s.audit.content_policy!r}")
     if s.ratelimit.on_redis_error not in ("closed", "open"):
         raise SettingsError(f"ratelimit.on_redis_error must be closed or open, got {s.ratelimit.on_redis_error!r}")
     if s.server.log_level not in ("critical", "error", "warning", "info", "debug"):

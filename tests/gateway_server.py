@@ -42,6 +42,7 @@ def run_gateway(home: Path, model: Path | None, env: dict[str, str] | None = Non
         "TIANMEN_SERVER_PORT": str(port),
         "TIANMEN_ENGINE_DTYPE": "float32",
         "TIANMEN_SERVER_LOG_LEVEL": "warning",
+        "TIANMEN_AUDIT_SPOOL_DIR": str(home / "audit" / f"spool-{port}"),  # one spool per gateway process
     }
     if model is not None:  # None: the embedded default's sealed demo model
         environ["TIANMEN_ENGINE_MODEL"] = str(model)
