@@ -20,7 +20,10 @@ from pathlib import Path
 
 import httpx
 
-from engine import AsyncEngine, EngineConfig, SamplingParams
+from engine import SamplingParams
+from gateway.demo import dev_key_spec, ensure_demo_model
+from gateway.server import build_engine
+from gateway.settings import Settings, load_settings
 from security.devpki import ensure_dev_pki, mint_token
 from security.tls import client_ssl_context
 
@@ -46,8 +49,8 @@ async def drive(n: int, concurrency: int, call) -> tuple[float, list[float]]:  #
     return n / (time.perf_counter() - t0), latencies
 
 
-async def direct(model: Path, n: int, concurrency: int) -> tuple[float, list[float]]:
-    engine = AsyncEngine.from_config(EngineConfig(model=model, max_num_seqs=concurrency))
+async def direct(settings: Settings, n: int, concurrency: int) -> tuple[float, list[float]]:
+    engine = build_engine(settings)  # the same model, sealed or not, the same engine settings as the server
     ids = engine.tokenizer.encode_chat(PROMPT)
     params = SamplingParams(max_tokens=1, temperature=0)
     seq = iter(range(10**9))
@@ -88,20 +91,20 @@ def main() -> None:
     args = ap.parse_args()
 
     home = Path(tempfile.mkdtemp(prefix="tianmen-bench-"))
-    demo_home = Path(os.environ.get("TIANMEN_HOME", ".tianmen"))
-    if args.model is None:
-        from gateway.demo import ensure_demo_model
-
-        args.model = ensure_demo_model(demo_home)
-    pki = ensure_dev_pki(home)
     env = {
         **os.environ,
         "TIANMEN_HOME": str(home),
         "TIANMEN_SERVER_PORT": str(args.port),
-        "TIANMEN_ENGINE_MODEL": str(args.model),
         "TIANMEN_ENGINE_MAX_NUM_SEQS": str(args.concurrency),
         "TIANMEN_SERVER_LOG_LEVEL": "warning",
     }
+    if args.model is None:  # the demo model, sealed under the dev key of the usual home
+        demo_home = Path(os.environ.get("TIANMEN_HOME", ".tianmen"))
+        args.model = ensure_demo_model(demo_home)
+        env.setdefault("TIANMEN_ENGINE_KEY_PROVIDER", dev_key_spec(demo_home))
+    env["TIANMEN_ENGINE_MODEL"] = str(args.model)
+    settings = load_settings(environ=env)
+    pki = ensure_dev_pki(home)
     server = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve"], env=env)
     url = f"https://127.0.0.1:{args.port}"
     try:
@@ -119,7 +122,7 @@ def main() -> None:
     finally:
         server.terminate()
         server.wait(30)
-    d_rps, d_lat = asyncio.run(direct(args.model, args.requests, args.concurrency))
+    d_rps, d_lat = asyncio.run(direct(settings, args.requests, args.concurrency))
 
     print(f"\n{args.requests} chat requests, max_tokens=1, {args.concurrency} concurrent, model {args.model.name}")
     print(f"{'path':<28} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8}")

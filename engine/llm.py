@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from engine.errors import InvalidRequestError
 from engine.loader import ModelFiles
 from engine.output_processor import OutputProcessor
 from engine.outputs import Logprob, Usage
@@ -27,7 +28,9 @@ class LLM:
 
     def __init__(self, config: EngineConfig, files: ModelFiles | None = None) -> None:
         self.core = EngineCore(config, files)
-        self.tokenizer = Tokenizer.from_files(self.core.files.read)
+        self.tokenizer: Tokenizer | None = None  # token ids in, token ids out when the model has no tokenizer
+        if "tokenizer.json" in self.core.files.names():
+            self.tokenizer = Tokenizer.from_files(self.core.files.read)
         self._ids = itertools.count()
 
     def generate(
@@ -40,7 +43,9 @@ class LLM:
         processor = OutputProcessor(self.tokenizer)
         req_ids: list[str] = []
         for prompt, p in zip(prompts, params_list):
-            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            if isinstance(prompt, str) and self.tokenizer is None:
+                raise InvalidRequestError("this model has no tokenizer: pass token ids", param="prompt")
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)  # type: ignore[union-attr]
             req = Request(f"llm-{next(self._ids)}", ids, p, cache_salt=cache_salt)
             self.core.add_request(req)
             processor.add(req.req_id, ids, p)
@@ -62,4 +67,6 @@ class LLM:
         return [results[r] for r in req_ids]
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None) -> Completion:
+        if self.tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer", param="messages")
         return self.generate([self.tokenizer.encode_chat(messages)], params)[0]
