@@ -5,7 +5,10 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
+
+import torch
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
@@ -41,6 +44,8 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stop = False
         self._dead: BaseException | None = None
+        self._profiler: Any = None  # torch.profiler.profile while recording
+        self._profile_left, self._profile_path = 0, Path()
         self._thread = threading.Thread(target=self._run, name="tianmen-engine", daemon=True)
         self._thread.start()
 
@@ -89,6 +94,10 @@ class AsyncEngine:
     def stats(self) -> dict[str, float | int]:
         return self.core.stats()
 
+    def profile(self, steps: int, trace_path: str | Path) -> None:
+        """Record the next `steps` engine steps with torch.profiler; the Chrome trace goes to `trace_path`."""
+        self._send("profile", (steps, Path(trace_path)))
+
     async def shutdown(self) -> None:
         self._stop = True
         self._wake.set()
@@ -114,6 +123,8 @@ class AsyncEngine:
                     self._wake.clear()
                     continue
                 deltas, stopped = self._processor.process(self.core.step())
+                if self._profiler is not None:
+                    self._profile_step()
                 for req_id, stop in stopped:
                     self.core.finish_request(req_id, "stop", stop)
                 for delta in deltas:
@@ -124,6 +135,25 @@ class AsyncEngine:
             dead = EngineDeadError("the engine stopped after an internal error; restart the server")
             for req_id in list(self._collectors):
                 self._deliver(req_id, dead)
+
+    def _start_profile(self, steps: int, path: Path) -> None:
+        if self._profiler is not None:
+            return  # one trace at a time
+        import torch.profiler as tp
+
+        activities = [tp.ProfilerActivity.CPU] + ([tp.ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        self._profiler = tp.profile(activities=activities, record_shapes=True)
+        self._profiler.start()
+        self._profile_left, self._profile_path = steps, path
+
+    def _profile_step(self) -> None:
+        self._profile_left -= 1
+        if self._profile_left > 0:
+            return
+        prof, self._profiler = self._profiler, None
+        prof.stop()
+        prof.export_chrome_trace(str(self._profile_path))
+        log.info("wrote a profile of engine steps to %s", self._profile_path)
 
     def _drain_inbox(self) -> None:
         while True:
@@ -139,6 +169,8 @@ class AsyncEngine:
                     self._deliver(req.req_id, e)
                     continue
                 self._processor.add(req.req_id, req.prompt_token_ids, req.params)
+            elif kind == "profile":
+                self._start_profile(*payload)
             else:
                 self._processor.drop(payload)
                 out = self.core.finish_request(payload, "abort")

@@ -6,6 +6,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from starlette.applications import Starlette
@@ -15,6 +16,7 @@ from starlette.routing import Route
 
 from gateway import routes
 from gateway.errors import APIError, api_error_handler, http_exception_handler, unhandled_error_handler
+from gateway.metrics import Metrics
 from gateway.middleware import AuditHook, Auth, BodyLimit, RequestContext
 from security.jwt import TokenVerifier
 from security.ratelimit import RateLimiter
@@ -30,6 +32,9 @@ class Deps:
     required_scope: str | None = None
     limiter: RateLimiter | None = None
     default_completion_estimate: int = 256  # tokens reserved when a request sets no max_tokens
+    metrics: Metrics | None = None
+    admin_scope: str = "admin"
+    profile_dir: Path = Path(".tianmen/profiles")
     on_complete: AuditHook | None = None
     audit_precheck: Callable[[], None] | None = None
     startup: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
@@ -56,6 +61,8 @@ def create_app(deps: Deps) -> Starlette:
             Route("/health", routes.health, methods=["GET"]),
             Route("/ready", routes.ready, methods=["GET"]),
             Route("/openapi.json", routes.openapi, methods=["GET"]),
+            Route("/metrics", routes.metrics, methods=["GET"]),
+            Route("/admin/profile", routes.profile, methods=["POST"]),
         ],
         middleware=[
             Middleware(RequestContext, on_complete=deps.on_complete, precheck=deps.audit_precheck),

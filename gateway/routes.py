@@ -51,6 +51,34 @@ async def ready(request: Request) -> Response:
     return JSONResponse({"status": "ready", "model": request.state.deps.engine.model_name})
 
 
+async def metrics(request: Request) -> Response:
+    deps = request.state.deps
+    _require_admin(request)
+    if deps.metrics is None:
+        raise APIError(404, "metrics are not enabled", code="not_found")
+    return Response(deps.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+async def profile(request: Request) -> Response:
+    """Record the next N engine steps with torch.profiler into a Chrome trace (admin scope)."""
+    deps = request.state.deps
+    _require_admin(request)
+    body = await _read_json(request)
+    steps = body.get("steps") if isinstance(body, dict) else None
+    if not isinstance(steps, int) or not 1 <= steps <= 10_000:
+        raise APIError(400, "steps must be an integer in [1, 10000]", param="steps")
+    trace = deps.profile_dir / f"trace-{request.scope['request_id']}.json"
+    deps.profile_dir.mkdir(parents=True, exist_ok=True)
+    deps.engine.profile(steps, trace)
+    return JSONResponse({"trace": str(trace), "steps": steps})
+
+
+def _require_admin(request: Request) -> None:
+    scope = request.state.deps.admin_scope
+    if not request.scope["principal"].has_scope(scope):
+        raise APIError(403, f"this endpoint needs the {scope!r} scope", code="insufficient_scope")
+
+
 async def openapi(request: Request) -> Response:
     return JSONResponse(openapi_schema())
 
@@ -166,6 +194,15 @@ async def _run(
     stream = _generate(engine, prompt, params, req_id, request.scope["principal"].tenant)
     first = await _first(stream)
     audit["ttft_ms"] = (time.monotonic() - started) * 1e3
+    gaps: list[float] = audit.setdefault("itl_s", [])
+    last_token_at: dict[int, float] = {}
+
+    def tick(i: int, out: RequestOutput) -> None:  # inter-token latency, per choice
+        if out.new_token_ids:
+            now = time.monotonic()
+            if i in last_token_at:
+                gaps.append(now - last_token_at[i])
+            last_token_at[i] = now
 
     if body.stream:
 
@@ -176,6 +213,7 @@ async def _run(
                 while item is not None:
                     i, out = item
                     builder.add(i, out)
+                    tick(i, out)
                     if out.new_text or out.finished or not builder.choices[i].started or out.logprobs:
                         yield builder.chunk(i, out, want_lp, body.include_usage)
                     try:
@@ -201,6 +239,7 @@ async def _run(
         item: tuple[int, RequestOutput] | None = first
         while item is not None:
             builder.add(*item)
+            tick(*item)
             item = await anext(stream, None)
 
     try:

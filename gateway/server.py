@@ -14,6 +14,7 @@ from engine import AsyncEngine, EngineConfig, EngineError
 from gateway.app import Deps, create_app
 from gateway.audit_hook import AuditHook, audit_config
 from gateway.demo import dev_key_spec, ensure_demo_model
+from gateway.metrics import Metrics
 from gateway.settings import Settings, SettingsError
 from gateway.tls_protocol import http_protocol_class
 from security.devpki import DevPKI, ensure_dev_pki
@@ -146,6 +147,12 @@ def build_app_and_config(settings: Settings) -> tuple[uvicorn.Config, AsyncEngin
     auditor = Auditor(audit_config(settings))
     hook = AuditHook(auditor)
     engine = build_engine(settings)
+    metrics = Metrics(engine.model_name, engine.stats, auditor.stats)
+
+    async def on_complete(scope: dict, audit: dict) -> None:
+        metrics.observe_request(audit)
+        await hook(scope, audit)
+
     deps = Deps(
         engine=engine,
         verifier=verifier,
@@ -153,7 +160,10 @@ def build_app_and_config(settings: Settings) -> tuple[uvicorn.Config, AsyncEngin
         required_scope=settings.auth.required_scope,
         limiter=limiter,
         default_completion_estimate=settings.ratelimit.default_completion_estimate,
-        on_complete=hook,
+        on_complete=on_complete,
+        metrics=metrics,
+        admin_scope=settings.auth.admin_scope,
+        profile_dir=settings.home / "profiles",
         audit_precheck=hook.check,
         startup=[auditor.start],
         shutdown=[auditor.stop, engine.shutdown, limiter.aclose],
