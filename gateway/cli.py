@@ -7,6 +7,7 @@ import re
 import sys
 from pathlib import Path
 
+from gateway.loadgen import add_parser as add_loadgen_parser
 from gateway.settings import Settings, SettingsError, load_settings
 
 
@@ -193,6 +194,8 @@ def parser() -> argparse.ArgumentParser:
             q.add_argument("--since", help="e.g. 30m, 1h, 7d, or an ISO time")
             q.add_argument("--limit", type=int, default=100)
             q.add_argument("--json", action="store_true", help="print the events as JSON")
+
+    add_loadgen_parser(sub)  # tianmen bench serve
 
     p = sub.add_parser("import-gguf", help="convert a Llama-architecture GGUF into a model directory")
     p.add_argument("file", type=Path)
