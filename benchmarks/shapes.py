@@ -29,7 +29,46 @@ SHAPES: dict[str, dict] = {
         "eos_token_id": 151645,
         "torch_dtype": "bfloat16",
     },
+    "deepseek-v2-tiny": {
+        "architectures": ["DeepseekV2ForCausalLM"],
+        "model_type": "deepseek_v2",
+        "hidden_size": 1024,
+        "intermediate_size": 2816,
+        "moe_intermediate_size": 384,
+        "num_hidden_layers": 8,
+        "first_k_dense_replace": 1,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "q_lora_rank": 384,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 64,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 64,
+        "n_routed_experts": 16,
+        "num_experts_per_tok": 4,
+        "n_shared_experts": 2,
+        "topk_method": "greedy",
+        "norm_topk_prob": False,
+        "routed_scaling_factor": 1.0,
+        "vocab_size": 102400,
+        "max_position_embeddings": 4096,
+        "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "bos_token_id": 100000,
+        "eos_token_id": 100001,
+        "torch_dtype": "bfloat16",
+    },
 }
+
+
+def _w(gen: torch.Generator, *shape: int) -> torch.Tensor:
+    return (torch.randn(*shape, generator=gen) * 0.02).to(torch.bfloat16)
+
+
+def _ones(n: int) -> torch.Tensor:
+    return torch.ones(n, dtype=torch.bfloat16)
 
 
 def _llama_tensors(c: dict, gen: torch.Generator) -> dict[str, torch.Tensor]:
@@ -39,7 +78,7 @@ def _llama_tensors(c: dict, gen: torch.Generator) -> dict[str, torch.Tensor]:
     bias = c["model_type"] == "qwen2"
 
     def w(*shape: int) -> torch.Tensor:
-        return (torch.randn(*shape, generator=gen) * 0.02).to(torch.bfloat16)
+        return _w(gen, *shape)
 
     out = {"model.embed_tokens.weight": w(v, h), "model.norm.weight": torch.ones(h, dtype=torch.bfloat16)}
     for n in range(c["num_hidden_layers"]):
@@ -62,6 +101,43 @@ def _llama_tensors(c: dict, gen: torch.Generator) -> dict[str, torch.Tensor]:
     return out
 
 
+def _mlp(prefix: str, h: int, i: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    return {
+        prefix + "gate_proj.weight": _w(gen, i, h),
+        prefix + "up_proj.weight": _w(gen, i, h),
+        prefix + "down_proj.weight": _w(gen, h, i),
+    }
+
+
+def _deepseek_tensors(c: dict, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """HF DeepseekV2ForCausalLM names, routed experts one by one (as save_pretrained writes them)."""
+    h, v, heads = c["hidden_size"], c["vocab_size"], c["num_attention_heads"]
+    q_lora, kv_lora, rope = c["q_lora_rank"], c["kv_lora_rank"], c["qk_rope_head_dim"]
+    qk, vd, moe_i = c["qk_nope_head_dim"] + rope, c["v_head_dim"], c["moe_intermediate_size"]
+    out = {"model.embed_tokens.weight": _w(gen, v, h), "model.norm.weight": _ones(h), "lm_head.weight": _w(gen, v, h)}
+    for n in range(c["num_hidden_layers"]):
+        p = f"model.layers.{n}."
+        out |= {
+            p + "input_layernorm.weight": _ones(h),
+            p + "post_attention_layernorm.weight": _ones(h),
+            p + "self_attn.q_a_proj.weight": _w(gen, q_lora, h),
+            p + "self_attn.q_a_layernorm.weight": _ones(q_lora),
+            p + "self_attn.q_b_proj.weight": _w(gen, heads * qk, q_lora),
+            p + "self_attn.kv_a_proj_with_mqa.weight": _w(gen, kv_lora + rope, h),
+            p + "self_attn.kv_a_layernorm.weight": _ones(kv_lora),
+            p + "self_attn.kv_b_proj.weight": _w(gen, heads * (c["qk_nope_head_dim"] + vd), kv_lora),
+            p + "self_attn.o_proj.weight": _w(gen, h, heads * vd),
+        }
+        if n < c["first_k_dense_replace"]:
+            out |= _mlp(p + "mlp.", h, c["intermediate_size"], gen)
+            continue
+        out[p + "mlp.gate.weight"] = _w(gen, c["n_routed_experts"], h)
+        out |= _mlp(p + "mlp.shared_experts.", h, moe_i * c["n_shared_experts"], gen)
+        for e in range(c["n_routed_experts"]):
+            out |= _mlp(p + f"mlp.experts.{e}.", h, moe_i, gen)
+    return out
+
+
 def checkpoint(shape: str) -> Path:
     """The directory of a random checkpoint with `shape`'s config (built on first use)."""
     path = CACHE / shape
@@ -70,7 +146,8 @@ def checkpoint(shape: str) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     config = SHAPES[shape]
     gen = torch.Generator().manual_seed(0)
-    save_file(_llama_tensors(config, gen), path / "model.safetensors", metadata={"format": "pt"})
+    tensors = (_deepseek_tensors if config["model_type"] == "deepseek_v2" else _llama_tensors)(config, gen)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(config, indent=2))
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": config["eos_token_id"]}))
     return path

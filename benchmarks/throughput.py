@@ -1,6 +1,7 @@
 """Engine throughput vs HF transformers on the same workload, in the same run.
 
-    python -m benchmarks.throughput [--shape qwen2-0.5b] [--num-prompts 32] [--prompt-len 128] [--output-len 128]
+    python -m benchmarks.throughput [--shape qwen2-0.5b|deepseek-v2-tiny] [--num-prompts 32] [--prompt-len 128]
+                                    [--output-len 128]
 
 Batch: N prompts of random token ids, greedy, EOS ignored → output tok/s. Batch-1: ms per decoded token.
 """

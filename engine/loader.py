@@ -107,13 +107,14 @@ def load_model(files: ModelFiles, hf_config: dict[str, Any], device: torch.devic
 def load_weights(model: nn.Module, files: ModelFiles) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     mapping: dict[str, tuple[str, str]] = getattr(model, "packed_modules_mapping", {})
-    ignored: tuple[str, ...] = getattr(model, "ignored_weights", ())
+    ignored: tuple[str, ...] = getattr(model, "ignored_weights", ())  # name suffixes
+    ignored_prefixes: tuple[str, ...] = getattr(model, "ignored_prefixes", ())  # e.g. layers serving never runs
     loaded: set[str] = set()
     for fname in weight_files(files):
         try:
             tensors = files.tensors(fname)
             for name, tensor in tensors:
-                if name.endswith(ignored):
+                if name.endswith(ignored) or name.startswith(ignored_prefixes):
                     continue
                 _load_one(model, params, mapping, name, tensor, fname)
                 loaded.add(name)

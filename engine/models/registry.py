@@ -5,12 +5,15 @@ from typing import Any
 from torch import nn
 
 from engine.errors import ModelLoadError
+from engine.models.deepseek_v2 import DeepseekV2ForCausalLM
 from engine.models.llama import LlamaForCausalLM
 
 ARCHITECTURES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV2ForCausalLM,
 }
 
 

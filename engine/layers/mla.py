@@ -1,0 +1,126 @@
+"""Multi-head latent attention (DeepSeek-V2/V3) over a paged cache of latents, not per-head K/V."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.context import PrefillMeta, get_context
+from engine.layers.linear import Linear, MergedLinear
+from engine.layers.norm import RMSNorm
+from engine.layers.rotary import apply_rotary, apply_rotary_interleaved
+
+
+class _UnpackedLinear(Linear):
+    def prepack(self, batch_hint: int, keep_weight: bool = False) -> bool:
+        return False  # NOTE: decode reads kv_b_proj's weight as W_UK / W_UV, so it keeps the plain layout
+
+
+class MLAttention(nn.Module):
+    """Caches, per token, the normalised KV latent c (kv_lora_rank) and the roped shared key (qk_rope_head_dim):
+    kv_cache [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim], bound by the runner.
+
+    Prefill up-projects the latents to per-head K/V (kv_b_proj) for SDPA. Decode never does: W_UK is absorbed
+    into the query (q_nope W_UK scores against c directly) and W_UV is applied after attending over c.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        q_lora_rank: int | None,
+        kv_lora_rank: int,
+        qk_nope_head_dim: int,
+        qk_rope_head_dim: int,
+        v_head_dim: int,
+        bias: bool,
+        scale: float,
+        rope_interleave: bool,
+        scratch: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_heads, self.q_lora_rank, self.kv_lora_rank = num_heads, q_lora_rank, kv_lora_rank
+        self.nope, self.rope, self.v_dim, self.scale = qk_nope_head_dim, qk_rope_head_dim, v_head_dim, scale
+        self.rotate = apply_rotary_interleaved if rope_interleave else apply_rotary
+        q_size, kv_a_size = num_heads * (qk_nope_head_dim + qk_rope_head_dim), kv_lora_rank + qk_rope_head_dim
+        # transformers builds both latent norms with its default eps, not rms_norm_eps
+        if q_lora_rank:
+            self.qkv_a_proj = MergedLinear(hidden_size, {"q_a": q_lora_rank, "kv_a": kv_a_size}, bias)
+            self.q_a_layernorm = RMSNorm(q_lora_rank, 1e-6)
+            self.q_b_proj = Linear(q_lora_rank, q_size)
+        else:
+            self.q_proj = Linear(hidden_size, q_size)
+            self.kv_a_proj_with_mqa = Linear(hidden_size, kv_a_size, bias)
+        self.kv_a_layernorm = RMSNorm(kv_lora_rank, 1e-6)
+        self.kv_b_proj = _UnpackedLinear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim))
+        self.o_proj = Linear(num_heads * v_head_dim, hidden_size, bias)
+        self.kv_cache = torch.empty(0)
+        # NOTE: gathered cache rows land in one buffer the model's layers share (they run one at a time):
+        # a fresh tensor per layer and step costs page faults once it outgrows malloc's mmap threshold
+        self.scratch = torch.empty(0) if scratch is None else scratch
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # x: [T, hidden]  cos, sin: [T, 1, R]
+        t, h, lat = x.shape[0], self.num_heads, self.kv_lora_rank
+        if self.q_lora_rank:
+            q, kv_a = self.qkv_a_proj(x).split([self.q_lora_rank, lat + self.rope], dim=-1)
+            q = self.q_b_proj(self.q_a_layernorm(q)[0])
+        else:
+            q, kv_a = self.q_proj(x), self.kv_a_proj_with_mqa(x)
+        q_nope, q_pe = q.view(t, h, -1).split([self.nope, self.rope], dim=-1)  # [T, H, N], [T, H, R]
+        q_pe = self.rotate(q_pe, cos, sin)
+        c, k_pe = kv_a.split([lat, self.rope], dim=-1)
+        latent = torch.cat((self.kv_a_layernorm(c)[0], self.rotate(k_pe, cos.squeeze(1), sin.squeeze(1))), -1)
+        ctx = get_context()
+        self.kv_cache.view(-1, lat + self.rope).index_copy_(0, ctx.slot_mapping, latent)  # latent: [T, L + R]
+
+        nd = ctx.num_decodes
+        if not ctx.prefills:
+            out = self._decode(q_nope, q_pe, ctx.decode_block_tables, ctx.decode_mask)
+        else:
+            out = q.new_empty(t, h, self.v_dim)
+            if nd:
+                out[:nd] = self._decode(q_nope[:nd], q_pe[:nd], ctx.decode_block_tables, ctx.decode_mask)
+            for p in ctx.prefills:
+                out[p.start : p.end] = self._prefill(q_nope[p.start : p.end], q_pe[p.start : p.end], latent, p)
+        return self.o_proj(out.flatten(1))
+
+    def _decode(
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, block_tables: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        b, lat = q_nope.shape[0], self.kv_lora_rank
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, lat)
+        w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]  # [H, N, L], [H, V, L]
+        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [B, H, L]
+        # NOTE: one latent "KV head" shared by all H query heads, which SDPA sees as H query positions. The values
+        # are the latents c; passing the whole cached row (c | k_pe) and dropping the rope columns after keeps
+        # q, k and v one width, which SDPA's fused CPU kernel needs (~2x faster than its fallback).
+        q = torch.cat((q_lat, q_pe), dim=-1).unsqueeze(1)  # [B, 1, H, L + R]
+        kv = self._gather(block_tables.flatten()).view(b, 1, -1, lat + self.rope)  # [B, 1, S, L + R]
+        o = F.scaled_dot_product_attention(q, kv, kv, attn_mask=mask, scale=self.scale)[..., :lat]  # [B, 1, H, L]
+        return torch.bmm(o.squeeze(1).transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [B, H, V]
+
+    def _prefill(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, p: PrefillMeta) -> torch.Tensor:
+        h, lat = self.num_heads, self.kv_lora_rank
+        if p.block_ids is None:  # nothing before this chunk: the fresh latents are the whole context
+            ctx_lat = latent[p.start : p.end]
+        else:  # earlier tokens (prefix-cache hits or earlier chunks) live in the cache
+            ctx_lat = self._gather(p.block_ids).view(-1, lat + self.rope)[: p.context_len]  # [N, L + R]
+        n = ctx_lat.shape[0]
+        k_nope, v = self.kv_b_proj(ctx_lat[:, :lat]).view(n, h, -1).split([self.nope, self.v_dim], dim=-1)
+        k = torch.cat((k_nope, ctx_lat[:, None, lat:].expand(n, h, self.rope)), dim=-1)  # [N, H, N + R]
+        q = torch.cat((q_nope, q_pe), dim=-1)  # [S, H, N + R]
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1),
+            k.transpose(0, 1),
+            v.transpose(0, 1),
+            attn_mask=p.mask,
+            is_causal=p.mask is None,
+            scale=self.scale,
+        )
+        return out.transpose(0, 1)  # [S, H, V]
+
+    def _gather(self, block_ids: torch.Tensor) -> torch.Tensor:
+        out = self.scratch.resize_(block_ids.shape[0], *self.kv_cache.shape[1:])  # keeps its storage when big enough
+        return torch.index_select(self.kv_cache, 0, block_ids, out=out)  # [n, block_size, L + R]

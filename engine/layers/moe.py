@@ -1,0 +1,111 @@
+"""DeepSeekMoE: a router over routed experts plus always-on shared experts."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.layers.activation import act_and_mul
+from engine.layers.linear import Linear, MergedLinear
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)); the dense layers, every routed expert and the shared experts."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool = False) -> None:
+        super().__init__()
+        sizes = {"gate": intermediate_size, "up": intermediate_size}
+        self.gate_up_proj = MergedLinear(hidden_size, sizes, bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias)
+        self.act = act_and_mul(hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class MoEGate(nn.Module):
+    """Top-k expert choice as transformers' DeepseekV2TopkRouter (softmax; greedy or group-limited greedy)
+    and DeepseekV3TopkRouter (sigmoid + e_score_correction_bias, groups ranked by their top-2 sum)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        scoring: str,  # "softmax" (V2) | "sigmoid" (V3, noaux_tc)
+        num_groups: int,
+        topk_groups: int,
+        norm_topk_prob: bool,
+        routed_scaling_factor: float,
+    ) -> None:
+        super().__init__()
+        assert scoring in ("softmax", "sigmoid") and num_experts % num_groups == 0
+        self.top_k, self.scoring, self.num_groups, self.topk_groups = top_k, scoring, num_groups, topk_groups
+        self.norm_topk_prob, self.routed_scaling_factor = norm_topk_prob, routed_scaling_factor
+        # NOTE: routing stays in float32 whatever the model dtype, as transformers keeps gate.weight in fp32
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32), requires_grad=False)
+        if scoring == "sigmoid":
+            self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts, dtype=torch.float32), False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x.float(), self.weight)  # [T, E]
+        if self.scoring == "softmax":
+            scores = logits.softmax(dim=-1)
+            choice, fill = scores, 0.0
+        else:
+            scores = logits.sigmoid()
+            choice, fill = scores + self.e_score_correction_bias, float("-inf")
+        if self.num_groups > 1:
+            grouped = choice.view(x.shape[0], self.num_groups, -1)  # [T, G, E / G]
+            rank = grouped.max(-1).values if self.scoring == "softmax" else grouped.topk(2, dim=-1)[0].sum(-1)
+            keep = torch.zeros_like(rank, dtype=torch.bool)
+            keep.scatter_(1, rank.topk(self.topk_groups, dim=-1)[1], True)  # [T, G]
+            choice = choice.masked_fill(~keep.unsqueeze(-1).expand_as(grouped).flatten(1), fill)
+        ids = choice.topk(self.top_k, dim=-1)[1]  # [T, K]
+        # NOTE: transformers' V2 router (unlike DeepSeek's remote code) ignores norm_topk_prob; so do we
+        weights = choice.gather(1, ids) if self.scoring == "softmax" else scores.gather(1, ids)  # [T, K]
+        if self.norm_topk_prob and self.scoring == "sigmoid":
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.routed_scaling_factor, ids
+
+
+class MoE(nn.Module):
+    def __init__(
+        self,
+        gate: MoEGate,
+        hidden_size: int,
+        moe_intermediate_size: int,
+        num_shared_experts: int,
+        hidden_act: str,
+        shared_bias: bool = False,
+    ) -> None:
+        super().__init__()
+        self.gate = gate
+        num_experts = gate.weight.shape[0]
+        self.experts = nn.ModuleList(
+            GatedMLP(hidden_size, moe_intermediate_size, hidden_act) for _ in range(num_experts)
+        )
+        self.shared_experts = None
+        if num_shared_experts:
+            size = moe_intermediate_size * num_shared_experts
+            self.shared_experts = GatedMLP(hidden_size, size, hidden_act, shared_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)  # [T, K]
+        top_k = ids.shape[1]
+        # Group the T * K (token, expert) pairs by expert so each expert runs once, on just its tokens.
+        flat = ids.flatten()
+        order = flat.argsort(stable=True)  # [T * K]
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        tokens = order // top_k
+        xs = x[tokens]  # [T * K, hidden], expert-major
+        ys = torch.empty_like(xs)
+        start = 0
+        for expert, n in zip(self.experts, counts, strict=True):
+            if n:
+                ys[start : start + n] = expert(xs[start : start + n])
+                start += n
+        ys = (ys.float() * weights.flatten()[order].unsqueeze(1)).to(x.dtype)
+        out = torch.zeros_like(x).index_add_(0, tokens, ys)  # [T, hidden]
+        return out if self.shared_experts is None else out + self.shared_experts(x)
