@@ -6,7 +6,8 @@ import json
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from tests.tokenizer_builders import train_byte_level
 
 CHATML = (
     "{% for message in messages %}"
@@ -26,13 +27,7 @@ def build_tiny_chat_model(path: Path, seed: int = 0) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     path.mkdir(parents=True, exist_ok=True)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tok.train_from_iterator(CORPUS, trainer)
+    tok = train_byte_level(CORPUS, SPECIALS, vocab_size=400)
     tok.save(str(path / "tokenizer.json"))
     vocab = tok.get_vocab_size()
     eos = tok.token_to_id("<|im_end|>")

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
@@ -144,3 +145,19 @@ def run_core(
             tokens[out.req_id].extend(out.new_token_ids)
         step += 1
     return tokens
+
+
+def mixed_prompts(n: int = 8, seed: int = 0, prefix: list[int] | None = None) -> dict[str, list[int]]:
+    """Prompts of different lengths (1 to 64 tokens), optionally behind a shared prefix."""
+    rng = random.Random(seed)
+    lengths = [3, 17, 33, 8, 64, 1, 40, 25][:n]
+    return {f"r{i}": (prefix or []) + [rng.randrange(3, VOCAB) for _ in range(k)] for i, k in enumerate(lengths)}
+
+
+def hf_expected(cache: dict, path: Path, prompts: dict[str, list[int]], n: int) -> dict[str, list[int]]:
+    """transformers' greedy continuations; the same prompts recur across tests, so each is generated once."""
+    model = hf_model(cache, path)
+    for p in prompts.values():
+        if (path, tuple(p)) not in cache:
+            cache[path, tuple(p)] = hf_greedy(model, p, n)
+    return {r: cache[path, tuple(p)] for r, p in prompts.items()}

@@ -14,7 +14,7 @@ from engine.models.deepseek_v2 import DeepseekV2ForCausalLM
 from engine.outputs import SchedulerOutput
 from engine.params import SamplingParams
 from engine.request import Request
-from tests.parity.conftest import VOCAB, hf_greedy, hf_model, make_core, run_core
+from tests.parity.conftest import VOCAB, hf_expected, hf_model, make_core, mixed_prompts, run_core
 
 NEW_TOKENS = 32
 BASE: dict[str, object] = dict(
@@ -108,18 +108,8 @@ def hf_cache() -> dict:
     return {}
 
 
-def _prompts(n: int = 8, seed: int = 0, prefix: list[int] | None = None) -> dict[str, list[int]]:
-    rng = random.Random(seed)
-    lengths = [3, 17, 33, 8, 64, 1, 40, 25][:n]
-    return {f"r{i}": (prefix or []) + [rng.randrange(3, VOCAB) for _ in range(k)] for i, k in enumerate(lengths)}
-
-
 def _expected(cache: dict, path: Path, prompts: dict[str, list[int]]) -> dict[str, list[int]]:
-    model = hf_model(cache, path)
-    for p in prompts.values():
-        if (path, tuple(p)) not in cache:
-            cache[path, tuple(p)] = hf_greedy(model, p, NEW_TOKENS)
-    return {r: cache[path, tuple(p)] for r, p in prompts.items()}
+    return hf_expected(cache, path, prompts, NEW_TOKENS)
 
 
 def test_prefill_and_decode_logits_match(ds_dir: Path, hf_cache: dict) -> None:
@@ -128,7 +118,7 @@ def test_prefill_and_decode_logits_match(ds_dir: Path, hf_cache: dict) -> None:
     model = core.runner.model
     original = model.compute_logits
     model.compute_logits = lambda h: captured.append(original(h)) or captured[-1]  # type: ignore[method-assign]
-    prompts = _prompts(3)
+    prompts = mixed_prompts(3)
     run_core(core, prompts, 2)
     hf = hf_model(hf_cache, ds_dir)
     for i, p in enumerate(prompts.values()):
@@ -142,13 +132,13 @@ def test_prefill_and_decode_logits_match(ds_dir: Path, hf_cache: dict) -> None:
 
 
 def test_greedy_batch_matches_generate(ds_dir: Path, hf_cache: dict) -> None:
-    prompts = _prompts()
+    prompts = mixed_prompts()
     assert run_core(make_core(ds_dir), prompts, NEW_TOKENS) == _expected(hf_cache, ds_dir, prompts)
 
 
 def test_prefix_cache_hits_keep_tokens(ds_dir: Path, hf_cache: dict) -> None:
     prefix = [random.Random(5).randrange(3, VOCAB) for _ in range(40)]
-    prompts = _prompts(prefix=prefix)
+    prompts = mixed_prompts(prefix=prefix)
     core = make_core(ds_dir, block_size=8)
     run_core(core, {"r0": prompts["r0"]}, NEW_TOKENS)
     got = run_core(core, {r: p for r, p in prompts.items() if r != "r0"}, NEW_TOKENS)
@@ -158,7 +148,7 @@ def test_prefix_cache_hits_keep_tokens(ds_dir: Path, hf_cache: dict) -> None:
 
 
 def test_chunked_prefill_and_arrivals_keep_tokens(ds_dir: Path, hf_cache: dict) -> None:
-    prompts = _prompts()
+    prompts = mixed_prompts()
     core = make_core(ds_dir, max_num_batched_tokens=16)
     chunks: list[tuple[str, int]] = []
     original = core.scheduler.schedule
@@ -175,7 +165,7 @@ def test_chunked_prefill_and_arrivals_keep_tokens(ds_dir: Path, hf_cache: dict) 
 
 
 def test_preemption_keeps_tokens(ds_dir: Path, hf_cache: dict) -> None:
-    prompts = _prompts()
+    prompts = mixed_prompts()
     per_block = make_core(ds_dir, max_model_len=128).runner.kv_bytes_per_block()
     core = make_core(ds_dir, max_model_len=128, kv_cache_bytes=per_block * 16)
     assert run_core(core, prompts, NEW_TOKENS) == _expected(hf_cache, ds_dir, prompts)
@@ -192,7 +182,7 @@ def test_decode_stays_latent_and_experts_run_once(tmp_path: Path) -> None:
     moe = model.model.layers[1].mlp
     for e, expert in enumerate(moe.experts):
         expert.register_forward_hook(lambda m, i, o, e=e: expert_rows.setdefault(e, []).append(i[0].shape[0]))
-    prompts = _prompts(4)
+    prompts = mixed_prompts(4)
     for rid, p in prompts.items():
         core.add_request(Request(rid, p, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)))
     core.step()  # all four prompts prefill in one step

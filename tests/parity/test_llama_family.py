@@ -8,28 +8,13 @@ from pathlib import Path
 import torch
 
 from engine.outputs import SchedulerOutput
-from tests.parity.conftest import VOCAB, hf_greedy, hf_model, make_core, run_core
+from tests.parity.conftest import VOCAB, hf_expected, hf_model, make_core, mixed_prompts, run_core
 
 NEW_TOKENS = 32
 
 
-def _prompts(n: int = 8, seed: int = 0, prefix: list[int] | None = None) -> dict[str, list[int]]:
-    rng = random.Random(seed)
-    lengths = [3, 17, 33, 8, 64, 1, 40, 25][:n]
-    return {
-        f"r{i}": (prefix or []) + [rng.randrange(3, VOCAB) for _ in range(length)] for i, length in enumerate(lengths)
-    }
-
-
-def _expected(hf: dict, path: Path, prompts: dict[str, list[int]]) -> dict[str, list[int]]:
-    model = hf_model(hf, path)
-    out = {}
-    for r, p in prompts.items():
-        key = (path, tuple(p))  # the same prompts recur across tests: generate each once
-        if key not in hf:
-            hf[key] = hf_greedy(model, p, NEW_TOKENS)
-        out[r] = hf[key]
-    return out
+def _expected(cache: dict, path: Path, prompts: dict[str, list[int]]) -> dict[str, list[int]]:
+    return hf_expected(cache, path, prompts, NEW_TOKENS)
 
 
 def test_prefill_logits_match(model_dir: Path, hf_models: dict) -> None:
@@ -38,7 +23,7 @@ def test_prefill_logits_match(model_dir: Path, hf_models: dict) -> None:
     model = core.runner.model
     original = model.compute_logits
     model.compute_logits = lambda h: captured.append(original(h)) or captured[-1]  # type: ignore[method-assign]
-    prompts = _prompts(3)
+    prompts = mixed_prompts(3)
     run_core(core, prompts, 1)
     ours = captured[0]  # the first step prefilled all three prompts together
     hf = hf_model(hf_models, model_dir)
@@ -49,13 +34,13 @@ def test_prefill_logits_match(model_dir: Path, hf_models: dict) -> None:
 
 
 def test_greedy_batch_matches_generate(model_dir: Path, hf_models: dict) -> None:
-    prompts = _prompts()
+    prompts = mixed_prompts()
     assert run_core(make_core(model_dir), prompts, NEW_TOKENS) == _expected(hf_models, model_dir, prompts)
 
 
 def test_prefix_cache_hits_keep_tokens(model_dir: Path, hf_models: dict) -> None:
     prefix = [random.Random(5).randrange(3, VOCAB) for _ in range(40)]
-    prompts = _prompts(prefix=prefix)
+    prompts = mixed_prompts(prefix=prefix)
     core = make_core(model_dir, block_size=8)
     first = {"r0": prompts["r0"]}
     run_core(core, first, NEW_TOKENS)
@@ -66,7 +51,7 @@ def test_prefix_cache_hits_keep_tokens(model_dir: Path, hf_models: dict) -> None
 
 
 def test_chunked_prefill_keeps_tokens(model_dir: Path, hf_models: dict) -> None:
-    prompts = _prompts()
+    prompts = mixed_prompts()
     core = make_core(model_dir, max_num_batched_tokens=16)
     chunks: list[tuple[str, int, int]] = []
     original = core.scheduler.schedule
@@ -84,7 +69,7 @@ def test_chunked_prefill_keeps_tokens(model_dir: Path, hf_models: dict) -> None:
 
 
 def test_preemption_keeps_tokens(model_dir: Path, hf_models: dict) -> None:
-    prompts = _prompts()
+    prompts = mixed_prompts()
     core = make_core(model_dir, max_model_len=128)
     per_block = core.runner.kv_bytes_per_block()
     core = make_core(model_dir, max_model_len=128, kv_cache_bytes=per_block * 16)  # 16 blocks of 16 tokens
@@ -94,7 +79,7 @@ def test_preemption_keeps_tokens(model_dir: Path, hf_models: dict) -> None:
 
 
 def test_arrivals_during_decode_keep_tokens(model_dir: Path, hf_models: dict) -> None:
-    prompts = _prompts()
+    prompts = mixed_prompts()
     arrivals = {0: ["r0", "r1"], 3: ["r2", "r3", "r4"], 10: ["r5", "r6"], 20: ["r7"]}
     got = run_core(make_core(model_dir), prompts, NEW_TOKENS, arrivals)
     assert got == _expected(hf_models, model_dir, prompts)

@@ -7,11 +7,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.tokenizer import Tokenizer
+from tests.tokenizer_builders import train_byte_level, train_metaspace
 
 CORPUS = [
     "Hello world! The quick brown fox jumps over the lazy dog.",
@@ -30,33 +29,13 @@ STORY = "The answer is 42. END of story, 今天天气很好 and more."
 
 
 def byte_level() -> Tokenizer:
-    backend = HFTokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400, special_tokens=["<|im_end|>"], initial_alphabet=alphabet, show_progress=False
-    )
-    backend.train_from_iterator(CORPUS, trainer)
+    backend = train_byte_level(CORPUS, ["<|im_end|>"], vocab_size=400)
     return Tokenizer(backend, {"eos_token": "<|im_end|>"}, {})
 
 
 def metaspace() -> Tokenizer:
     """Llama-2 style: metaspace BPE with byte fallback, so characters missing from the vocab become <0xNN>."""
-    backend = HFTokenizer(models.BPE(unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"], limit_alphabet=60)
-    trainer.show_progress = False
-    backend.train_from_iterator(CORPUS, trainer)
-    spec = json.loads(backend.to_str())
-    vocab = spec["model"]["vocab"]
-    for byte in range(256):
-        vocab[f"<0x{byte:02X}>"] = len(vocab)
-    spec["model"]["byte_fallback"] = True
-    backend = HFTokenizer.from_str(json.dumps(spec))
-    backend.decoder = decoders.Sequence(
-        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
-    )
+    backend = train_metaspace(CORPUS, vocab_size=300, limit_alphabet=60)
     return Tokenizer(backend, {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}, {})
 
 

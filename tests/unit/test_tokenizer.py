@@ -8,11 +8,12 @@ from typing import Any
 import jinja2
 import pytest
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
 from engine.errors import InvalidRequestError, ModelLoadError
 from engine.tokenizer import Tokenizer
+from tests import tokenizer_builders as builders
 
 CORPUS = [
     "Hello world! The quick brown fox jumps over the lazy dog.",
@@ -170,36 +171,12 @@ def write_model_dir(path: Path, tok: HFTokenizer, config: dict[str, Any]) -> Pat
 
 
 def train_byte_level(specials: list[str]) -> HFTokenizer:
-    tok = HFTokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=700,
-        special_tokens=specials,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(CORPUS, trainer)
-    return tok
+    return builders.train_byte_level(CORPUS, specials, vocab_size=700)
 
 
 def train_metaspace() -> HFTokenizer:
-    """Llama-2 style: metaspace BPE with byte fallback, so characters missing from the vocab become <0xNN>."""
-    tok = HFTokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
-    trainer = trainers.BpeTrainer(
-        vocab_size=500, special_tokens=["<unk>", "<s>", "</s>"], limit_alphabet=70, show_progress=False
-    )
-    tok.train_from_iterator(CORPUS, trainer)
-    spec = json.loads(tok.to_str())
-    vocab = spec["model"]["vocab"]
-    for byte in range(256):
-        vocab[f"<0x{byte:02X}>"] = len(vocab)
-    spec["model"]["byte_fallback"] = True
-    tok = HFTokenizer.from_str(json.dumps(spec))
-    tok.decoder = decoders.Sequence(
-        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
-    )
+    """Llama-2 style: metaspace BPE with byte fallback, and <s> prepended by the post-processor."""
+    tok = builders.train_metaspace(CORPUS, vocab_size=500, limit_alphabet=70)
     tok.post_processor = processors.TemplateProcessing(
         single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", tok.token_to_id("<s>"))]
     )
