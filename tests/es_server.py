@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -82,7 +83,23 @@ class EsServer:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+        # NOTE: `noida-db` is a Python wrapper around the server binary; the wrapper exits at once on a
+        # signal while the binary may still answer for a moment as it saves its data. Down means the
+        # port refuses connections.
+        deadline = time.monotonic() + 10
+        while self._answers() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if self._answers():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc = None
+
+    def _answers(self) -> bool:
+        try:
+            socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+        except OSError:
+            return False
+        return True
 
     def __enter__(self) -> EsServer:
         return self.start() if self.proc is None else self
