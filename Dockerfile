@@ -30,27 +30,33 @@ ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG EXTRAS=
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
-# a compiler only for dependencies that ship no wheel for this platform; it stays in this stage
+# a compiler for dependencies that ship no wheel for this platform and for libgcrypt 1.11; it stays in this stage
 # hadolint ignore=DL3008
 RUN apt-get update \
- && apt-get install -y --no-install-recommends build-essential \
+ && apt-get install -y --no-install-recommends build-essential bzip2 \
  && rm -rf /var/lib/apt/lists/*
 RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 # torch first, from the CPU index: the package's own `torch>=2.4` is then satisfied and no CUDA wheel is pulled
 RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
+# libgcrypt 1.11 + libgpg-error 1.51 from sha256-pinned sources into <venv>/opt/gcrypt, where security.gcrypt
+# looks first (sys.prefix is /opt/venv); it travels with the venv. SM4 on GFNI/AVX-512: ~2.8x bookworm's 1.10.
+COPY deploy/libgcrypt/build.sh /src/deploy/libgcrypt/build.sh
+RUN --mount=type=cache,target=/root/.cache/tianmen-gcrypt bash /src/deploy/libgcrypt/build.sh /opt/venv/opt/gcrypt
 COPY pyproject.toml README.md /src/
 COPY gateway /src/gateway
 COPY engine /src/engine
 COPY security /src/security
 COPY audit /src/audit
 RUN pip install "/src${EXTRAS:+[$EXTRAS]}" \
- && python -c "import gateway.server, engine, security.sm4, audit"
+ && python -c "import gateway.server, engine, security.sm4, audit" \
+ && python -c "from security.gcrypt import BUNDLED, Gcrypt; g = Gcrypt.load(); assert g and g.path == str(BUNDLED), g"
 
 FROM ${BASE_IMAGE}
 ARG TIANMEN_UID=10001
 ARG TIANMEN_GID=10001
-# libgcrypt: chunk-parallel SM4 decryption of sealed weights (OpenSSL is the fallback)
+# libgcrypt: chunk-parallel SM4 decryption of sealed weights (OpenSSL is the fallback); the venv brings 1.11,
+# the system's 1.10 is the fallback should that one not load
 # hadolint ignore=DL3008
 RUN test "${TIANMEN_UID}" -ne 0 \
  && apt-get update \

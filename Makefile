@@ -2,10 +2,23 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.setup-done
+# libgcrypt 1.11 (GFNI/AVX-512 SM4 for sealed weights), where security.gcrypt looks for it: <sys.prefix>/opt/gcrypt
+GCRYPT := $(VENV)/opt/gcrypt
+GCRYPT_STAMP := $(VENV)/.gcrypt-tried
 
-.PHONY: setup run test lint bench bench-all clean
+.PHONY: setup gcrypt run test lint bench bench-all clean
 
-setup: $(STAMP)
+setup: $(STAMP) $(GCRYPT_STAMP)
+
+# Optional: without it the system's libgcrypt 1.10 decrypts sealed weights, ~2.8x slower. A failed build (no
+# network, no compiler) warns once; setup then goes on and `make gcrypt` retries (build.sh is a no-op once built).
+gcrypt: | $(STAMP)
+	@bash deploy/libgcrypt/build.sh $(GCRYPT) || echo "WARNING: libgcrypt 1.11 not built (see above):\
+	 sealed weights decrypt with the system libgcrypt, slower; retry with: make gcrypt"
+	@touch $(GCRYPT_STAMP)
+
+$(GCRYPT_STAMP): deploy/libgcrypt/build.sh | $(STAMP)
+	@$(MAKE) --no-print-directory gcrypt
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)

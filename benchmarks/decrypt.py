@@ -3,8 +3,10 @@
     python -m benchmarks.decrypt [--mb 256] [--model-mb 200] [--threads 1,2] [--repeat 3]
 
 Raw rows decrypt 4 MiB chunks in place (best of --repeat); memcpy, SM3 and gmssl (pure Python, SM4-ECB
-on 256 KB) set the scale. Load rows read a random ~200 MB safetensors file into tensors: clear through
-safetensors, sealed through SealedFiles (unwrap + decrypt + zero-copy views), and `verify` (+ SM3).
+on 256 KB) set the scale. They measure the libgcrypt security.gcrypt picks, and the system's too when that is
+another file (the bundled 1.11 of `make gcrypt` next to bookworm's 1.10). Load rows read a random ~200 MB
+safetensors file into tensors: clear through safetensors, sealed through SealedFiles (unwrap + decrypt +
+zero-copy views), and `verify` (+ SM3).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from security.gcrypt import Gcrypt
+from security.gcrypt import Gcrypt, system_library
 from security.keys import new_key_file
 from security.seal import DEFAULT_CHUNK, seal
 from security.sealed import SealedFiles, verify
@@ -62,15 +64,14 @@ def raw_rows(mb: int, threads: list[int], repeat: int) -> list[tuple[str, int, i
     spans = [(i, min(DEFAULT_CHUNK, size - i)) for i in range(0, size, DEFAULT_CHUNK)]
     rows = [("memcpy", 1, size, best(lambda: view.__setitem__(slice(None), plain), repeat))]
     rows.append(("SM3 (hashlib)", 1, size, best(lambda: sm3(plain).hexdigest(), repeat)))
-    for name in available_backends():
-        cipher = sm4_gcm(name)
+    for label, cipher in ciphers():
         buf[:] = plain
         tags = [cipher.encrypt(KEY, NONCE, AAD, view[s : s + n]) for s, n in spans]
         sealed = bytes(buf)
         for t in threads:
             run = functools.partial(decrypt_all, cipher, view, spans, tags, t)
             restore = functools.partial(view.__setitem__, slice(None), sealed)
-            rows.append((f"SM4-GCM {name}", t, size, best(run, repeat, restore)))
+            rows.append((label, t, size, best(run, repeat, restore)))
             assert buf == plain
     from gmssl.sm4 import SM4_ENCRYPT, CryptSM4
 
@@ -79,6 +80,29 @@ def raw_rows(mb: int, threads: list[int], repeat: int) -> list[tuple[str, int, i
     small = plain[: 256 * 1024]
     rows.append(("SM4-ECB gmssl (pure Python)", 1, len(small), best(lambda: gm.crypt_ecb(small), 1)))
     return rows
+
+
+def libraries() -> list[Gcrypt]:
+    """The libgcrypt in use, then the system's when it is a different file (so both show up in one table)."""
+    used = Gcrypt.load()
+    if used is None:
+        return []
+    path = system_library()
+    system = Gcrypt.from_path(path) if path else None
+    if system is None or os.path.realpath(system.path) == os.path.realpath(used.path):
+        return [used]
+    return [used, system]
+
+
+def ciphers() -> list[tuple[str, Sm4Gcm]]:
+    out: list[tuple[str, Sm4Gcm]] = []
+    for name in available_backends():
+        if name == "gcrypt":
+            libs = libraries()
+            out += [(f"SM4-GCM gcrypt {lib.version}" + (" (system)" if i else ""), lib) for i, lib in enumerate(libs)]
+        else:
+            out.append((f"SM4-GCM {name}", sm4_gcm(name)))
+    return out
 
 
 def load_rows(model_mb: int, threads: list[int], repeat: int, workdir: Path) -> list[tuple[str, int, int, float]]:
@@ -129,10 +153,14 @@ def main() -> None:
     threads = [int(t) for t in args.threads.split(",")]
     flags = Path("/proc/cpuinfo").read_text()
     cpu = next((ln.split(":", 1)[1].strip() for ln in flags.splitlines() if ln.startswith("model name")), "?")
-    lib = Gcrypt.load()
     print(f"{platform.python_version()} · {cpu} · {len(os.sched_getaffinity(0))} cores")
     print(f"AVX-512: {'yes' if 'avx512' in flags else 'no'} · GFNI: {'yes' if ' gfni' in flags else 'no'}", end=" · ")
-    print(f"libgcrypt {lib.version if lib else 'absent'} · load average {os.getloadavg()[0]:.2f}")
+    print(f"load average {os.getloadavg()[0]:.2f}")
+    libs = libraries()
+    for i, lib in enumerate(libs):
+        print(f"libgcrypt {lib.version} {lib.path}" + (" (system, measured for comparison)" if i else " (in use)"))
+    if not libs:
+        print("libgcrypt absent")
     rows = raw_rows(args.mb, threads, args.repeat)
     with tempfile.TemporaryDirectory(dir=args.dir) as d:
         rows += load_rows(args.model_mb, threads, args.repeat, Path(d))

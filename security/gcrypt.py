@@ -1,14 +1,26 @@
-"""SM4-GCM from the system libgcrypt (>= 1.9) through ctypes, in place.
+"""SM4-GCM from libgcrypt (>= 1.9) through ctypes, in place.
 
 ctypes releases the GIL for the call, so chunks decrypt in parallel on a thread pool.
-Debian's libgcrypt 1.10 runs SM4 on AES-NI/AVX2 (~5x OpenSSL's generic C code).
+Debian bookworm's libgcrypt 1.10 runs SM4 on AES-NI/AVX2 (~5x OpenSSL's generic C code); 1.11, which
+`make gcrypt` builds into <venv>/opt/gcrypt (deploy/libgcrypt/build.sh), adds GFNI/AVX-512 (~2.8x again).
+
+The first usable library wins, each loaded by absolute path (by soname only when no system copy is found in the
+usual directories):
+  1. $TIANMEN_LIBGCRYPT, a path to a libgcrypt.so. If it is unusable (missing, fails to load, older than 1.9,
+     no SM4) a WARNING names it and the search goes on: the library only sets the speed, never the result.
+  2. <sys.prefix>/opt/gcrypt/lib/libgcrypt.so.20, the bundled 1.11.
+  3. The system's libgcrypt.so.20.
 """
 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
+import logging
+import os
+import sys
+import sysconfig
 import threading
+from pathlib import Path
 
 from cryptography.exceptions import InvalidTag
 
@@ -20,14 +32,23 @@ GPG_ERR_CHECKSUM = 10
 GCRYCTL_DISABLE_SECMEM = 37
 GCRYCTL_INITIALIZATION_FINISHED = 38
 GCRYCTL_INITIALIZATION_FINISHED_P = 39
-LIBRARY_NAMES = ("libgcrypt.so.20", "gcrypt")
+SONAME = "libgcrypt.so.20"
+ENV_VAR = "TIANMEN_LIBGCRYPT"
+BUNDLED = Path(sys.prefix) / "opt" / "gcrypt" / "lib" / SONAME
 
+log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _loaded: dict[str, Gcrypt | None] = {}
+_unusable: dict[str, str] = {}  # path -> why it was not loaded, for the warnings
+_preloaded = False
 
 
 class GcryptError(RuntimeError):
     """libgcrypt refused an operation for a reason other than a failed tag."""
+
+
+class _Unusable(Exception):
+    """This file is no libgcrypt >= 1.9 with SM4 that this process can load."""
 
 
 class Gcrypt:
@@ -35,17 +56,25 @@ class Gcrypt:
 
     name = "gcrypt"
 
-    def __init__(self, lib: ctypes.CDLL, algo: int, version: str) -> None:
+    def __init__(self, lib: ctypes.CDLL, algo: int, version: str, path: str) -> None:
         self._lib = lib
         self._algo = algo
         self.version = version
+        self.path = path
 
     @classmethod
     def load(cls) -> Gcrypt | None:
+        """The first usable library of the search order (module docstring), once per process."""
         with _lock:
-            if "lib" not in _loaded:
-                _loaded["lib"] = _open()
-            return _loaded["lib"]
+            if "" not in _loaded:  # "" is no path: the key of the search's result
+                _loaded[""] = _search()
+            return _loaded[""]
+
+    @classmethod
+    def from_path(cls, path: str | os.PathLike[str]) -> Gcrypt | None:
+        """The library at `path` (absolute), or None when it is missing or unusable; benchmarks compare them."""
+        with _lock:
+            return _open_cached(os.path.abspath(path))
 
     def encrypt(self, key: bytes, nonce: bytes, aad: bytes, buf: memoryview) -> bytes:
         """Encrypts `buf` in place; returns the 16-byte tag."""
@@ -93,19 +122,91 @@ def _pointer(buf: memoryview) -> tuple[ctypes.Array[ctypes.c_char] | None, int]:
     return (ctypes.c_char * len(buf)).from_buffer(buf), len(buf)
 
 
-def _open() -> Gcrypt | None:
-    lib = None
-    for name in LIBRARY_NAMES:
-        path = name if name.startswith("lib") else ctypes.util.find_library(name)
-        if path is None:
-            continue
+def system_library() -> str | None:
+    """Absolute path of the system's libgcrypt.so.20. Not by soname: once the bundled copy is loaded (same
+    soname) dlopen("libgcrypt.so.20") would return that one again."""
+    multiarch = sysconfig.get_config_var("MULTIARCH")
+    dirs = [f"/usr/lib/{multiarch}", f"/lib/{multiarch}"] if multiarch else []
+    dirs += ["/usr/lib64", "/lib64", "/usr/lib", "/lib", "/usr/local/lib"]
+    return next((f"{d}/{SONAME}" for d in dirs if os.path.isfile(f"{d}/{SONAME}")), None)
+
+
+def _search() -> Gcrypt | None:
+    explicit = os.environ.get(ENV_VAR)
+    if explicit:
+        lib = _open_cached(os.path.abspath(explicit))
+        if lib is not None:
+            return _chosen(lib, ENV_VAR)
+        why = _unusable.get(os.path.abspath(explicit), "?")
+        log.warning("%s=%s is not usable (%s): ignoring it, searching on", ENV_VAR, explicit, why)
+    if BUNDLED.exists():  # its absence is normal (no compiler or no network at setup), not worth a warning
+        lib = _open_cached(str(BUNDLED))
+        if lib is not None:
+            return _chosen(lib, "bundled")
+        why = _unusable.get(str(BUNDLED), "?")
+        log.warning("bundled %s is not usable (%s): using the system's, slower", BUNDLED, why)
+    # last resort, as before this search existed: the dynamic loader's own lookup, for unusual layouts
+    lib = _open_cached(system_library() or SONAME)
+    return _chosen(lib, "system") if lib is not None else None
+
+
+def _chosen(lib: Gcrypt, source: str) -> Gcrypt:
+    log.info("SM4-GCM: libgcrypt %s from %s (%s)", lib.version, lib.path, source)
+    return lib
+
+
+def _preload_bundled_gpg_error() -> None:
+    """The bundled libgcrypt 1.11 needs libgpg-error >= 1.49 (the system's is 1.46 on bookworm). The first
+    libgpg-error.so.0 a process loads serves every later library asking for that soname, RUNPATH or not, so
+    the bundled one goes first; the system's libgcrypt works with it as well (same ABI, newer)."""
+    global _preloaded
+    if _preloaded:
+        return
+    _preloaded = True
+    path = BUNDLED.parent / "libgpg-error.so.0"
+    if path.exists():
         try:
-            lib = ctypes.CDLL(path)
-            break
-        except OSError:
-            continue
-    if lib is None:
-        return None
+            ctypes.CDLL(str(path))
+        except OSError as e:
+            log.debug("cannot preload %s: %s", path, e)
+
+
+def _open_cached(path: str) -> Gcrypt | None:
+    _preload_bundled_gpg_error()
+    if path not in _loaded:
+        try:
+            _loaded[path] = _open(path)
+        except _Unusable as e:
+            _loaded[path], _unusable[path] = None, str(e)
+    return _loaded[path]
+
+
+def _open(path: str) -> Gcrypt:
+    if "/" in path and not os.path.isfile(path):
+        raise _Unusable("no such file")
+    try:
+        lib = ctypes.CDLL(path)
+    except OSError as e:  # e.g. it needs a newer libgpg-error than the one already loaded in this process
+        raise _Unusable(str(e)) from e
+    try:
+        _declare(lib)
+    except AttributeError as e:  # some other library named by TIANMEN_LIBGCRYPT
+        raise _Unusable(f"not libgcrypt: {e}") from e
+    version = lib.gcry_check_version(MIN_VERSION)  # NOTE: must be the first call into libgcrypt
+    if version is None:
+        raise _Unusable(f"older than {MIN_VERSION.decode()}")
+    # Another library in the process (GnuTLS, say) may have initialised it already; if not, we do, without
+    # secure memory: it only matters for keys swapped to disk, and its warnings would go to stderr.
+    if not lib.gcry_control(ctypes.c_int(GCRYCTL_INITIALIZATION_FINISHED_P)):
+        lib.gcry_control(ctypes.c_int(GCRYCTL_DISABLE_SECMEM), ctypes.c_int(0))
+        lib.gcry_control(ctypes.c_int(GCRYCTL_INITIALIZATION_FINISHED), ctypes.c_int(0))
+    algo = lib.gcry_cipher_map_name(SM4_NAME)
+    if not algo:
+        raise _Unusable("no SM4")
+    return Gcrypt(lib, algo, version.decode(), path)
+
+
+def _declare(lib: ctypes.CDLL) -> None:
     lib.gcry_check_version.restype = ctypes.c_char_p
     lib.gcry_check_version.argtypes = [ctypes.c_char_p]
     lib.gcry_control.restype = ctypes.c_uint
@@ -132,15 +233,3 @@ def _open() -> Gcrypt | None:
             ctypes.c_void_p,
             ctypes.c_size_t,
         ]
-    version = lib.gcry_check_version(MIN_VERSION)  # NOTE: must be the first call into libgcrypt
-    if version is None:
-        return None
-    # Another library in the process (GnuTLS, say) may have initialised it already; if not, we do, without
-    # secure memory: it only matters for keys swapped to disk, and its warnings would go to stderr.
-    if not lib.gcry_control(ctypes.c_int(GCRYCTL_INITIALIZATION_FINISHED_P)):
-        lib.gcry_control(ctypes.c_int(GCRYCTL_DISABLE_SECMEM), ctypes.c_int(0))
-        lib.gcry_control(ctypes.c_int(GCRYCTL_INITIALIZATION_FINISHED), ctypes.c_int(0))
-    algo = lib.gcry_cipher_map_name(SM4_NAME)
-    if not algo:
-        return None
-    return Gcrypt(lib, algo, version.decode())
