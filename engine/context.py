@@ -9,13 +9,15 @@ import torch
 
 @dataclass(slots=True)
 class PrefillMeta:
-    """A chunk of >= 2 query tokens of one sequence, at rows [start, end) of the step's tokens."""
+    """Prefill query rows [start, end) of the step's tokens: a chunk of >= 2 tokens of one sequence, or
+    `num_seqs` whole prompts of one length side by side, which attention runs as one batch."""
 
     start: int
     end: int
     context_len: int  # tokens of the sequence in the cache after this step's write
     block_ids: torch.Tensor | None  # [num_blocks] int64, only when earlier tokens must be read from the cache
     mask: torch.Tensor | None  # [q_len, context_len] bool (True = attend), with block_ids
+    num_seqs: int = 1  # > 1 only for whole prompts (block_ids None): rows hold num_seqs x context_len tokens
 
 
 @dataclass(slots=True)
@@ -23,7 +25,9 @@ class AttentionContext:
     slot_mapping: torch.Tensor  # [T] int64: where each token's K/V go in the flattened cache
     num_decodes: int  # rows [0, num_decodes) are single-token queries, one per sequence
     decode_block_tables: torch.Tensor | None  # [D, max_blocks] int64
-    decode_mask: torch.Tensor | None  # [D, 1, 1, max_blocks * block_size] bool (True = attend)
+    # [D, 1, 1, max_blocks * block_size] in the model's dtype, added to the scores: 0 attends, -inf hides padding.
+    # NOTE: additive, built once per step: SDPA turns a bool mask into this in every layer otherwise.
+    decode_mask: torch.Tensor | None
     prefills: list[PrefillMeta]
 
 

@@ -126,7 +126,11 @@ class ModelRunner:
                 continue
             ctx_len = s.start + n
             if s.start == 0:
-                prefills.append(PrefillMeta(row, row + n, ctx_len, None, None))
+                last = prefills[-1] if prefills else None
+                if last is not None and last.block_ids is None and last.context_len == n and last.end == row:
+                    last.end, last.num_seqs = row + n, last.num_seqs + 1  # same length: one batched attention call
+                else:
+                    prefills.append(PrefillMeta(row, row + n, ctx_len, None, None))
             else:
                 block_ids = torch.tensor(s.block_ids[: cdiv(ctx_len, bs)], device=dev)
                 mask = torch.arange(ctx_len, device=dev) <= torch.arange(s.start, ctx_len, device=dev).unsqueeze(1)
@@ -140,7 +144,9 @@ class ModelRunner:
                 [s.block_ids + [self.pad_block] * (width - len(s.block_ids)) for s in decodes], device=dev
             )
             ctx_lens = torch.tensor([s.start + 1 for s in decodes], device=dev)
-            dmask = (torch.arange(width * bs, device=dev) < ctx_lens.unsqueeze(1)).view(len(decodes), 1, 1, -1)
+            hidden = torch.arange(width * bs, device=dev) >= ctx_lens.unsqueeze(1)
+            dmask = torch.zeros(hidden.shape, dtype=self.dtype, device=dev).masked_fill_(hidden, float("-inf"))
+            dmask = dmask.view(len(decodes), 1, 1, -1)
         ctx = AttentionContext(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             num_decodes=sched.num_decodes,

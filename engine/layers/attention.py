@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.context import get_context
+from engine.context import PrefillMeta, get_context
 
 
 class PagedAttention(nn.Module):
@@ -13,12 +13,22 @@ class PagedAttention(nn.Module):
     Cache tensors are bound by the runner: [num_blocks, block_size, num_kv_heads, head_dim].
     """
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
         super().__init__()
         assert num_heads % num_kv_heads == 0
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        # NOTE: K/V rows gathered from the cache land in buffers shared by every layer of the model: a fresh
+        # tensor per layer and step costs page faults, which are dear on a VM.
+        self.scratch = scratch or (torch.empty(0), torch.empty(0))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [T, H, D]  k, v: [T, KV, D]  ->  [T, H * D]
@@ -36,33 +46,46 @@ class PagedAttention(nn.Module):
             out[p.start : p.end] = self._prefill(q[p.start : p.end], k[p.start : p.end], v[p.start : p.end], p)
         return out.flatten(1)
 
+    def _gather(self, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the given blocks: [n * block_size, KV, D] each, in the shared buffers."""
+        shape = (block_ids.shape[0], *self.k_cache.shape[1:])
+        k = torch.index_select(self.k_cache, 0, block_ids, out=self.scratch[0].resize_(shape))
+        v = torch.index_select(self.v_cache, 0, block_ids, out=self.scratch[1].resize_(shape))
+        return k.view(-1, self.num_kv_heads, self.head_dim), v.view(-1, self.num_kv_heads, self.head_dim)
+
     def _decode(self, q: torch.Tensor, block_tables: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         b, kv, d = q.shape[0], self.num_kv_heads, self.head_dim
+        k, v = self._gather(block_tables.flatten())
         # NOTE: a query's G = H / KV heads sharing one KV head play the role of G query positions, so
-        # SDPA runs without repeating K/V; the mask hides padding past each context's length.
-        k = self.k_cache[block_tables].view(b, -1, kv, d).transpose(1, 2)  # [B, KV, L, D]
-        v = self.v_cache[block_tables].view(b, -1, kv, d).transpose(1, 2)
+        # SDPA runs without repeating K/V; the additive mask hides padding past each context's length.
+        k = k.view(b, -1, kv, d).transpose(1, 2)  # [B, KV, L, D]
+        v = v.view(b, -1, kv, d).transpose(1, 2)
         qg = q.view(b, kv, -1, d)  # [B, KV, G, D]
         out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=self.scale)
         return out.reshape(b, self.num_heads, d)
 
-    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p) -> torch.Tensor:
-        kv, d = self.num_kv_heads, self.head_dim
-        gqa = self.num_heads != kv
-        if p.block_ids is None:  # nothing before this chunk: attend to the fresh K/V
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: PrefillMeta) -> torch.Tensor:
+        h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        gqa = h != kv
+        if p.block_ids is None:  # whole prompts: each attends to its own fresh K/V
+            n = p.num_seqs
             out = F.scaled_dot_product_attention(
-                q.transpose(0, 1),
-                k.transpose(0, 1),
-                v.transpose(0, 1),
+                q.view(n, -1, h, d).transpose(1, 2),
+                k.view(n, -1, kv, d).transpose(1, 2),
+                v.view(n, -1, kv, d).transpose(1, 2),
                 is_causal=True,
                 scale=self.scale,
                 enable_gqa=gqa,
-            )
-        else:  # earlier tokens (prefix-cache hits or earlier chunks) live in the cache
-            n = p.context_len
-            kc = self.k_cache[p.block_ids].view(-1, kv, d)[:n].transpose(0, 1)  # [KV, N, D]
-            vc = self.v_cache[p.block_ids].view(-1, kv, d)[:n].transpose(0, 1)
-            out = F.scaled_dot_product_attention(
-                q.transpose(0, 1), kc, vc, attn_mask=p.mask, scale=self.scale, enable_gqa=gqa
-            )
+            )  # [n, H, S, D]
+            return out.transpose(1, 2).reshape(-1, h, d)
+        # earlier tokens (prefix-cache hits or earlier chunks) live in the cache
+        kc, vc = self._gather(p.block_ids)
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1),
+            kc[: p.context_len].transpose(0, 1),
+            vc[: p.context_len].transpose(0, 1),
+            attn_mask=p.mask,
+            scale=self.scale,
+            enable_gqa=gqa,
+        )
         return out.transpose(0, 1)  # [S, H, D]

@@ -107,19 +107,19 @@ class MLAttention(nn.Module):
             ctx_lat = latent[p.start : p.end]
         else:  # earlier tokens (prefix-cache hits or earlier chunks) live in the cache
             ctx_lat = self._gather(p.block_ids).view(-1, lat + self.rope)[: p.context_len]  # [N, L + R]
-        n = ctx_lat.shape[0]
+        n, b = ctx_lat.shape[0], p.num_seqs  # b > 1: whole prompts of one length side by side
         k_nope, v = self.kv_b_proj(ctx_lat[:, :lat]).view(n, h, -1).split([self.nope, self.v_dim], dim=-1)
         k = torch.cat((k_nope, ctx_lat[:, None, lat:].expand(n, h, self.rope)), dim=-1)  # [N, H, N + R]
         q = torch.cat((q_nope, q_pe), dim=-1)  # [S, H, N + R]
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1),
-            k.transpose(0, 1),
-            v.transpose(0, 1),
+            q.view(b, -1, h, q.shape[-1]).transpose(1, 2),
+            k.view(b, -1, h, k.shape[-1]).transpose(1, 2),
+            v.view(b, -1, h, self.v_dim).transpose(1, 2),
             attn_mask=p.mask,
             is_causal=p.mask is None,
             scale=self.scale,
-        )
-        return out.transpose(0, 1)  # [S, H, V]
+        )  # [b, H, S / b, V]
+        return out.transpose(1, 2).reshape(-1, h, self.v_dim)  # [S, H, V]
 
     def _gather(self, block_ids: torch.Tensor) -> torch.Tensor:
         out = self.scratch.resize_(block_ids.shape[0], *self.kv_cache.shape[1:])  # keeps its storage when big enough

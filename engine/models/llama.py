@@ -56,7 +56,7 @@ class LlamaArgs:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, a: LlamaArgs) -> None:
+    def __init__(self, a: LlamaArgs, scratch: tuple[torch.Tensor, torch.Tensor]) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
         self.q_size, self.kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
@@ -64,13 +64,13 @@ class LlamaAttention(nn.Module):
             a.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}, a.qkv_bias
         )
         self.o_proj = Linear(self.q_size, a.hidden_size, a.o_bias)
-        self.attn = PagedAttention(a.num_heads, a.num_kv_heads, a.head_dim, a.head_dim**-0.5)
+        self.attn = PagedAttention(a.num_heads, a.num_kv_heads, a.head_dim, a.head_dim**-0.5, scratch)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(-1, self.num_heads, self.head_dim), cos, sin)  # [T, H, D]
-        k = apply_rotary(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)  # [T, KV, D]
-        return self.o_proj(self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim)))
+        h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = apply_rotary(qk.view(-1, h + kv, d), cos, sin)  # q and k side by side: one rotation, [T, H + KV, D]
+        return self.o_proj(self.attn(qk[:, :h], qk[:, h:], v.view(-1, kv, d)))
 
 
 class LlamaMLP(nn.Module):
@@ -86,9 +86,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, a: LlamaArgs) -> None:
+    def __init__(self, a: LlamaArgs, scratch: tuple[torch.Tensor, torch.Tensor]) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(a)
+        self.self_attn = LlamaAttention(a, scratch)
         self.mlp = LlamaMLP(a)
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
@@ -107,7 +107,8 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(a) for _ in range(a.num_layers))
+        scratch = (torch.empty(0), torch.empty(0))  # K/V gathered from the cache, reused by every layer
+        self.layers = nn.ModuleList(LlamaDecoderLayer(a, scratch) for _ in range(a.num_layers))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
