@@ -36,6 +36,7 @@ class EngineConfig:
     max_waiting: int = 1024  # bounded queue: beyond it, submissions fail with EngineOverloadedError
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU; None keeps torch's default
+    keep_freed_memory: bool = True  # CPU: glibc malloc reuses freed memory instead of faulting it in (engine.malloc)
 
     def __post_init__(self) -> None:
         self.model = Path(self.model)

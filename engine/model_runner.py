@@ -12,6 +12,7 @@ from engine.context import AttentionContext, PrefillMeta, reset_context, set_con
 from engine.errors import ConfigError
 from engine.layers.linear import Linear
 from engine.loader import ModelFiles, load_model
+from engine.malloc import keep_freed_memory
 from engine.outputs import ModelOutput, SchedulerOutput
 from engine.sampler import Sampler
 
@@ -28,6 +29,8 @@ class ModelRunner:
         self.device, self.dtype = config.torch_device, config.torch_dtype
         if config.num_threads and self.device.type == "cpu":
             torch.set_num_threads(config.num_threads)
+        if config.keep_freed_memory and self.device.type == "cpu":
+            keep_freed_memory()
         self.block_size = config.block_size
         self.model = load_model(files, hf_config, self.device, self.dtype)
         self.num_blocks = self._size_kv_cache(max_model_len)

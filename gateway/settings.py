@@ -74,6 +74,7 @@ class EngineSettings:
     enable_prefix_caching: bool = True
     max_waiting: int = 1024
     num_threads: int | None = None
+    keep_freed_memory: bool = True
     seed: int = 0
     # sealed models: file:PATH | env:VAR | pkcs11:module=...;token=...;key=...;pin-file=...
     key_provider: str | None = None

@@ -154,6 +154,13 @@ def mixed_prompts(n: int = 8, seed: int = 0, prefix: list[int] | None = None) ->
     return {f"r{i}": (prefix or []) + [rng.randrange(3, VOCAB) for _ in range(k)] for i, k in enumerate(lengths)}
 
 
+def same_length_prompts(seed: int = 1) -> dict[str, list[int]]:
+    """Runs of equal-length prompts, which the runner prefills as one attention batch per run."""
+    rng = random.Random(seed)
+    lengths = [24, 24, 24, 9, 9, 24, 1, 1]
+    return {f"s{i}": [rng.randrange(3, VOCAB) for _ in range(k)] for i, k in enumerate(lengths)}
+
+
 def hf_expected(cache: dict, path: Path, prompts: dict[str, list[int]], n: int) -> dict[str, list[int]]:
     """transformers' greedy continuations; the same prompts recur across tests, so each is generated once."""
     model = hf_model(cache, path)

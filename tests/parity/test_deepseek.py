@@ -14,7 +14,7 @@ from engine.models.deepseek_v2 import DeepseekV2ForCausalLM
 from engine.outputs import SchedulerOutput
 from engine.params import SamplingParams
 from engine.request import Request
-from tests.parity.conftest import VOCAB, hf_expected, hf_model, make_core, mixed_prompts, run_core
+from tests.parity.conftest import VOCAB, hf_expected, hf_model, make_core, mixed_prompts, run_core, same_length_prompts
 
 NEW_TOKENS = 32
 BASE: dict[str, object] = dict(
@@ -131,8 +131,8 @@ def test_prefill_and_decode_logits_match(ds_dir: Path, hf_cache: dict) -> None:
         torch.testing.assert_close(captured[1][i], ref, rtol=1e-4, atol=1e-4)
 
 
-def test_greedy_batch_matches_generate(ds_dir: Path, hf_cache: dict) -> None:
-    prompts = mixed_prompts()
+@pytest.mark.parametrize("prompts", [mixed_prompts(), same_length_prompts()], ids=["mixed", "same-length"])
+def test_greedy_batch_matches_generate(ds_dir: Path, hf_cache: dict, prompts: dict[str, list[int]]) -> None:
     assert run_core(make_core(ds_dir), prompts, NEW_TOKENS) == _expected(hf_cache, ds_dir, prompts)
 
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import pytest
 import torch
 
 from engine.outputs import SchedulerOutput
-from tests.parity.conftest import VOCAB, hf_expected, hf_model, make_core, mixed_prompts, run_core
+from tests.parity.conftest import VOCAB, hf_expected, hf_model, make_core, mixed_prompts, run_core, same_length_prompts
 
 NEW_TOKENS = 32
 
@@ -17,13 +18,18 @@ def _expected(cache: dict, path: Path, prompts: dict[str, list[int]]) -> dict[st
     return hf_expected(cache, path, prompts, NEW_TOKENS)
 
 
-def test_prefill_logits_match(model_dir: Path, hf_models: dict) -> None:
+# rows come out decodes first: one-token prompts (which decode) would reorder them, so none here
+@pytest.mark.parametrize(
+    "prompts",
+    [mixed_prompts(3), {r: p for r, p in same_length_prompts().items() if len(p) > 1}],
+    ids=["mixed", "same-length"],
+)
+def test_prefill_logits_match(model_dir: Path, hf_models: dict, prompts: dict[str, list[int]]) -> None:
     core = make_core(model_dir)
     captured: list[torch.Tensor] = []
     model = core.runner.model
     original = model.compute_logits
     model.compute_logits = lambda h: captured.append(original(h)) or captured[-1]  # type: ignore[method-assign]
-    prompts = mixed_prompts(3)
     run_core(core, prompts, 1)
     ours = captured[0]  # the first step prefilled all three prompts together
     hf = hf_model(hf_models, model_dir)
@@ -33,8 +39,8 @@ def test_prefill_logits_match(model_dir: Path, hf_models: dict) -> None:
         torch.testing.assert_close(ours[i], ref, rtol=1e-4, atol=1e-4)
 
 
-def test_greedy_batch_matches_generate(model_dir: Path, hf_models: dict) -> None:
-    prompts = mixed_prompts()
+@pytest.mark.parametrize("prompts", [mixed_prompts(), same_length_prompts()], ids=["mixed", "same-length"])
+def test_greedy_batch_matches_generate(model_dir: Path, hf_models: dict, prompts: dict[str, list[int]]) -> None:
     assert run_core(make_core(model_dir), prompts, NEW_TOKENS) == _expected(hf_models, model_dir, prompts)
 
 
