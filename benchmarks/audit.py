@@ -149,6 +149,8 @@ async def main() -> None:
     ap.add_argument("--concurrency", default="1,64,512")
     ap.add_argument("--dir", type=Path, default=None, help="where the spools go (default: a temp dir)")
     args = ap.parse_args()
+    if args.dir is not None:
+        args.dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         root = Path(tmp)
         key = root / "sm2.key"
