@@ -1,7 +1,7 @@
 """Engine throughput vs HF transformers on the same workload, in the same run.
 
     python -m benchmarks.throughput [--shape qwen2-0.5b|deepseek-v2-tiny] [--num-prompts 32] [--prompt-len 128]
-                                    [--output-len 128]
+                                    [--output-len 128] [--vllm /path/to/vllm-venv/bin/python]
 
 Batch: N prompts of random token ids, greedy, EOS ignored → output tok/s. Batch-1: ms per decoded token.
 Each engine runs in a fresh process of its own, so neither inherits the other's threads, caches or malloc
@@ -11,12 +11,16 @@ settings (ours keeps freed memory for reuse, see engine/malloc.py; transformers 
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing
 import platform
 import random
+import subprocess
+import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 
 import torch
 
@@ -60,6 +64,21 @@ def hf(path: str, prompts: list[list[int]], n: int, dtype: torch.dtype) -> tuple
     return len(prompts) * n / batch_s, (one_s - prefill_s) / (n - 1) * 1e3
 
 
+def vllm(python: str, path: str, prompts: list[list[int]], n: int, dtype: str) -> tuple[float, float]:
+    """The same workload on vLLM's CPU build, in its own venv (`python` is that venv's interpreter)."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+        json.dump(prompts, f)
+        f.flush()
+        script = Path(__file__).with_name("vllm_peer.py")
+        done = subprocess.run(
+            [python, str(script), path, f.name, str(n), dtype], capture_output=True, text=True, check=False
+        )
+    if done.returncode != 0:
+        raise SystemExit(f"vLLM peer failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    result = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    return result["batch_tok_s"], result["ms_per_token"]
+
+
 def isolated(fn: Callable[..., tuple[float, float]], *args: object) -> tuple[float, float]:
     """fn(*args) in a fresh interpreter (spawned, not forked)."""
     with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
@@ -74,6 +93,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
+    ap.add_argument("--vllm", metavar="PYTHON", help="also run vLLM's CPU build with this venv's python")
     args = ap.parse_args()
 
     path = str(checkpoint(args.shape))
@@ -91,6 +111,12 @@ def main() -> None:
                 *isolated(hf, path, prompts[: args.num_prompts], args.output_len, dtype),
             )
         )
+    if args.vllm:
+        version = subprocess.run(
+            [args.vllm, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True, check=False
+        ).stdout.strip()
+        peer = vllm(args.vllm, path, prompts[: args.num_prompts], args.output_len, dname)
+        rows.append((f"vLLM CPU {version}", *peer))
 
     print(
         f"\n{args.shape}, {dname}, {args.num_prompts} x {args.prompt_len} -> {args.output_len}, greedy; "
@@ -99,10 +125,9 @@ def main() -> None:
     print(f"{'engine':<24} {'batch tok/s':>12} {'batch-1 ms/token':>18}")
     for name, tps, ms in rows:
         print(f"{name:<24} {tps:>12.1f} {ms:>18.1f}")
-    if len(rows) == 2:
-        print(
-            f"{'ratio (tianmen / hf)':<24} {rows[0][1] / rows[1][1]:>11.2f}x {rows[1][2] / rows[0][2]:>17.2f}x faster"
-        )
+    for name, tps, ms in rows[1:]:  # > 1: tianmen is faster
+        peer = "hf" if name.startswith("transformers") else name.split()[0]
+        print(f"{'ratio vs ' + peer:<24} {rows[0][1] / tps:>11.2f}x {ms / rows[0][2]:>17.2f}x faster")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,54 @@
+"""The throughput workload on vLLM's CPU build, run with *that* venv's python by `benchmarks.throughput --vllm`.
+
+    /path/to/vllm-venv/bin/python benchmarks/vllm_peer.py MODEL_DIR PROMPTS_JSON OUTPUT_LEN DTYPE
+
+Standalone on purpose: it imports only vllm (its venv has none of ours). Prints one line
+`RESULT {"batch_tok_s": ..., "ms_per_token": ...}` among vLLM's own output, measured as
+`benchmarks.throughput` measures our engine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def main() -> None:
+    model, prompts_file, n, dtype = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    with open(prompts_file) as f:
+        prompts: list[list[int]] = json.load(f)
+    # vLLM's CPU build keeps one core for itself unless told which to bind (shared/FACTS.md)
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{os.cpu_count() - 1}")
+    from vllm import LLM, SamplingParams, TokensPrompt
+
+    # on CPU this fraction of RAM is reserved (weights + KV); the default 0.92 fails when anything else runs
+    llm = LLM(
+        model=model,
+        dtype=dtype,
+        max_model_len=1024,
+        max_num_seqs=max(len(prompts), 1),
+        seed=0,
+        gpu_memory_utilization=0.5,
+    )
+    params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+    first = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+
+    def run(batch: list[list[int]], p: SamplingParams) -> float:
+        t = time.perf_counter()
+        outs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in batch], p, use_tqdm=False)
+        elapsed = time.perf_counter() - t
+        assert all(len(o.outputs[0].token_ids) == p.max_tokens for o in outs)
+        return elapsed
+
+    run([prompts[0][:16]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
+    batch_s = run(prompts, params)
+    prefill_s = run([prompts[0]], first)
+    one_s = run([prompts[1]], params)
+    result = {"batch_tok_s": len(prompts) * n / batch_s, "ms_per_token": (one_s - prefill_s) / (n - 1) * 1e3}
+    print("RESULT", json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
