@@ -64,7 +64,7 @@ def hf(path: str, prompts: list[list[int]], n: int, dtype: torch.dtype) -> tuple
     return len(prompts) * n / batch_s, (one_s - prefill_s) / (n - 1) * 1e3
 
 
-def vllm(python: str, path: str, prompts: list[list[int]], n: int, dtype: str) -> tuple[float, float]:
+def vllm(python: str, path: str, prompts: list[list[int]], n: int, dtype: str) -> tuple[str, float, float]:
     """The same workload on vLLM's CPU build, in its own venv (`python` is that venv's interpreter)."""
     with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
         json.dump(prompts, f)
@@ -76,7 +76,7 @@ def vllm(python: str, path: str, prompts: list[list[int]], n: int, dtype: str) -
     if done.returncode != 0:
         raise SystemExit(f"vLLM peer failed ({done.returncode}):\n{done.stderr[-3000:]}")
     result = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
-    return result["batch_tok_s"], result["ms_per_token"]
+    return f"vLLM CPU {result['version']}", result["batch_tok_s"], result["ms_per_token"]
 
 
 def isolated(fn: Callable[..., tuple[float, float]], *args: object) -> tuple[float, float]:
@@ -112,11 +112,7 @@ def main() -> None:
             )
         )
     if args.vllm:
-        version = subprocess.run(
-            [args.vllm, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True, check=False
-        ).stdout.strip()
-        peer = vllm(args.vllm, path, prompts[: args.num_prompts], args.output_len, dname)
-        rows.append((f"vLLM CPU {version}", *peer))
+        rows.append(vllm(args.vllm, path, prompts[: args.num_prompts], args.output_len, dname))
 
     print(
         f"\n{args.shape}, {dname}, {args.num_prompts} x {args.prompt_len} -> {args.output_len}, greedy; "

@@ -3,7 +3,7 @@
     /path/to/vllm-venv/bin/python benchmarks/vllm_peer.py MODEL_DIR PROMPTS_JSON OUTPUT_LEN DTYPE
 
 Standalone on purpose: it imports only vllm (its venv has none of ours). Prints one line
-`RESULT {"batch_tok_s": ..., "ms_per_token": ...}` among vLLM's own output, measured as
+`RESULT {"batch_tok_s": ..., "ms_per_token": ..., "version": ...}` among vLLM's own output, measured as
 `benchmarks.throughput` measures our engine.
 """
 
@@ -47,6 +47,7 @@ def main() -> None:
     prefill_s = run([prompts[0]], first)
     one_s = run([prompts[1]], params)
     result = {"batch_tok_s": len(prompts) * n / batch_s, "ms_per_token": (one_s - prefill_s) / (n - 1) * 1e3}
+    result["version"] = __import__("vllm").__version__
     print("RESULT", json.dumps(result), flush=True)
 
 
