@@ -60,6 +60,16 @@ class CountingFsync:
         os.fsync(fd)
 
 
+def summary(n: int, elapsed: float, latencies: list[float], fsyncs: int) -> dict[str, float]:
+    latencies = sorted(latencies)
+    return {
+        "events_per_s": n / elapsed,
+        "p50_ms": statistics.median(latencies) * 1e3,
+        "p99_ms": latencies[int(len(latencies) * 0.99) - 1] * 1e3,
+        "fsyncs": fsyncs,
+    }
+
+
 async def bench_emit(root: Path, key: Path, n: int, concurrency: int, fsync: bool) -> dict[str, float]:
     counter = CountingFsync()
     cfg = AuditConfig(spool_dir=root / f"emit-{concurrency}-{fsync}", writer_id="bench", sm2_private_key_path=key)
@@ -78,13 +88,7 @@ async def bench_emit(root: Path, key: Path, n: int, concurrency: int, fsync: boo
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     elapsed = time.perf_counter() - t0
     await auditor.stop()
-    latencies.sort()
-    return {
-        "events_per_s": n / elapsed,
-        "p50_ms": statistics.median(latencies) * 1e3,
-        "p99_ms": latencies[int(len(latencies) * 0.99) - 1] * 1e3,
-        "fsyncs": counter.calls,
-    }
+    return summary(n, elapsed, latencies, counter.calls)
 
 
 async def bench_paced(root: Path, key: Path, rate: int, seconds: float) -> dict[str, float]:
@@ -110,13 +114,7 @@ async def bench_paced(root: Path, key: Path, rate: int, seconds: float) -> dict[
     await asyncio.gather(*tasks)
     elapsed = time.perf_counter() - t0
     await auditor.stop()
-    latencies.sort()
-    return {
-        "events_per_s": n / elapsed,
-        "p50_ms": statistics.median(latencies) * 1e3,
-        "p99_ms": latencies[int(len(latencies) * 0.99) - 1] * 1e3,
-        "fsyncs": counter.calls,
-    }
+    return summary(n, elapsed, latencies, counter.calls)
 
 
 async def bench_ship(root: Path, key: Path, n: int) -> dict[str, float]:

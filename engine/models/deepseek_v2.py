@@ -14,6 +14,7 @@ from engine.layers.mla import MLAttention
 from engine.layers.moe import GatedMLP, MoE, MoEGate
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding, rope_parameters, yarn_mscale
+from engine.models.decoder import DecoderLayer, DecoderModel
 
 
 @dataclass(slots=True)
@@ -94,7 +95,7 @@ class DeepseekArgs:
         return scale
 
 
-class DeepseekDecoderLayer(nn.Module):
+class DeepseekDecoderLayer(DecoderLayer):
     def __init__(self, a: DeepseekArgs, index: int, scratch: torch.Tensor) -> None:
         super().__init__()
         self.self_attn = MLAttention(
@@ -128,16 +129,8 @@ class DeepseekDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, cos, sin)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
 
-
-class DeepseekModel(nn.Module):
+class DeepseekModel(DecoderModel):
     def __init__(self, a: DeepseekArgs) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
@@ -145,12 +138,6 @@ class DeepseekModel(nn.Module):
         scratch = torch.empty(0)  # cache rows gathered for attention, reused by every layer
         self.layers = nn.ModuleList(DeepseekDecoderLayer(a, i, scratch) for i in range(a.num_layers))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-
-    def forward(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None  # [T, hidden]
-        for layer in self.layers:
-            x, residual = layer(x, residual, cos, sin)
-        return self.norm(x, residual)[0]
 
 
 class DeepseekV2ForCausalLM(nn.Module):

@@ -13,6 +13,7 @@ from engine.layers.attention import PagedAttention
 from engine.layers.linear import Linear, MergedLinear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+from engine.models.decoder import DecoderLayer, DecoderModel
 
 
 @dataclass(slots=True)
@@ -85,7 +86,7 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(DecoderLayer):
     def __init__(self, a: LlamaArgs, scratch: tuple[torch.Tensor, torch.Tensor]) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(a, scratch)
@@ -93,16 +94,8 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, cos, sin)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
 
-
-class LlamaModel(nn.Module):
+class LlamaModel(DecoderModel):
     def __init__(self, a: LlamaArgs) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
@@ -110,12 +103,6 @@ class LlamaModel(nn.Module):
         scratch = (torch.empty(0), torch.empty(0))  # K/V gathered from the cache, reused by every layer
         self.layers = nn.ModuleList(LlamaDecoderLayer(a, scratch) for _ in range(a.num_layers))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-
-    def forward(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None  # [T, hidden]
-        for layer in self.layers:
-            x, residual = layer(x, residual, cos, sin)
-        return self.norm(x, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):
