@@ -56,11 +56,13 @@ FROM ${BASE_IMAGE}
 ARG TIANMEN_UID=10001
 ARG TIANMEN_GID=10001
 # libgcrypt: chunk-parallel SM4 decryption of sealed weights (OpenSSL is the fallback); the venv brings 1.11,
-# the system's 1.10 is the fallback should that one not load
+# the system's 1.10 is the fallback should that one not load.
+# gcc + libc6-dev: the engine compiles its bf16-weight kernel for the host CPU (-march=native) at first start,
+# cached in $TIANMEN_HOME/.cache; an image can't carry a build tuned for the machine it will run on
 # hadolint ignore=DL3008
 RUN test "${TIANMEN_UID}" -ne 0 \
  && apt-get update \
- && apt-get install -y --no-install-recommends libgcrypt20 \
+ && apt-get install -y --no-install-recommends libgcrypt20 gcc libc6-dev \
  && rm -rf /var/lib/apt/lists/* \
  && (getent group "${TIANMEN_GID}" || groupadd --gid "${TIANMEN_GID}" tianmen) \
  && useradd --uid "${TIANMEN_UID}" --gid "${TIANMEN_GID}" --no-create-home --no-log-init \

@@ -10,6 +10,7 @@ from engine.block_manager import cdiv
 from engine.config import EngineConfig
 from engine.context import AttentionContext, PrefillMeta, reset_context, set_context
 from engine.errors import ConfigError
+from engine.kernels import wbf16
 from engine.layers.linear import Linear
 from engine.loader import ModelFiles, load_model
 from engine.malloc import keep_freed_memory
@@ -69,10 +70,15 @@ class ModelRunner:
     def _prepack(self) -> int:
         hint = self.config.max_num_seqs
         tied = getattr(self.model.args, "tie_word_embeddings", False)
+        kernel = wbf16.kernel() if self.config.compact_weights and self.dtype == torch.float32 else None
         packed = 0
         for name, module in self.model.named_modules():
             if isinstance(module, Linear):
-                packed += module.prepack(hint, keep_weight=tied and name == "lm_head")
+                packed += module.prepack(hint, keep_weight=tied and name == "lm_head", wbf16=kernel)
+            elif isinstance(module, torch.nn.Embedding) and kernel is not None and wbf16.bf16_exact(module.weight):
+                module.weight = torch.nn.Parameter(module.weight.data.bfloat16(), requires_grad=False)  # lossless
+        if kernel is not None and tied:
+            self.model.lm_head.weight = self.model.model.embed_tokens.weight  # one bf16 copy, as in the file
         return packed
 
     # ---- one step -----------------------------------------------------------------------------

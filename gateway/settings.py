@@ -75,6 +75,7 @@ class EngineSettings:
     max_waiting: int = 1024
     num_threads: int | None = None
     keep_freed_memory: bool = True
+    compact_weights: bool = True
     seed: int = 0
     # sealed models: file:PATH | env:VAR | pkcs11:module=...;token=...;key=...;pin-file=...
     key_provider: str | None = None

@@ -6,11 +6,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kernels.wbf16 import WBF16, bf16_exact
+
 log = logging.getLogger(__name__)
 
 
 class Linear(nn.Module):
-    """y = x W^T + b. On CPU the weight can be prepacked once into oneDNN's blocked layout (~2x faster)."""
+    """y = x W^T + b. On CPU the weight is prepacked once: into oneDNN's blocked layout (~2x faster than
+    F.linear), or, computing in float32 with weights that are exactly bf16, into the bf16 kernel's layout
+    (engine.kernels.wbf16: half the bytes)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
@@ -18,14 +22,23 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.packed: torch.Tensor | None = None
+        self.wbf16: WBF16 | None = None  # set when `packed` is in the bf16 kernel's layout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.wbf16 is not None:
+            return self.wbf16.linear(x, self.packed, self.out_features, self.bias)  # type: ignore[arg-type]
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
-    def prepack(self, batch_hint: int, keep_weight: bool = False) -> bool:
-        """Swap the weight for oneDNN's packed copy; False (and F.linear stays) where torch can't."""
+    def prepack(self, batch_hint: int, keep_weight: bool = False, wbf16: WBF16 | None = None) -> bool:
+        """Swap the weight for a packed copy; False (and F.linear stays) where torch can't.
+
+        With `wbf16`, a float32 weight holding only bf16 values goes to that kernel instead of oneDNN."""
+        if wbf16 is not None and bf16_exact(self.weight.data):
+            self.packed, self.wbf16 = wbf16.pack(self.weight.data), wbf16
+            self._drop_weight(keep_weight)
+            return True
         try:
             packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, batch_hint)
             x = torch.ones(1, self.in_features, dtype=self.weight.dtype)
@@ -34,9 +47,12 @@ class Linear(nn.Module):
             log.debug("oneDNN prepacking unavailable (%s); using F.linear", e)
             return False
         self.packed = packed
-        if not keep_weight:
-            self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
+        self._drop_weight(keep_weight)
         return True
+
+    def _drop_weight(self, keep: bool) -> None:
+        if not keep:
+            self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
 
 class MergedLinear(Linear):

@@ -7,13 +7,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.context import PrefillMeta, get_context
+from engine.kernels.wbf16 import WBF16
 from engine.layers.linear import Linear, MergedLinear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import apply_rotary, apply_rotary_interleaved
 
 
 class _UnpackedLinear(Linear):
-    def prepack(self, batch_hint: int, keep_weight: bool = False) -> bool:
+    def prepack(self, batch_hint: int, keep_weight: bool = False, wbf16: WBF16 | None = None) -> bool:
         return False  # NOTE: decode reads kv_b_proj's weight as W_UK / W_UV, so it keeps the plain layout
 
 

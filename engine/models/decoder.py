@@ -34,7 +34,8 @@ class DecoderModel(nn.Module):
     norm: RMSNorm
 
     def forward(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None  # [T, hidden]
+        # NOTE: the table may be stored as bf16 under float32 math (engine.kernels.wbf16); widening is exact
+        x, residual = self.embed_tokens(input_ids).to(self.norm.weight.dtype), None  # [T, hidden]
         for layer in self.layers:
             x, residual = layer(x, residual, cos, sin)
         return self.norm(x, residual)[0]

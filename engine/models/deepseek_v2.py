@@ -164,7 +164,7 @@ class DeepseekV2ForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        cos, sin = self.rotary(positions, self.model.embed_tokens.weight.dtype)  # [T, 1, R]
+        cos, sin = self.rotary(positions, self.model.norm.weight.dtype)  # [T, 1, R]
         return self.model(input_ids, cos, sin)  # [T, hidden]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

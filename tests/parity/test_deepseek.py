@@ -224,3 +224,18 @@ def test_mtp_layers_are_ignored_and_shards_load(tmp_path: Path) -> None:
     expected = run_core(make_core(path), prompts, 8)
     assert run_core(make_core(sharded), prompts, 8) == expected
     assert run_core(make_core(mtp), prompts, 8) == expected
+
+
+def test_bf16_checkpoint_through_the_bf16_weight_kernel(ds_dir: Path, tmp_path: Path) -> None:
+    """A bf16 DeepSeek checkpoint computed in float32 with weights kept bf16 (engine.kernels.wbf16): MLA,
+    the experts and the shared experts all go through the kernel and the greedy tokens match transformers."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.layers.linear import Linear
+
+    AutoModelForCausalLM.from_pretrained(ds_dir, dtype=torch.bfloat16).save_pretrained(tmp_path)
+    core = make_core(tmp_path)
+    compact = [m for m in core.runner.model.modules() if isinstance(m, Linear) and m.wbf16 is not None]
+    assert len(compact) > 10
+    prompts = mixed_prompts()
+    assert run_core(core, prompts, NEW_TOKENS) == hf_expected({}, tmp_path, prompts, NEW_TOKENS)

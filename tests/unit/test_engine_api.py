@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine import (
     LLM,
@@ -54,6 +55,25 @@ def test_bad_config_values_say_what_to_change(model: Path) -> None:
         cfg(model, dtype="int3")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="kv_cache_bytes"):
         LLM(cfg(model, kv_cache_bytes=1024))
+
+
+@pytest.mark.parametrize(
+    ("machine", "avx512_bf16", "amx", "expected"),
+    [
+        ("x86_64", True, False, torch.bfloat16),  # Zen 4, Cooper Lake: native bf16
+        ("x86_64", False, True, torch.bfloat16),  # Sapphire Rapids: AMX
+        ("x86_64", False, False, torch.float32),  # Cascade Lake, Zen 2/3: oneDNN would only emulate bf16
+    ],
+)
+def test_auto_dtype_is_bfloat16_only_where_the_cpu_computes_it(
+    model: Path, monkeypatch: pytest.MonkeyPatch, machine: str, avx512_bf16: bool, amx: bool, expected: torch.dtype
+) -> None:
+    monkeypatch.setattr("engine.config.platform.machine", lambda: machine)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)  # what oneDNN says on AVX-512
+    assert EngineConfig(model=model, dtype="auto", device="cpu").torch_dtype == expected
+    assert EngineConfig(model=model, dtype="float32", device="cpu").torch_dtype == torch.float32
 
 
 def test_prompt_too_long_is_refused(model: Path) -> None:

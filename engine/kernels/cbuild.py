@@ -1,0 +1,78 @@
+"""Compile a C kernel for the CPU it runs on, once, and load it with ctypes.
+
+Kernels are built with -march=native at first use (about a second) and cached by source, compiler and CPU,
+so a wheel or image never carries code tuned for another machine. No compiler means no kernel: callers keep
+their plain-torch path and the engine says once why it is slower.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch  # noqa: F401  # loaded first, so the kernel's libgomp.so.1 resolves to torch's own OpenMP runtime
+
+log = logging.getLogger(__name__)
+
+
+class BuildError(RuntimeError):
+    pass
+
+
+def _cpu_signature() -> str:
+    """What -march=native depends on: the CPU's model and feature flags."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    keep = [ln for ln in lines if ln.split(":")[0].strip() in ("model name", "flags", "Features", "CPU part")]
+    return platform.machine() + "\n" + "\n".join(sorted(set(keep)))
+
+
+def _cache_dir() -> Path:
+    explicit = os.environ.get("TIANMEN_KERNEL_CACHE")
+    home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tianmen" / "kernels"
+    for d in (Path(explicit) if explicit else home, Path(tempfile.gettempdir()) / f"tianmen-kernels-{os.getuid()}"):
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            if os.access(d, os.W_OK):
+                return d
+        except OSError:
+            continue
+    raise BuildError("no writable directory for compiled kernels: set TIANMEN_KERNEL_CACHE")
+
+
+def compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def build(source: Path, flags: tuple[str, ...] = ("-march=native",)) -> ctypes.CDLL:
+    """The shared library for `source` built with `flags` (+ -O3 -fopenmp), compiled now or taken from the cache."""
+    cc = compiler()
+    if cc is None:
+        raise BuildError("no C compiler found (install gcc, or set CC)")
+    cmd = [cc, "-O3", "-std=gnu11", "-fPIC", "-shared", "-fopenmp", *flags]
+    key = hashlib.sha256("\0".join([source.read_text(), *cmd, _cpu_signature()]).encode()).hexdigest()[:16]
+    out = _cache_dir() / f"{source.stem}-{key}.so"
+    if not out.exists():
+        tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+        try:
+            done = subprocess.run([*cmd, str(source), "-o", str(tmp)], capture_output=True, text=True, timeout=120)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise BuildError(f"{cc} failed to run: {e}") from None
+        if done.returncode != 0:
+            tmp.unlink(missing_ok=True)
+            raise BuildError(f"{cc} could not build {source.name}: {done.stderr.strip()[-500:]}")
+        os.replace(tmp, out)  # atomic: a concurrent process sees the old state or the finished library
+        log.info("built CPU kernel %s", out)
+    try:
+        return ctypes.CDLL(str(out))
+    except OSError as e:
+        raise BuildError(f"cannot load {out}: {e}") from None

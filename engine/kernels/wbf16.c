@@ -1,0 +1,122 @@
+// y[M][N] = x[M][K] . W^T (+ b) with W kept as bf16 and every product and sum in fp32: a bf16 checkpoint
+// computed exactly as float32 would, reading half the bytes. Built for the host CPU by engine/kernels/cbuild.py.
+//
+// Packed layout: [ceil(N/64)][K][64] bf16. Within each 32-column half of a 64-column block, 32-bit lane i
+// holds column i in its low half and column 16+i in its high half, so one 64-byte load becomes two fp32
+// vectors with a shift and a mask (no shuffle, which would compete with the FMAs for the same port).
+#include <stdint.h>
+#include <string.h>
+#define NB 64
+#define MR 6
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+static inline __attribute__((always_inline)) void tile(const int mr, int64_t K, const float *x, int64_t ldx,
+                                                       const uint16_t *w, float *out) {
+    __m512 acc[MR][4];
+    for (int r = 0; r < mr; r++) for (int j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_ps();
+    const __m512i hi_mask = _mm512_set1_epi32((int)0xFFFF0000u);
+    for (int64_t k = 0; k < K; k++) {
+        const __m512i a = _mm512_loadu_si512((const void *)(w + k * NB));
+        const __m512i b = _mm512_loadu_si512((const void *)(w + k * NB + 32));
+        const __m512 w0 = _mm512_castsi512_ps(_mm512_slli_epi32(a, 16));
+        const __m512 w1 = _mm512_castsi512_ps(_mm512_and_si512(a, hi_mask));
+        const __m512 w2 = _mm512_castsi512_ps(_mm512_slli_epi32(b, 16));
+        const __m512 w3 = _mm512_castsi512_ps(_mm512_and_si512(b, hi_mask));
+        for (int r = 0; r < mr; r++) {
+            const __m512 xv = _mm512_set1_ps(x[r * ldx + k]);
+            acc[r][0] = _mm512_fmadd_ps(xv, w0, acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(xv, w1, acc[r][1]);
+            acc[r][2] = _mm512_fmadd_ps(xv, w2, acc[r][2]);
+            acc[r][3] = _mm512_fmadd_ps(xv, w3, acc[r][3]);
+        }
+    }
+    for (int r = 0; r < mr; r++) for (int j = 0; j < 4; j++) _mm512_storeu_ps(out + r * NB + j * 16, acc[r][j]);
+}
+#else
+typedef float v16f __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+static inline __attribute__((always_inline)) void tile(const int mr, int64_t K, const float *x, int64_t ldx,
+                                                       const uint16_t *w, float *out) {
+    v16f acc[MR][4];
+    for (int r = 0; r < mr; r++) for (int j = 0; j < 4; j++) acc[r][j] = (v16f){0};
+    for (int64_t k = 0; k < K; k++) {
+        v16u a, b;
+        memcpy(&a, w + k * NB, 64);
+        memcpy(&b, w + k * NB + 32, 64);
+        v16u u0 = a << 16, u1 = a & 0xFFFF0000u, u2 = b << 16, u3 = b & 0xFFFF0000u;
+        v16f w0, w1, w2, w3;
+        memcpy(&w0, &u0, 64); memcpy(&w1, &u1, 64); memcpy(&w2, &u2, 64); memcpy(&w3, &u3, 64);
+        for (int r = 0; r < mr; r++) {
+            const float xv = x[r * ldx + k];
+            acc[r][0] += xv * w0; acc[r][1] += xv * w1; acc[r][2] += xv * w2; acc[r][3] += xv * w3;
+        }
+    }
+    for (int r = 0; r < mr; r++) memcpy(out + r * NB, acc[r], sizeof(acc[r]));
+}
+#endif
+
+static void tile_any(int mr, int64_t K, const float *x, int64_t ldx, const uint16_t *w, float *out) {
+    switch (mr) {  // a constant row count lets the compiler keep every accumulator in a register
+    case 1: tile(1, K, x, ldx, w, out); break;
+    case 2: tile(2, K, x, ldx, w, out); break;
+    case 3: tile(3, K, x, ldx, w, out); break;
+    case 4: tile(4, K, x, ldx, w, out); break;
+    case 5: tile(5, K, x, ldx, w, out); break;
+    default: tile(6, K, x, ldx, w, out); break;
+    }
+}
+
+// Threads split the output columns, so each streams only its share of the weights.
+void wbf16_linear(int64_t M, int64_t N, int64_t K, const float *x, const uint16_t *w, const float *b, float *y,
+                  int nthreads) {
+    const int64_t nblocks = (N + NB - 1) / NB;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t nb = 0; nb < nblocks; nb++) {
+        const uint16_t *wb = w + nb * K * NB;
+        const int64_t n0 = nb * NB, nn = N - n0 < NB ? N - n0 : NB;
+        float out[MR * NB];
+        for (int64_t m0 = 0; m0 < M; m0 += MR) {
+            const int mr = M - m0 < MR ? (int)(M - m0) : MR;
+            tile_any(mr, K, x + m0 * K, K, wb, out);
+            for (int r = 0; r < mr; r++) {
+                float *yr = y + (m0 + r) * N + n0;
+                if (b) for (int64_t j = 0; j < nn; j++) yr[j] = out[r * NB + j] + b[n0 + j];
+                else memcpy(yr, out + r * NB, nn * sizeof(float));
+            }
+        }
+    }
+}
+
+// W [N][K] bf16 row-major -> [ceil(N/64)][K][64] in the interleaved order above, zero-padded.
+void wbf16_pack(int64_t N, int64_t K, const uint16_t *w, uint16_t *packed, int nthreads) {
+    const int64_t nblocks = (N + NB - 1) / NB;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t nb = 0; nb < nblocks; nb++)
+        for (int64_t k = 0; k < K; k++)
+            for (int64_t j = 0; j < NB; j++) {
+                const int64_t half = j / 32, i = (j % 32) / 2, odd = j % 2;
+                const int64_t n = nb * NB + half * 32 + odd * 16 + i;
+                packed[(nb * K + k) * NB + j] = n < N ? w[n * K + k] : 0;
+            }
+}
+
+// Packed bf16 -> W^T as fp32 [K][N] row-major, for large batches where a BLAS GEMM beats the kernel above.
+void wbf16_unpack_t(int64_t N, int64_t K, const uint16_t *packed, float *wt, int nthreads) {
+    const int64_t nblocks = (N + NB - 1) / NB;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t k = 0; k < K; k++)
+        for (int64_t nb = 0; nb < nblocks; nb++) {
+            const uint32_t *src = (const uint32_t *)(packed + (nb * K + k) * NB);
+            float *dst = wt + k * N + nb * NB;
+            float tmp[NB];
+            for (int h = 0; h < 2; h++)
+                for (int i = 0; i < 16; i++) {
+                    const uint32_t u = src[h * 16 + i], lo = u << 16, hi = u & 0xFFFF0000u;
+                    memcpy(&tmp[h * 32 + i], &lo, 4);
+                    memcpy(&tmp[h * 32 + 16 + i], &hi, 4);
+                }
+            const int64_t nn = N - nb * NB < NB ? N - nb * NB : NB;
+            memcpy(dst, tmp, nn * sizeof(float));
+        }
+}

@@ -1,0 +1,110 @@
+"""The bf16-weight float32 kernel (engine.kernels.wbf16), compiled here with gcc, against torch."""
+
+from __future__ import annotations
+
+import logging
+import platform
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.kernels import cbuild, wbf16
+from engine.kernels.wbf16 import BLAS_ROWS, WBF16, bf16_exact
+
+X86 = platform.machine().lower() in ("x86_64", "amd64")
+# -march=native takes the AVX-512 intrinsics where the CPU has them; a baseline target takes the generic
+# vector code, which is what an AVX2-only x86 or an ARM server runs
+FLAGS = [("-march=native",), *([("-march=x86-64",), ("-march=x86-64-v3",)] if X86 else [])]
+
+
+@pytest.fixture(scope="module", params=FLAGS, ids=lambda f: f[0])
+def kernel(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> WBF16:
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TIANMEN_KERNEL_CACHE", str(tmp_path_factory.mktemp("kernels")))
+    try:
+        return WBF16.build(request.param)
+    finally:
+        mp.undo()
+
+
+def _weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, k, generator=torch.Generator().manual_seed(seed)).bfloat16().float()
+
+
+@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 12, 13, 32, 33])
+@pytest.mark.parametrize(("n", "k"), [(1, 1), (63, 17), (64, 64), (65, 3), (200, 96)])
+def test_linear_equals_float32_math(kernel: WBF16, m: int, n: int, k: int) -> None:
+    w = _weight(n, k)
+    x = torch.randn(m, k)
+    b = torch.randn(n)
+    packed = kernel.pack(w)
+    torch.testing.assert_close(kernel.linear(x, packed, n, None), x @ w.t(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kernel.linear(x, packed, n, b), torch.addmm(b, x, w.t()), rtol=1e-5, atol=1e-5)
+
+
+def test_large_batches_take_the_blas_path_with_the_same_result(kernel: WBF16) -> None:
+    w, b = _weight(130, 48), torch.randn(130)
+    x = torch.randn(BLAS_ROWS + 3, 48)
+    torch.testing.assert_close(kernel.linear(x, kernel.pack(w), 130, b), torch.addmm(b, x, w.t()))
+
+
+def test_pack_is_lossless(kernel: WBF16) -> None:
+    w = _weight(131, 40)
+    assert torch.equal(kernel.widen_t(kernel.pack(w), 131, 40), w.t())
+
+
+def test_leading_dims_and_strided_inputs(kernel: WBF16) -> None:
+    w = _weight(70, 32)
+    x = torch.randn(3, 32, 5).transpose(1, 2)  # [3, 5, 32], not contiguous
+    torch.testing.assert_close(kernel.linear(x, kernel.pack(w), 70, None), x @ w.t(), rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_exact() -> None:
+    w = _weight(8, 8)
+    assert bf16_exact(w)
+    w[3, 5] += 1e-3  # low mantissa bits set: bf16 storage would round it
+    assert not bf16_exact(w)
+    assert not bf16_exact(_weight(8, 8).bfloat16())  # only float32 tensors are candidates
+    assert not bf16_exact(torch.empty(0))
+
+
+def test_the_build_is_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TIANMEN_KERNEL_CACHE", str(tmp_path))
+    WBF16.build()
+    built = sorted(tmp_path.glob("wbf16-*.so"))
+    assert len(built) == 1
+    mtime = built[0].stat().st_mtime_ns
+    WBF16.build()
+    assert sorted(tmp_path.glob("wbf16-*.so")) == built and built[0].stat().st_mtime_ns == mtime
+    assert not list(tmp_path.glob(".*tmp"))
+
+
+def test_without_a_compiler_the_engine_says_what_to_install(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("TIANMEN_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    with pytest.raises(cbuild.BuildError, match="no-such-cc"):
+        WBF16.build()
+    monkeypatch.setattr(wbf16, "_tried", False)
+    monkeypatch.setattr(wbf16, "_kernel", None)
+    with caplog.at_level(logging.WARNING, logger="engine.kernels.wbf16"):
+        assert wbf16.kernel() is None
+    assert "widened to float32" in caplog.text and "gcc" in caplog.text
+
+
+def test_a_compile_error_is_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TIANMEN_KERNEL_CACHE", str(tmp_path))
+    bad = tmp_path / "bad.c"
+    bad.write_text("int f( {")
+    with pytest.raises(cbuild.BuildError, match=r"could not build bad\.c"):
+        cbuild.build(bad)
+
+
+def test_self_check_catches_a_wrong_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    k = wbf16.kernel()
+    assert k is not None, "gcc is part of make setup's requirements: the kernel must build here"
+    monkeypatch.setattr(k, "linear", lambda x, p, n, b: torch.zeros(x.shape[0], n))
+    with pytest.raises(cbuild.BuildError, match="self-check failed"):
+        wbf16.self_check(k)
