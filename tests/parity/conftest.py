@@ -147,6 +147,16 @@ def run_core(
     return tokens
 
 
+def step_logits(core: EngineCore, prompts: dict[str, list[int]], n: int) -> list[torch.Tensor]:
+    """Run `prompts` for n tokens each and return the logits each step computed, [rows, vocab] per step."""
+    captured: list[torch.Tensor] = []
+    model = core.runner.model
+    original = model.compute_logits
+    model.compute_logits = lambda h: captured.append(original(h)) or captured[-1]  # type: ignore[method-assign]
+    run_core(core, prompts, n)
+    return captured
+
+
 def mixed_prompts(n: int = 8, seed: int = 0, prefix: list[int] | None = None) -> dict[str, list[int]]:
     """Prompts of different lengths (1 to 64 tokens), optionally behind a shared prefix."""
     rng = random.Random(seed)

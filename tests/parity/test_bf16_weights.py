@@ -9,7 +9,15 @@ import pytest
 import torch
 
 from engine.layers.linear import Linear
-from tests.parity.conftest import hf_expected, hf_model, make_core, mixed_prompts, run_core, same_length_prompts
+from tests.parity.conftest import (
+    hf_expected,
+    hf_model,
+    make_core,
+    mixed_prompts,
+    run_core,
+    same_length_prompts,
+    step_logits,
+)
 
 NEW_TOKENS = 32
 
@@ -36,13 +44,8 @@ def test_kernel_holds_every_weight_as_bf16(bf16_dir: Path) -> None:
 
 
 def test_prefill_logits_match(bf16_dir: Path, hf_models: dict) -> None:
-    core = make_core(bf16_dir)
-    captured: list[torch.Tensor] = []
-    model = core.runner.model
-    original = model.compute_logits
-    model.compute_logits = lambda h: captured.append(original(h)) or captured[-1]  # type: ignore[method-assign]
     prompts = mixed_prompts(3)
-    run_core(core, prompts, 1)
+    captured = step_logits(make_core(bf16_dir), prompts, 1)
     hf = hf_model(hf_models, bf16_dir)
     for i, p in enumerate(prompts.values()):
         with torch.no_grad():

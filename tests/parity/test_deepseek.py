@@ -14,7 +14,16 @@ from engine.models.deepseek_v2 import DeepseekV2ForCausalLM
 from engine.outputs import SchedulerOutput
 from engine.params import SamplingParams
 from engine.request import Request
-from tests.parity.conftest import VOCAB, hf_expected, hf_model, make_core, mixed_prompts, run_core, same_length_prompts
+from tests.parity.conftest import (
+    VOCAB,
+    hf_expected,
+    hf_model,
+    make_core,
+    mixed_prompts,
+    run_core,
+    same_length_prompts,
+    step_logits,
+)
 
 NEW_TOKENS = 32
 BASE: dict[str, object] = dict(
@@ -113,13 +122,8 @@ def _expected(cache: dict, path: Path, prompts: dict[str, list[int]]) -> dict[st
 
 
 def test_prefill_and_decode_logits_match(ds_dir: Path, hf_cache: dict) -> None:
-    core = make_core(ds_dir)
-    captured: list[torch.Tensor] = []
-    model = core.runner.model
-    original = model.compute_logits
-    model.compute_logits = lambda h: captured.append(original(h)) or captured[-1]  # type: ignore[method-assign]
     prompts = mixed_prompts(3)
-    run_core(core, prompts, 2)
+    captured = step_logits(make_core(ds_dir), prompts, 2)
     hf = hf_model(hf_cache, ds_dir)
     for i, p in enumerate(prompts.values()):
         with torch.no_grad():

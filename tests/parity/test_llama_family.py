@@ -9,7 +9,16 @@ import pytest
 import torch
 
 from engine.outputs import SchedulerOutput
-from tests.parity.conftest import VOCAB, hf_expected, hf_model, make_core, mixed_prompts, run_core, same_length_prompts
+from tests.parity.conftest import (
+    VOCAB,
+    hf_expected,
+    hf_model,
+    make_core,
+    mixed_prompts,
+    run_core,
+    same_length_prompts,
+    step_logits,
+)
 
 NEW_TOKENS = 32
 
@@ -25,13 +34,7 @@ def _expected(cache: dict, path: Path, prompts: dict[str, list[int]]) -> dict[st
     ids=["mixed", "same-length"],
 )
 def test_prefill_logits_match(model_dir: Path, hf_models: dict, prompts: dict[str, list[int]]) -> None:
-    core = make_core(model_dir)
-    captured: list[torch.Tensor] = []
-    model = core.runner.model
-    original = model.compute_logits
-    model.compute_logits = lambda h: captured.append(original(h)) or captured[-1]  # type: ignore[method-assign]
-    run_core(core, prompts, 1)
-    ours = captured[0]  # the first step prefilled all three prompts together
+    ours = step_logits(make_core(model_dir), prompts, 1)[0]  # the first step prefilled all prompts together
     hf = hf_model(hf_models, model_dir)
     for i, p in enumerate(prompts.values()):
         with torch.no_grad():
