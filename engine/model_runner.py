@@ -40,6 +40,16 @@ class ModelRunner:
             for name, shape in self.model.kv_cache_shape(self.num_blocks + 1, self.block_size):
                 setattr(layer, name, torch.zeros(shape, dtype=self.dtype, device=self.device))
         self.num_packed = self._prepack() if self.device.type == "cpu" else 0
+        compact = sum(1 for m in self.model.modules() if isinstance(m, Linear) and m.wbf16 is not None)
+        log.info(
+            "model on %s, %s math: %d KV blocks of %d tokens; %d linear layers prepacked, %d keeping bf16 weights",
+            self.device,
+            str(self.dtype).removeprefix("torch."),
+            self.num_blocks,
+            self.block_size,
+            self.num_packed,
+            compact,
+        )
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
         self._rng = random.Random(config.seed)
