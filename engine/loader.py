@@ -89,7 +89,14 @@ def weight_files(files: ModelFiles) -> list[str]:
     return found
 
 
-def load_model(files: ModelFiles, hf_config: dict[str, Any], device: torch.device, dtype: torch.dtype) -> nn.Module:
+def load_model(
+    files: ModelFiles, hf_config: dict[str, Any], device: torch.device, dtype: torch.dtype, bf16_storage: bool = False
+) -> nn.Module:
+    """The model with its checkpoint loaded, in `dtype`.
+
+    bf16_storage (float32 math only): Linear and embedding weights start as bf16 and stay so where the
+    checkpoint's tensor is bf16, for the bf16-weight kernel; others widen to float32 as they arrive. Memory
+    never holds a float32 copy of a bf16 checkpoint, so loading peaks at what serving needs."""
     cls = model_class(hf_config)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -100,11 +107,26 @@ def load_model(files: ModelFiles, hf_config: dict[str, Any], device: torch.devic
         raise ModelLoadError(f"config.json is missing or has a bad field: {e}") from None
     finally:
         torch.set_default_dtype(default_dtype)
-    load_weights(model, files)
+    if bf16_storage and dtype == torch.float32:
+        _store_weights_as_bf16(model)
+    load_weights(model, files, widen_to=dtype)
     return model.eval()
 
 
-def load_weights(model: nn.Module, files: ModelFiles) -> None:
+def _store_weights_as_bf16(model: nn.Module) -> None:
+    swapped: dict[int, nn.Parameter] = {}  # old parameter → new, so tied weights stay one parameter
+    for module in model.modules():
+        if not (isinstance(module, nn.Embedding) or getattr(module, "bf16_storage", False)):
+            continue
+        old = module.weight
+        if id(old) not in swapped:  # untouched allocations: no memory was committed for the float32 version
+            swapped[id(old)] = nn.Parameter(torch.empty_like(old, dtype=torch.bfloat16), requires_grad=False)
+        module.weight = swapped[id(old)]
+
+
+def load_weights(model: nn.Module, files: ModelFiles, widen_to: torch.dtype | None = None) -> None:
+    """Copy the checkpoint into the model. A bf16 parameter that receives a non-bf16 tensor is widened to
+    `widen_to` first, so bf16 storage (load_model's bf16_storage) never rounds a float32 checkpoint."""
     params = dict(model.named_parameters(remove_duplicate=False))
     mapping: dict[str, tuple[str, str]] = getattr(model, "packed_modules_mapping", {})
     ignored: tuple[str, ...] = getattr(model, "ignored_weights", ())  # name suffixes
@@ -116,7 +138,7 @@ def load_weights(model: nn.Module, files: ModelFiles) -> None:
             for name, tensor in tensors:
                 if name.endswith(ignored) or name.startswith(ignored_prefixes):
                     continue
-                _load_one(model, params, mapping, name, tensor, fname)
+                _load_one(model, params, mapping, name, tensor, fname, widen_to)
                 loaded.add(name)
         except ModelLoadError:
             raise
@@ -138,6 +160,7 @@ def _load_one(
     name: str,
     tensor: torch.Tensor,
     fname: str,
+    widen_to: torch.dtype | None = None,
 ) -> None:
     for ckpt_name, (ours, shard) in mapping.items():
         if f".{ckpt_name}." in name:
@@ -145,6 +168,7 @@ def _load_one(
             param = params.get(pname)
             if param is None:
                 break
+            _widen_if_needed(param, tensor, widen_to)
             module = model.get_submodule(pname.rsplit(".", 1)[0])
             try:
                 module.load_shard(param, tensor, shard)  # type: ignore[operator]
@@ -158,7 +182,13 @@ def _load_one(
         raise ModelLoadError(f"{fname}: unexpected weight {name} (does config.json match the checkpoint?)")
     if param.shape != tensor.shape:
         raise ModelLoadError(f"{fname}: weight {name} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+    _widen_if_needed(param, tensor, widen_to)
     param.data.copy_(tensor)
+
+
+def _widen_if_needed(param: nn.Parameter, tensor: torch.Tensor, widen_to: torch.dtype | None) -> None:
+    if widen_to is not None and param.dtype == torch.bfloat16 != tensor.dtype and widen_to != torch.bfloat16:
+        param.data = param.data.to(widen_to)  # shards already loaded as bf16 widen exactly
 
 
 def _expected_checkpoint_names(

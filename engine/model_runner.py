@@ -33,7 +33,9 @@ class ModelRunner:
         if config.keep_freed_memory and self.device.type == "cpu":
             keep_freed_memory()
         self.block_size = config.block_size
-        self.model = load_model(files, hf_config, self.device, self.dtype)
+        cpu_fp32 = self.device.type == "cpu" and self.dtype == torch.float32
+        self.wbf16 = wbf16.kernel() if config.compact_weights and cpu_fp32 else None
+        self.model = load_model(files, hf_config, self.device, self.dtype, bf16_storage=self.wbf16 is not None)
         self.num_blocks = self._size_kv_cache(max_model_len)
         self.pad_block = self.num_blocks  # one spare block past the pool absorbs padded slots
         for layer in self.model.attention_layers():
@@ -80,15 +82,10 @@ class ModelRunner:
     def _prepack(self) -> int:
         hint = self.config.max_num_seqs
         tied = getattr(self.model.args, "tie_word_embeddings", False)
-        kernel = wbf16.kernel() if self.config.compact_weights and self.dtype == torch.float32 else None
         packed = 0
         for name, module in self.model.named_modules():
             if isinstance(module, Linear):
-                packed += module.prepack(hint, keep_weight=tied and name == "lm_head", wbf16=kernel)
-            elif isinstance(module, torch.nn.Embedding) and kernel is not None and wbf16.bf16_exact(module.weight):
-                module.weight = torch.nn.Parameter(module.weight.data.bfloat16(), requires_grad=False)  # lossless
-        if kernel is not None and tied:
-            self.model.lm_head.weight = self.model.model.embed_tokens.weight  # one bf16 copy, as in the file
+                packed += module.prepack(hint, keep_weight=tied and name == "lm_head", wbf16=self.wbf16)
         return packed
 
     # ---- one step -----------------------------------------------------------------------------

@@ -16,6 +16,8 @@ class Linear(nn.Module):
     F.linear), or, computing in float32 with weights that are exactly bf16, into the bf16 kernel's layout
     (engine.kernels.wbf16: half the bytes)."""
 
+    bf16_storage = True  # the loader may keep this weight as bf16 for the bf16 kernel (engine.loader)
+
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
@@ -35,7 +37,7 @@ class Linear(nn.Module):
         """Swap the weight for a packed copy; False (and F.linear stays) where torch can't.
 
         With `wbf16`, a float32 weight holding only bf16 values goes to that kernel instead of oneDNN."""
-        if wbf16 is not None and bf16_exact(self.weight.data):
+        if wbf16 is not None and (self.weight.dtype == torch.bfloat16 or bf16_exact(self.weight.data)):
             self.packed, self.wbf16 = wbf16.pack(self.weight.data), wbf16
             self._drop_weight(keep_weight)
             return True

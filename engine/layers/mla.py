@@ -14,6 +14,8 @@ from engine.layers.rotary import apply_rotary, apply_rotary_interleaved
 
 
 class _UnpackedLinear(Linear):
+    bf16_storage = False  # decode does float32 math on the plain weight
+
     def prepack(self, batch_hint: int, keep_weight: bool = False, wbf16: WBF16 | None = None) -> bool:
         return False  # NOTE: decode reads kv_b_proj's weight as W_UK / W_UV, so it keeps the plain layout
 

@@ -65,3 +65,28 @@ def test_compact_weights_off_widens_to_float32_with_the_same_tokens(bf16_dir: Pa
     assert core.runner.model.model.embed_tokens.weight.dtype == torch.float32
     prompts = mixed_prompts(4)
     assert run_core(core, prompts, NEW_TOKENS) == hf_expected(hf_models, bf16_dir, prompts, NEW_TOKENS)
+
+
+def _load(path: Path, bf16_storage: bool) -> torch.nn.Module:
+    from engine.loader import DirectoryFiles, load_model, read_json
+
+    files = DirectoryFiles(path)
+    return load_model(files, read_json(files, "config.json"), torch.device("cpu"), torch.float32, bf16_storage)
+
+
+def test_loader_never_widens_a_bf16_checkpoint(bf16_dir: Path) -> None:
+    model = _load(bf16_dir, bf16_storage=True)
+    weights = [m.weight for m in model.modules() if isinstance(m, (Linear, torch.nn.Embedding))]
+    assert weights and all(w.dtype == torch.bfloat16 for w in weights)
+    assert model.model.norm.weight.dtype == torch.float32
+    widened = _load(bf16_dir, bf16_storage=False).state_dict()
+    for name, t in model.state_dict().items():
+        assert torch.equal(t.float(), widened[name]), name  # exact: bf16 widens losslessly
+
+
+def test_loader_widens_what_the_checkpoint_holds_in_float32(model_dir: Path) -> None:
+    """A float32 checkpoint under bf16_storage loads exactly as without it: nothing is rounded to bf16."""
+    got, want = _load(model_dir, bf16_storage=True).state_dict(), _load(model_dir, bf16_storage=False).state_dict()
+    assert got.keys() == want.keys()
+    for name, t in got.items():
+        assert t.dtype == torch.float32 and torch.equal(t, want[name]), name
