@@ -14,7 +14,7 @@ from engine.layers.mla import MLAttention
 from engine.layers.moe import GatedMLP, MoE, MoEGate
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding, rope_parameters, yarn_mscale
-from engine.models.decoder import DecoderLayer, DecoderModel
+from engine.models.decoder import DecoderLayer, DecoderModel, embedding
 
 
 @dataclass(slots=True)
@@ -133,8 +133,7 @@ class DeepseekDecoderLayer(DecoderLayer):
 class DeepseekModel(DecoderModel):
     def __init__(self, a: DeepseekArgs) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens = embedding(a.vocab_size, a.hidden_size)
         scratch = torch.empty(0)  # cache rows gathered for attention, reused by every layer
         self.layers = nn.ModuleList(DeepseekDecoderLayer(a, i, scratch) for i in range(a.num_layers))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)

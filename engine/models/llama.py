@@ -13,7 +13,7 @@ from engine.layers.attention import PagedAttention
 from engine.layers.linear import Linear, MergedLinear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
-from engine.models.decoder import DecoderLayer, DecoderModel
+from engine.models.decoder import DecoderLayer, DecoderModel, embedding
 
 
 @dataclass(slots=True)
@@ -98,8 +98,7 @@ class LlamaDecoderLayer(DecoderLayer):
 class LlamaModel(DecoderModel):
     def __init__(self, a: LlamaArgs) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens = embedding(a.vocab_size, a.hidden_size)
         scratch = (torch.empty(0), torch.empty(0))  # K/V gathered from the cache, reused by every layer
         self.layers = nn.ModuleList(LlamaDecoderLayer(a, scratch) for _ in range(a.num_layers))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
