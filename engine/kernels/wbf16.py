@@ -4,7 +4,8 @@ Most checkpoints ship in bf16. On a CPU without AVX512-BF16/AMX the engine compu
 the weights to fp32 doubles the bytes every decode step streams from memory. A weight whose fp32 values are
 all exactly bf16 (true of every weight loaded from a bf16 checkpoint) loses nothing by being kept as bf16 and
 widened in registers: the result is what float32 gives, up to summation order. Measured on a 2-core Cascade
-Lake (docs/PERFORMANCE.md): 2-3.6x faster than oneDNN's fp32 GEMM at batch 1, 1.1-1.2x at batch 32.
+Lake (`python -m benchmarks.gemm`, docs/PERFORMANCE.md): 2-3x faster than oneDNN's fp32 GEMM at batch 1,
+1.2-1.3x at batch 32.
 """
 
 from __future__ import annotations
