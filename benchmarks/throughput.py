@@ -1,7 +1,7 @@
 """Engine throughput vs HF transformers on the same workload, in the same run.
 
     python -m benchmarks.throughput [--shape qwen2-0.5b|deepseek-v2-tiny] [--num-prompts 32] [--prompt-len 128]
-                                    [--output-len 128] [--vllm /path/to/vllm-venv/bin/python]
+                                    [--output-len 128] [--vllm /path/to/vllm-venv/bin/python] [--onednn-row]
 
 Batch: N prompts of random token ids, greedy, EOS ignored → output tok/s. Batch-1: ms per decoded token.
 Each engine runs in a fresh process of its own, so neither inherits the other's threads, caches or malloc
@@ -28,8 +28,11 @@ from benchmarks.shapes import SHAPES, checkpoint
 from engine import LLM, EngineConfig, SamplingParams
 
 
-def ours(path: str, prompts: list[list[int]], n: int, dtype: str) -> tuple[float, float]:
-    llm = LLM(EngineConfig(model=path, dtype=dtype, max_num_seqs=max(len(prompts), 1), max_model_len=1024))
+def ours(path: str, prompts: list[list[int]], n: int, dtype: str, cpu_kernels: bool = True) -> tuple[float, float]:
+    config = EngineConfig(
+        model=path, dtype=dtype, max_num_seqs=max(len(prompts), 1), max_model_len=1024, cpu_kernels=cpu_kernels
+    )
+    llm = LLM(config)
     params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
     llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
     t = time.perf_counter()
@@ -93,6 +96,9 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
+    ap.add_argument(
+        "--onednn-row", action="store_true", help="also run tianmen with cpu_kernels off (every GEMM in oneDNN)"
+    )
     ap.add_argument("--vllm", metavar="PYTHON", help="also run vLLM's CPU build with this venv's python")
     args = ap.parse_args()
 
@@ -104,6 +110,10 @@ def main() -> None:
     dname = str(dtype).removeprefix("torch.")
 
     rows = [("tianmen", *isolated(ours, path, prompts[: args.num_prompts], args.output_len, dname))]
+    if args.onednn_row:
+        rows.append(
+            ("tianmen-onednn", *isolated(ours, path, prompts[: args.num_prompts], args.output_len, dname, False))
+        )
     if not args.no_hf:
         rows.append(
             (

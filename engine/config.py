@@ -49,6 +49,9 @@ class EngineConfig:
     # CPU, float32: weights that are exactly bf16 (a bf16 checkpoint) stay bf16 in memory and are widened in
     # registers by a kernel built for this CPU (engine.kernels.wbf16); same results, half the bytes per step
     compact_weights: bool = True
+    # CPU: run linear layers through kernels compiled for this CPU (engine.kernels: the bf16-weight kernel
+    # above, and an AVX512-BF16 GEMM for bfloat16); False leaves every GEMM to oneDNN
+    cpu_kernels: bool = True
 
     def __post_init__(self) -> None:
         self.model = Path(self.model)

@@ -29,6 +29,7 @@ class AttentionContext:
     # NOTE: additive, built once per step: SDPA turns a bool mask into this in every layer otherwise.
     decode_mask: torch.Tensor | None
     prefills: list[PrefillMeta]
+    decode_context_lens: torch.Tensor | None = None  # [D] int64: cached tokens per decode, this step's included
 
 
 _CONTEXT: AttentionContext | None = None

@@ -10,8 +10,11 @@ from engine.block_manager import cdiv
 from engine.config import EngineConfig
 from engine.context import AttentionContext, PrefillMeta, reset_context, set_context
 from engine.errors import ConfigError
-from engine.kernels import wbf16
+from engine.kernels import bf16mm, decode_attn, rmsnorm, wbf16
+from engine.kernels.gemm import GemmKernel
+from engine.layers.attention import PagedAttention
 from engine.layers.linear import Linear
+from engine.layers.norm import RMSNorm
 from engine.loader import ModelFiles, load_model
 from engine.malloc import keep_freed_memory
 from engine.outputs import ModelOutput, SchedulerOutput
@@ -33,24 +36,27 @@ class ModelRunner:
         if config.keep_freed_memory and self.device.type == "cpu":
             keep_freed_memory()
         self.block_size = config.block_size
-        cpu_fp32 = self.device.type == "cpu" and self.dtype == torch.float32
-        self.wbf16 = wbf16.kernel() if config.compact_weights and cpu_fp32 else None
-        self.model = load_model(files, hf_config, self.device, self.dtype, bf16_storage=self.wbf16 is not None)
+        self.kernel = self._cpu_kernel()
+        compact = isinstance(self.kernel, wbf16.WBF16)
+        self.model = load_model(files, hf_config, self.device, self.dtype, bf16_storage=compact)
         self.num_blocks = self._size_kv_cache(max_model_len)
         self.pad_block = self.num_blocks  # one spare block past the pool absorbs padded slots
         for layer in self.model.attention_layers():
             for name, shape in self.model.kv_cache_shape(self.num_blocks + 1, self.block_size):
                 setattr(layer, name, torch.zeros(shape, dtype=self.dtype, device=self.device))
         self.num_packed = self._prepack() if self.device.type == "cpu" else 0
-        compact = sum(1 for m in self.model.modules() if isinstance(m, Linear) and m.wbf16 is not None)
+        if self.device.type == "cpu" and config.cpu_kernels:
+            self._bind_cpu_kernels()
+        ours = sum(1 for m in self.model.modules() if isinstance(m, Linear) and m.kernel is not None)
         log.info(
-            "model on %s, %s math: %d KV blocks of %d tokens; %d linear layers prepacked, %d keeping bf16 weights",
+            "model on %s, %s math: %d KV blocks of %d tokens; %d linear layers prepacked, %d of them for %s",
             self.device,
             str(self.dtype).removeprefix("torch."),
             self.num_blocks,
             self.block_size,
             self.num_packed,
-            compact,
+            ours,
+            type(self.kernel).__name__ if self.kernel is not None else "oneDNN",
         )
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
@@ -79,13 +85,35 @@ class ModelRunner:
             )
         return num_blocks
 
+    def _cpu_kernel(self) -> GemmKernel | None:
+        """Our GEMM kernel for this CPU and dtype, where one applies and builds; None leaves oneDNN."""
+        if self.device.type != "cpu" or not self.config.cpu_kernels:
+            return None
+        if self.dtype == torch.float32 and self.config.compact_weights:
+            return wbf16.kernel()
+        if self.dtype == torch.bfloat16:
+            return bf16mm.kernel()
+        return None
+
+    def _bind_cpu_kernels(self) -> None:
+        fused, attn = rmsnorm.kernel(), decode_attn.kernel()
+        for m in self.model.modules():
+            if isinstance(m, RMSNorm):
+                m.fused = fused
+            elif (
+                isinstance(m, PagedAttention)
+                and attn
+                and attn.takes(m.num_heads, m.num_kv_heads, m.head_dim, self.dtype)
+            ):
+                m.decode_kernel = attn
+
     def _prepack(self) -> int:
         hint = self.config.max_num_seqs
         tied = getattr(self.model.args, "tie_word_embeddings", False)
         packed = 0
         for name, module in self.model.named_modules():
             if isinstance(module, Linear):
-                packed += module.prepack(hint, keep_weight=tied and name == "lm_head", wbf16=self.wbf16)
+                packed += module.prepack(hint, keep_weight=tied and name == "lm_head", kernel=self.kernel)
         return packed
 
     # ---- one step -----------------------------------------------------------------------------
@@ -152,7 +180,7 @@ class ModelRunner:
                 mask = torch.arange(ctx_len, device=dev) <= torch.arange(s.start, ctx_len, device=dev).unsqueeze(1)
                 prefills.append(PrefillMeta(row, row + n, ctx_len, block_ids, mask))
 
-        tables, dmask = None, None
+        tables, dmask, ctx_lens = None, None, None
         if sched.num_decodes:
             decodes = sched.seqs[: sched.num_decodes]
             width = max(len(s.block_ids) for s in decodes)
@@ -168,6 +196,7 @@ class ModelRunner:
             num_decodes=sched.num_decodes,
             decode_block_tables=tables,
             decode_mask=dmask,
+            decode_context_lens=ctx_lens,
             prefills=prefills,
         )
         return (

@@ -76,6 +76,7 @@ class EngineSettings:
     num_threads: int | None = None
     keep_freed_memory: bool = True
     compact_weights: bool = True
+    cpu_kernels: bool = True
     seed: int = 0
     # sealed models: file:PATH | env:VAR | pkcs11:module=...;token=...;key=...;pin-file=...
     key_provider: str | None = None

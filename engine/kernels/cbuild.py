@@ -15,7 +15,10 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Generic, TypeVar
 
 import torch  # noqa: F401  # loaded first, so the kernel's libgomp.so.1 resolves to torch's own OpenMP runtime
 
@@ -24,6 +27,38 @@ log = logging.getLogger(__name__)
 
 class BuildError(RuntimeError):
     pass
+
+
+K = TypeVar("K")
+
+
+class Once(Generic[K]):
+    """A process-wide kernel, built (and self-checked) on first use; None, with one WARNING, where it can't be."""
+
+    def __init__(self, make: Callable[[], K], logger: logging.Logger, consequence: str) -> None:
+        self._make, self._log, self._consequence = make, logger, consequence
+        self._lock = threading.Lock()
+        self._kernel: K | None = None
+        self._tried = False
+
+    def __call__(self) -> K | None:
+        with self._lock:
+            if not self._tried:
+                self._tried = True
+                try:
+                    self._kernel = self._make()
+                except BuildError as e:
+                    self._log.warning(
+                        "%s: %s. Install a C compiler (gcc) so the engine can build its CPU kernel.",
+                        self._consequence,
+                        e,
+                    )
+            return self._kernel
+
+    def reset(self) -> None:
+        """Forget the result, so the next call builds again (tests)."""
+        with self._lock:
+            self._kernel, self._tried = None, False
 
 
 def _cpu_signature() -> str:

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import threading
 from pathlib import Path
 
 import torch
 
-from engine.kernels.cbuild import BuildError, build
+from engine.kernels.cbuild import BuildError, Once, build
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +42,10 @@ class WBF16:
     @classmethod
     def build(cls, flags: tuple[str, ...] = ("-march=native",)) -> WBF16:
         return cls(build(SOURCE, flags))
+
+    def accepts(self, weight: torch.Tensor) -> bool:
+        """bf16 weights, and float32 ones that hold only bf16 values (lossless either way)."""
+        return weight.dtype == torch.bfloat16 or bf16_exact(weight)
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         """[N, K] weight (bf16, or fp32 holding bf16 values) → the kernel's blocked bf16 layout (1-D)."""
@@ -91,25 +94,11 @@ def self_check(kernel: WBF16) -> None:
             raise BuildError(f"self-check failed at {m}x{n}x{k}: max error {(got - want).abs().max().item():.3g}")
 
 
-_lock = threading.Lock()
-_kernel: WBF16 | None = None
-_tried = False
+def _build_checked() -> WBF16:
+    k = WBF16.build()
+    self_check(k)
+    return k
 
 
-def kernel() -> WBF16 | None:
-    """The process-wide kernel built for this CPU, or None (logged once) where it cannot be built."""
-    global _kernel, _tried
-    with _lock:
-        if not _tried:
-            _tried = True
-            try:
-                k = WBF16.build()
-                self_check(k)
-                _kernel = k
-            except BuildError as e:
-                log.warning(
-                    "bf16 weights will be widened to float32 (twice the memory, slower decode): %s. "
-                    "Install a C compiler (gcc) so the engine can build its CPU kernel.",
-                    e,
-                )
-        return _kernel
+# The process-wide kernel built for this CPU, or None (logged once) where it cannot be built.
+kernel = Once(_build_checked, log, "bf16 weights will be widened to float32 (twice the memory, slower decode)")

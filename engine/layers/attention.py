@@ -4,7 +4,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.context import PrefillMeta, get_context
+from engine.context import AttentionContext, PrefillMeta, get_context
+from engine.kernels.decode_attn import DecodeAttention
 
 
 class PagedAttention(nn.Module):
@@ -29,6 +30,7 @@ class PagedAttention(nn.Module):
         # NOTE: K/V rows gathered from the cache land in buffers shared by every layer of the model: a fresh
         # tensor per layer and step costs page faults, which are dear on a VM.
         self.scratch = scratch or (torch.empty(0), torch.empty(0))
+        self.decode_kernel: DecodeAttention | None = None  # bound by the runner on CPU (engine.kernels)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [T, H, D]  k, v: [T, KV, D]  ->  [T, H * D]
@@ -38,10 +40,10 @@ class PagedAttention(nn.Module):
         self.v_cache.view(-1, kv, d).index_copy_(0, ctx.slot_mapping, v)
         nd = ctx.num_decodes
         if not ctx.prefills:
-            return self._decode(q, ctx.decode_block_tables, ctx.decode_mask).flatten(1)
+            return self._decode(q, ctx).flatten(1)
         out = torch.empty_like(q)
         if nd:
-            out[:nd] = self._decode(q[:nd], ctx.decode_block_tables, ctx.decode_mask)
+            out[:nd] = self._decode(q[:nd], ctx)
         for p in ctx.prefills:
             out[p.start : p.end] = self._prefill(q[p.start : p.end], k[p.start : p.end], v[p.start : p.end], p)
         return out.flatten(1)
@@ -53,7 +55,11 @@ class PagedAttention(nn.Module):
         v = torch.index_select(self.v_cache, 0, block_ids, out=self.scratch[1].resize_(shape))
         return k.view(-1, self.num_kv_heads, self.head_dim), v.view(-1, self.num_kv_heads, self.head_dim)
 
-    def _decode(self, q: torch.Tensor, block_tables: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        block_tables, mask = ctx.decode_block_tables, ctx.decode_mask
+        assert block_tables is not None and mask is not None
+        if self.decode_kernel is not None and ctx.decode_context_lens is not None:
+            return self.decode_kernel(q, self.k_cache, self.v_cache, block_tables, ctx.decode_context_lens, self.scale)
         b, kv, d = q.shape[0], self.num_kv_heads, self.head_dim
         k, v = self._gather(block_tables.flatten())
         # NOTE: a query's G = H / KV heads sharing one KV head play the role of G query positions, so

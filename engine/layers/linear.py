@@ -6,15 +6,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.kernels.wbf16 import WBF16, bf16_exact
+from engine.kernels.gemm import GemmKernel
 
 log = logging.getLogger(__name__)
 
 
 class Linear(nn.Module):
-    """y = x W^T + b. On CPU the weight is prepacked once: into oneDNN's blocked layout (~2x faster than
-    F.linear), or, computing in float32 with weights that are exactly bf16, into the bf16 kernel's layout
-    (engine.kernels.wbf16: half the bytes)."""
+    """y = x W^T + b. On CPU the weight is prepacked once: into the layout of one of our kernels where the
+    runner has one for this dtype and CPU (engine.kernels: bf16 weights under float32 math, or AVX512-BF16),
+    else into oneDNN's blocked layout (~2x faster than F.linear)."""
 
     bf16_storage = True  # the loader may keep this weight as bf16 for the bf16 kernel (engine.loader)
 
@@ -24,21 +24,21 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.packed: torch.Tensor | None = None
-        self.wbf16: WBF16 | None = None  # set when `packed` is in the bf16 kernel's layout
+        self.kernel: GemmKernel | None = None  # set when `packed` is in that kernel's layout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.wbf16 is not None:
-            return self.wbf16.linear(x, self.packed, self.out_features, self.bias)  # type: ignore[arg-type]
+        if self.kernel is not None:
+            return self.kernel.linear(x, self.packed, self.out_features, self.bias)  # type: ignore[arg-type]
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
-    def prepack(self, batch_hint: int, keep_weight: bool = False, wbf16: WBF16 | None = None) -> bool:
+    def prepack(self, batch_hint: int, keep_weight: bool = False, kernel: GemmKernel | None = None) -> bool:
         """Swap the weight for a packed copy; False (and F.linear stays) where torch can't.
 
-        With `wbf16`, a float32 weight holding only bf16 values goes to that kernel instead of oneDNN."""
-        if wbf16 is not None and (self.weight.dtype == torch.bfloat16 or bf16_exact(self.weight.data)):
-            self.packed, self.wbf16 = wbf16.pack(self.weight.data), wbf16
+        A weight that `kernel` accepts goes to it instead of oneDNN."""
+        if kernel is not None and kernel.accepts(self.weight.data):
+            self.packed, self.kernel = kernel.pack(self.weight.data), kernel
             self._drop_weight(keep_weight)
             return True
         try:

@@ -93,6 +93,15 @@ def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
 
 
 @pytest.fixture(scope="session")
+def bf16_dir(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path_factory.mktemp(model_dir.name + "-bf16")
+    AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).save_pretrained(out)
+    return out  # the same model saved as a bf16 checkpoint
+
+
+@pytest.fixture(scope="session")
 def hf_models() -> dict[Path, torch.nn.Module]:
     return {}
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.kernels.wbf16 import WBF16
 from engine.layers.linear import Linear
 from tests.parity.conftest import (
     hf_expected,
@@ -22,15 +23,6 @@ from tests.parity.conftest import (
 NEW_TOKENS = 32
 
 
-@pytest.fixture(scope="session")
-def bf16_dir(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from transformers import AutoModelForCausalLM
-
-    out = tmp_path_factory.mktemp(model_dir.name + "-bf16")
-    AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).save_pretrained(out)
-    return out
-
-
 def _linears(core) -> list[Linear]:  # type: ignore[no-untyped-def]
     return [m for m in core.runner.model.modules() if isinstance(m, Linear)]
 
@@ -38,7 +30,7 @@ def _linears(core) -> list[Linear]:  # type: ignore[no-untyped-def]
 def test_kernel_holds_every_weight_as_bf16(bf16_dir: Path) -> None:
     core = make_core(bf16_dir)
     linears = _linears(core)
-    assert linears and all(m.wbf16 is not None and m.packed.dtype == torch.bfloat16 for m in linears)
+    assert linears and all(isinstance(m.kernel, WBF16) and m.packed.dtype == torch.bfloat16 for m in linears)
     assert core.runner.model.model.embed_tokens.weight.dtype == torch.bfloat16
     assert core.runner.model.model.norm.weight.dtype == torch.float32  # the math stays float32
 
@@ -61,7 +53,7 @@ def test_greedy_batch_matches_generate(bf16_dir: Path, hf_models: dict, prompts:
 
 def test_compact_weights_off_widens_to_float32_with_the_same_tokens(bf16_dir: Path, hf_models: dict) -> None:
     core = make_core(bf16_dir, compact_weights=False)
-    assert not any(m.wbf16 is not None for m in _linears(core))
+    assert not any(m.kernel is not None for m in _linears(core))
     assert core.runner.model.model.embed_tokens.weight.dtype == torch.float32
     prompts = mixed_prompts(4)
     assert run_core(core, prompts, NEW_TOKENS) == hf_expected(hf_models, bf16_dir, prompts, NEW_TOKENS)

@@ -87,10 +87,12 @@ def test_without_a_compiler_the_engine_says_what_to_install(
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     with pytest.raises(cbuild.BuildError, match="no-such-cc"):
         WBF16.build()
-    monkeypatch.setattr(wbf16, "_tried", False)
-    monkeypatch.setattr(wbf16, "_kernel", None)
-    with caplog.at_level(logging.WARNING, logger="engine.kernels.wbf16"):
-        assert wbf16.kernel() is None
+    wbf16.kernel.reset()
+    try:
+        with caplog.at_level(logging.WARNING, logger="engine.kernels.wbf16"):
+            assert wbf16.kernel() is None
+    finally:
+        wbf16.kernel.reset()  # the next caller builds with the real compiler again
     assert "widened to float32" in caplog.text and "gcc" in caplog.text
 
 

@@ -1,0 +1,128 @@
+// y[M][N] = x[M][K] . W^T (+ b), all bf16, fp32 accumulation, for CPUs with AVX512-BF16 (Zen 4, Cooper Lake,
+// Sapphire Rapids and later). VDPBF16PS multiplies bf16 pairs and accumulates in fp32: what oneDNN does for a
+// bf16 linear layer, without its per-call overhead at the small batches of decode. Built by cbuild.py.
+//
+// Packed layout: [ceil(N/64)][ceil(K/2)][64][2] bf16: for each 64-column block and each pair of k, the 64
+// columns' two weights side by side, so one 64-byte load feeds 16 columns x 2 k to one VDPBF16PS.
+#ifndef __AVX512BF16__
+#error "this kernel needs AVX512-BF16 (-march=native on a CPU without it: oneDNN is used instead)"
+#endif
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+#define NB 64
+#define MR 6
+// Rows per pass over the weights: large batches (prefill) go through in chunks whose activations stay in L2
+// while every column block streams past them; measured best at 48-384 on Zen 4, 1.1x faster than one pass.
+#define MC 192
+
+// Row r's k-pair kp of x as one 32-bit lane; an odd K's last pair holds a zero, never the next row's value
+// (which the zero weight padding would turn into NaN if it were inf).
+static inline int32_t pair_at(const uint16_t *xr, int64_t kp, int64_t K) {
+    int32_t v = 0;
+    memcpy(&v, xr + 2 * kp, 2 * kp + 1 < K ? 4 : 2);
+    return v;
+}
+
+static inline __attribute__((always_inline)) void step(const int mr, __m512 acc[MR][4], const uint16_t *wk,
+                                                       const int32_t *p) {
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512((const void *)wk);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512((const void *)(wk + 32));
+    const __m512bh w2 = (__m512bh)_mm512_loadu_si512((const void *)(wk + 64));
+    const __m512bh w3 = (__m512bh)_mm512_loadu_si512((const void *)(wk + 96));
+    for (int r = 0; r < mr; r++) {
+        const __m512bh xv = (__m512bh)_mm512_set1_epi32(p[r]);
+        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xv, w0);
+        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xv, w1);
+        acc[r][2] = _mm512_dpbf16_ps(acc[r][2], xv, w2);
+        acc[r][3] = _mm512_dpbf16_ps(acc[r][3], xv, w3);
+    }
+}
+
+static inline __attribute__((always_inline)) void tile(const int mr, int64_t K, const uint16_t *x,
+                                                       const uint16_t *w, const float *bias, float *out) {
+    __m512 acc[MR][4];
+    for (int r = 0; r < mr; r++)
+        for (int j = 0; j < 4; j++) acc[r][j] = _mm512_loadu_ps(bias + 16 * j);
+    int32_t p[MR];
+    const int64_t full = K / 2;
+    for (int64_t kp = 0; kp < full; kp++) {
+        for (int r = 0; r < mr; r++) memcpy(&p[r], x + r * K + 2 * kp, 4);
+        step(mr, acc, w + kp * 2 * NB, p);
+    }
+    if (K & 1) {
+        for (int r = 0; r < mr; r++) p[r] = pair_at(x + r * K, full, K);
+        step(mr, acc, w + full * 2 * NB, p);
+    }
+    for (int r = 0; r < mr; r++)
+        for (int j = 0; j < 4; j++) _mm512_storeu_ps(out + r * NB + j * 16, acc[r][j]);
+}
+
+static void tile_any(int mr, int64_t K, const uint16_t *x, const uint16_t *w, const float *bias, float *out) {
+    switch (mr) {  // a constant row count lets the compiler keep every accumulator in a register
+    case 1: tile(1, K, x, w, bias, out); break;
+    case 2: tile(2, K, x, w, bias, out); break;
+    case 3: tile(3, K, x, w, bias, out); break;
+    case 4: tile(4, K, x, w, bias, out); break;
+    case 5: tile(5, K, x, w, bias, out); break;
+    default: tile(6, K, x, w, bias, out); break;
+    }
+}
+
+static inline uint16_t to_bf16(float f) {  // round to nearest even, as VCVTNEPS2BF16 does
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40);  // NaN stays a (quiet) NaN
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1)) >> 16);
+}
+
+// Threads split the output columns, so each streams only its share of the weights.
+void bf16mm_linear(int64_t M, int64_t N, int64_t K, const uint16_t *x, const uint16_t *w, const uint16_t *b,
+                   uint16_t *y, int nthreads) {
+    const int64_t nblocks = (N + NB - 1) / NB, pairs = (K + 1) / 2;
+#pragma omp parallel num_threads(nthreads)
+    for (int64_t mc0 = 0; mc0 < M; mc0 += MC) {
+        const int64_t mc1 = M < mc0 + MC ? M : mc0 + MC;
+        // the same static split in every chunk: a thread always writes the same columns, so no barrier is needed
+#pragma omp for schedule(static) nowait
+        for (int64_t nb = 0; nb < nblocks; nb++) {
+            const uint16_t *wb = w + nb * pairs * 2 * NB;
+            const int64_t n0 = nb * NB, nn = N - n0 < NB ? N - n0 : NB;
+            float out[MR * NB], bias[NB] = {0};
+            if (b)
+                for (int64_t j = 0; j < nn; j++) {
+                    const uint32_t u = (uint32_t)b[n0 + j] << 16;
+                    memcpy(&bias[j], &u, 4);
+                }
+            for (int64_t m0 = mc0; m0 < mc1; m0 += MR) {
+                const int mr = mc1 - m0 < MR ? (int)(mc1 - m0) : MR;
+                tile_any(mr, K, x + m0 * K, wb, bias, out);
+                for (int r = 0; r < mr; r++) {
+                    const float *o = out + r * NB;
+                    uint16_t *yr = y + (m0 + r) * N + n0;
+                    if (nn == NB) {
+                        const __m512bh lo = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(o + 16), _mm512_loadu_ps(o));
+                        const __m512bh hi = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(o + 48), _mm512_loadu_ps(o + 32));
+                        _mm512_storeu_si512((void *)yr, (__m512i)lo);
+                        _mm512_storeu_si512((void *)(yr + 32), (__m512i)hi);
+                    } else {
+                        for (int64_t j = 0; j < nn; j++) yr[j] = to_bf16(o[j]);
+                    }
+                }
+            }
+        }
+    }
+}
+
+// W [N][K] bf16 row-major -> the packed layout above, zero-padded to whole blocks and pairs.
+void bf16mm_pack(int64_t N, int64_t K, const uint16_t *w, uint16_t *packed, int nthreads) {
+    const int64_t nblocks = (N + NB - 1) / NB, pairs = (K + 1) / 2;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t nb = 0; nb < nblocks; nb++)
+        for (int64_t kp = 0; kp < pairs; kp++)
+            for (int64_t j = 0; j < NB; j++)
+                for (int64_t t = 0; t < 2; t++) {
+                    const int64_t n = nb * NB + j, k = 2 * kp + t;
+                    packed[((nb * pairs + kp) * NB + j) * 2 + t] = n < N && k < K ? w[n * K + k] : 0;
+                }
+}

@@ -1,0 +1,173 @@
+// Decode attention straight from the paged KV cache: one query token per sequence against that sequence's
+// cached K/V, read block by block in place (no gather into a contiguous copy), with a running (flash-style)
+// softmax in float32. For bf16 caches every value is widened to float32 on load and only the output is rounded.
+// The G = H / KV query heads that share one KV head are done together, so each K/V row is read once for them.
+// Portable: GCC vector extensions, no intrinsics. Built by cbuild.py.
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+#define VL 16
+#define CHUNK 32     // tokens per softmax update
+#define MAX_NV 16    // head_dim <= 256
+#define MAX_G 16     // query heads per KV head
+
+static inline v16f load(const void *p, int bf16) {
+    v16f f;
+    if (bf16) {
+        v16h h;
+        memcpy(&h, p, sizeof(h));
+        const v16u u = __builtin_convertvector(h, v16u) << 16;
+        memcpy(&f, &u, sizeof(f));
+    } else {
+        memcpy(&f, p, sizeof(f));
+    }
+    return f;
+}
+
+static inline void store(void *p, v16f f, int bf16) {
+    if (bf16) {  // round to nearest even; NaN stays a quiet NaN
+        v16u u;
+        memcpy(&u, &f, sizeof(u));
+        const v16u rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+        const v16u nan = (v16u)((v16i)(u & 0x7FFFFFFFu) > 0x7F800000);
+        const v16h h = __builtin_convertvector((nan & ((u >> 16) | 0x40u)) | (~nan & rounded), v16h);
+        memcpy(p, &h, sizeof(h));
+    } else {
+        memcpy(p, &f, sizeof(f));
+    }
+}
+
+static inline float hsum(v16f v) {  // a shuffle tree: 4 adds instead of 15
+    v += __builtin_shuffle(v, (v16i){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+    v += __builtin_shuffle(v, (v16i){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+    v += __builtin_shuffle(v, (v16i){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+    v += __builtin_shuffle(v, (v16i){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+    return v[0];
+}
+
+static inline float hmax(v16f v) {
+    float m = v[0];
+    for (int i = 1; i < VL; i++) m = v[i] > m ? v[i] : m;
+    return m;
+}
+
+// exp(x) for x <= 0 (scores minus their running max): 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], a degree-6
+// polynomial (relative error ~2e-7). Below -87 the result is 0, as expf's would underflow to.
+static inline v16f vexp(v16f x) {
+    const v16f lo = (v16f){0} - 87.0f;
+    const v16i under = x < lo;
+    x = (v16f)((v16i)x & ~under) + (v16f)((v16i)lo & under);
+    const v16f n = __builtin_convertvector(__builtin_convertvector(x * 1.44269504f + (v16f){0} - 0.5f, v16i), v16f);
+    // (truncation toward zero of x*log2e - 0.5 rounds to nearest for x <= 0)
+    const v16f r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    v16f p = (v16f){0} + 1.0f / 720;
+    p = p * r + 1.0f / 120;
+    p = p * r + 1.0f / 24;
+    p = p * r + 1.0f / 6;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const v16i bits = (__builtin_convertvector(n, v16i) + 127) << 23;
+    v16f scale;
+    memcpy(&scale, &bits, sizeof(scale));
+    const v16f out = p * scale;
+    return (v16f)((v16i)out & ~under);
+}
+
+static inline __attribute__((always_inline)) void decode(int64_t B, int64_t H, int64_t KV, int64_t D,
+                                                         const char *q, const char *kc, const char *vc,
+                                                         int64_t bs, const int64_t *tables, int64_t W,
+                                                         const int64_t *ctx_lens, float scale, char *out,
+                                                         int nthreads, const int bf16, const int64_t nv) {
+    const int64_t G = H / KV, esz = bf16 ? 2 : 4;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
+    for (int64_t task = 0; task < B * KV; task++) {
+        const int64_t b = task / KV, kvh = task % KV, L = ctx_lens[b];
+        v16f qv[MAX_G][MAX_NV], o[MAX_G][MAX_NV];
+        float m[MAX_G], l[MAX_G], s[MAX_G][CHUNK] __attribute__((aligned(64)));
+        for (int64_t g = 0; g < G; g++) {
+            const char *qr = q + ((b * H + kvh * G + g) * D) * esz;
+            for (int64_t j = 0; j < nv; j++) {
+                qv[g][j] = load(qr + j * VL * esz, bf16) * scale;
+                o[g][j] = (v16f){0};
+            }
+            m[g] = -INFINITY;
+            l[g] = 0.0f;
+        }
+        for (int64_t c = 0; c < L; c += CHUNK) {
+            const int64_t n = L - c < CHUNK ? L - c : CHUNK;
+            for (int64_t t = 0; t < n; t++) {
+                const int64_t pos = c + t, slot = tables[b * W + pos / bs] * bs + pos % bs;
+                const char *kr = kc + ((slot * KV + kvh) * D) * esz;
+                v16f kv[MAX_NV];
+                for (int64_t j = 0; j < nv; j++) kv[j] = load(kr + j * VL * esz, bf16);
+                for (int64_t g = 0; g < G; g++) {
+                    v16f acc = qv[g][0] * kv[0];
+                    for (int64_t j = 1; j < nv; j++) acc += qv[g][j] * kv[j];
+                    s[g][t] = hsum(acc);
+                }
+            }
+            for (int64_t g = 0; g < G; g++) {
+                for (int64_t t = n; t < CHUNK; t++) s[g][t] = -INFINITY;
+                v16f s0, s1;
+                memcpy(&s0, s[g], sizeof(s0));
+                memcpy(&s1, s[g] + VL, sizeof(s1));
+                const v16i gt = s0 > s1;
+                const float cm = hmax((v16f)(((v16i)s0 & gt) | ((v16i)s1 & ~gt)));
+                const float mn = cm > m[g] ? cm : m[g];
+                const float alpha = m[g] == -INFINITY ? 0.0f : expf(m[g] - mn);
+                s0 = vexp(s0 - mn);
+                s1 = vexp(s1 - mn);
+                memcpy(s[g], &s0, sizeof(s0));
+                memcpy(s[g] + VL, &s1, sizeof(s1));
+                l[g] = l[g] * alpha + hsum(s0 + s1);
+                m[g] = mn;
+                for (int64_t j = 0; j < nv; j++) o[g][j] *= alpha;
+            }
+            for (int64_t t = 0; t < n; t++) {
+                const int64_t pos = c + t, slot = tables[b * W + pos / bs] * bs + pos % bs;
+                const char *vr = vc + ((slot * KV + kvh) * D) * esz;
+                v16f vv[MAX_NV];
+                for (int64_t j = 0; j < nv; j++) vv[j] = load(vr + j * VL * esz, bf16);
+                for (int64_t g = 0; g < G; g++)
+                    for (int64_t j = 0; j < nv; j++) o[g][j] += s[g][t] * vv[j];
+            }
+        }
+        for (int64_t g = 0; g < G; g++) {
+            char *orow = out + ((b * H + kvh * G + g) * D) * esz;
+            const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
+            for (int64_t j = 0; j < nv; j++) store(orow + j * VL * esz, o[g][j] * inv, bf16);
+        }
+    }
+}
+
+// head_dim 64 and 128 get their own compiled copies: a constant vector count keeps the rows in registers
+#define CALL(bf16, nv)                                                                                            \
+    decode(B, H, KV, D, (const char *)q, (const char *)kc, (const char *)vc, bs, tables, W, ctx_lens, scale,     \
+           (char *)out, nthreads, bf16, nv)
+#define DISPATCH(bf16)                                                                                            \
+    switch (D / VL) {                                                                                             \
+    case 4: CALL(bf16, 4); break;                                                                                 \
+    case 8: CALL(bf16, 8); break;                                                                                 \
+    default: CALL(bf16, D / VL); break;                                                                           \
+    }
+
+// q, out: [B][H][D]; k_cache, v_cache: [blocks][block_size][KV][D]; tables: [B][W] block ids; ctx_lens: [B].
+// Requires D % 16 == 0, D <= 256, H % KV == 0, H / KV <= 16 (the caller checks and falls back otherwise).
+void decode_attn_f32(int64_t B, int64_t H, int64_t KV, int64_t D, const float *q, const float *kc, const float *vc,
+                     int64_t bs, const int64_t *tables, int64_t W, const int64_t *ctx_lens, float scale, float *out,
+                     int nthreads) {
+    DISPATCH(0);
+}
+
+void decode_attn_bf16(int64_t B, int64_t H, int64_t KV, int64_t D, const uint16_t *q, const uint16_t *kc,
+                      const uint16_t *vc, int64_t bs, const int64_t *tables, int64_t W, const int64_t *ctx_lens,
+                      float scale, uint16_t *out, int nthreads) {
+    DISPATCH(1);
+}

@@ -1,0 +1,111 @@
+"""Decode attention read in place from the paged KV cache, for CPU (engine/kernels/decode_attn.c).
+
+Without it each layer gathers every sequence's K/V blocks into a contiguous copy and runs PyTorch's SDPA with
+a padding mask. Measured on a 2-core Zen 4, batch 32 x ~175 tokens of context, Qwen2-0.5B's heads: 0.47 ms a
+layer against 1.2 ms in bf16, and against 1.6-4.4 ms in float32."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from engine.kernels.cbuild import BuildError, Once, build
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("decode_attn.c")
+_i64, _ptr, _int, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+
+
+class DecodeAttention:
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib
+        for f in (lib.decode_attn_f32, lib.decode_attn_bf16):
+            f.argtypes = [_i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _f32, _ptr, _int]
+            f.restype = None
+        self._fn = {torch.float32: lib.decode_attn_f32, torch.bfloat16: lib.decode_attn_bf16}
+
+    @classmethod
+    def build(cls, flags: tuple[str, ...] = ("-march=native",)) -> DecodeAttention:
+        return cls(build(SOURCE, flags))
+
+    def takes(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
+        """The shapes the kernel is written for (decode_attn.c): others keep gather + SDPA."""
+        return (
+            dtype in self._fn
+            and head_dim % 16 == 0
+            and head_dim <= 256
+            and num_heads % num_kv_heads == 0
+            and num_heads // num_kv_heads <= 16
+        )
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """q [B, H, D]; caches [blocks, block_size, KV, D]; block_tables [B, W] int64; context_lens [B] int64."""
+        b, h, d = q.shape
+        q = q.contiguous()
+        tables, lens = block_tables.contiguous(), context_lens.contiguous()
+        assert tables.dtype == lens.dtype == torch.int64 and k_cache.dtype == v_cache.dtype == q.dtype
+        out = torch.empty_like(q)
+        self._fn[q.dtype](
+            b, h, k_cache.shape[2], d, q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1],
+            tables.data_ptr(), tables.shape[1], lens.data_ptr(), scale, out.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        return out
+
+
+def reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """The same attention in plain torch, one sequence at a time, in float32."""
+    bs, kv = k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty(q.shape, dtype=torch.float32)
+    for i, n in enumerate(context_lens.tolist()):
+        blocks = block_tables[i, : -(-n // bs)]
+        k = k_cache[blocks].reshape(-1, kv, q.shape[-1])[:n].float().transpose(0, 1)  # [KV, n, D]
+        v = v_cache[blocks].reshape(-1, kv, q.shape[-1])[:n].float().transpose(0, 1)
+        qi = q[i].float().view(kv, -1, q.shape[-1])  # [KV, G, D]
+        out[i] = F.scaled_dot_product_attention(qi, k, v, scale=scale).reshape(q.shape[1:])
+    return out
+
+
+def self_check(kernel: DecodeAttention) -> None:
+    """Against `reference` for both dtypes: scattered blocks, a partial last block, G = 1 and 7, head_dim 16/64."""
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        for h, kv, d in ((7, 1, 64), (4, 4, 16)):
+            kc, vc = (torch.randn(9, 4, kv, d, generator=g).to(dtype) for _ in range(2))
+            q = torch.randn(3, h, d, generator=g).to(dtype)
+            tables = torch.tensor([[5, 2, 7, 0], [1, 8, 8, 8], [3, 4, 6, 8]])
+            lens = torch.tensor([14, 1, 9])
+            got = kernel(q, kc, vc, tables, lens, d**-0.5).float()
+            want = reference(q, kc, vc, tables, lens, d**-0.5)
+            tol = 1e-5 if dtype == torch.float32 else 2e-2
+            if not torch.allclose(got, want, rtol=tol, atol=tol):
+                raise BuildError(f"self-check failed for {dtype}, {h}/{kv} heads of {d}")
+
+
+def _build_checked() -> DecodeAttention:
+    k = DecodeAttention.build()
+    self_check(k)
+    return k
+
+
+# The process-wide kernel built for this CPU, or None (logged once) where it cannot be built.
+kernel = Once(_build_checked, log, "decode attention will gather K/V and run SDPA (slower)")

@@ -1,0 +1,74 @@
+"""The engine computing in bfloat16 (dtype "auto" on CPUs with AVX512-BF16 or AMX) against transformers in
+bfloat16 on the same bf16 checkpoints.
+
+bf16 arithmetic rounds differently in every implementation, so "the same numbers" means: prefill logits as
+close to float32's as transformers' own bf16 logits are, and every greedy token one that transformers' bf16
+forward pass also ranks first, up to bf16 rounding; both with the engine's CPU kernels (engine.kernels:
+the AVX512-BF16 GEMM where the CPU has it, fused RMSNorm, paged decode attention) and without them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.kernels import bf16mm
+from engine.kernels.bf16mm import BF16MM
+from engine.layers.linear import Linear
+from tests.parity.conftest import make_core, mixed_prompts, run_core, same_length_prompts, step_logits
+
+NEW_TOKENS = 32
+# Teacher-forced, transformers' bf16 logit for our token may trail its best by this much of the largest logit:
+# a near-tie that bf16 rounding may break either way. Measured: <= 0.004 on these models; transformers' own
+# bf16 logits sit ~0.005 from float32's.
+NEAR_TIE = 0.01
+
+
+@pytest.fixture(scope="module")
+def hf16(bf16_dir: Path) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(bf16_dir, dtype=torch.bfloat16).eval()
+
+
+def _core(path: Path, **over: object):  # type: ignore[no-untyped-def]
+    return make_core(path, dtype="bfloat16", **over)
+
+
+@pytest.mark.skipif(not bf16mm.supported(), reason="this CPU has no AVX512-BF16: oneDNN runs every GEMM")
+def test_every_linear_layer_runs_through_the_kernel(bf16_dir: Path) -> None:
+    linears = [m for m in _core(bf16_dir).runner.model.modules() if isinstance(m, Linear)]
+    assert linears and all(isinstance(m.kernel, BF16MM) and m.packed.dtype == torch.bfloat16 for m in linears)
+    assert not any(m.kernel for m in _core(bf16_dir, cpu_kernels=False).runner.model.modules() if isinstance(m, Linear))
+
+
+def test_prefill_logits_are_as_close_to_float32_as_transformers_bf16(bf16_dir: Path, hf16: torch.nn.Module) -> None:
+    from transformers import AutoModelForCausalLM
+
+    hf32 = AutoModelForCausalLM.from_pretrained(bf16_dir, dtype=torch.float32).eval()
+    prompts = mixed_prompts(3)
+    ours = step_logits(_core(bf16_dir), prompts, 1)[0].float()
+    for i, p in enumerate(prompts.values()):
+        with torch.no_grad():
+            ref = hf32(torch.tensor([p])).logits[0, -1]
+            theirs = hf16(torch.tensor([p])).logits[0, -1].float()
+        scale = ref.abs().max()
+        ours_err, theirs_err = (ours[i] - ref).abs().max() / scale, (theirs - ref).abs().max() / scale
+        assert ours_err <= 1.5 * theirs_err + 1e-3, (ours_err, theirs_err)
+        assert (ours[i] - theirs).abs().max() / scale < 2e-2
+
+
+@pytest.mark.parametrize("cpu_kernels", [True, False], ids=["kernels", "torch-only"])
+@pytest.mark.parametrize("prompts", [mixed_prompts(), same_length_prompts()], ids=["mixed", "same-length"])
+def test_greedy_tokens_are_transformers_bf16_choices(
+    bf16_dir: Path, hf16: torch.nn.Module, prompts: dict[str, list[int]], cpu_kernels: bool
+) -> None:
+    ours = run_core(_core(bf16_dir, cpu_kernels=cpu_kernels), prompts, NEW_TOKENS)
+    for rid, prompt in prompts.items():
+        assert len(ours[rid]) == NEW_TOKENS
+        with torch.no_grad():  # transformers' logits at every position we sampled, given our tokens before it
+            logits = hf16(torch.tensor([prompt + ours[rid]])).logits[0, len(prompt) - 1 : -1].float()
+        chosen = logits.gather(1, torch.tensor(ours[rid])[:, None])[:, 0]
+        gap = (logits.max(1).values - chosen) / logits.abs().max(1).values
+        assert gap.max() <= NEAR_TIE, f"{rid}: token {int(gap.argmax())} trails transformers' choice by {gap.max():.3g}"

@@ -1,0 +1,101 @@
+"""The AVX512-BF16 GEMM (engine.kernels.bf16mm), compiled here with gcc, against float32 math rounded to bf16.
+
+It exists only for CPUs with AVX512-BF16 (the engine uses oneDNN elsewhere), so these tests run where the CPU
+has it: Zen 4 and Intel from Cooper Lake on."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from engine.kernels import bf16mm
+from engine.kernels.bf16mm import BF16MM
+
+pytestmark = pytest.mark.skipif(not bf16mm.supported(), reason="this CPU has no AVX512-BF16")
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory: pytest.TempPathFactory) -> BF16MM:
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TIANMEN_KERNEL_CACHE", str(tmp_path_factory.mktemp("kernels")))
+    try:
+        return BF16MM.build()
+    finally:
+        mp.undo()
+
+
+def _bf16(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).bfloat16()
+
+
+def _assert_rounded_float32(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
+    """bf16 x bf16 products are exact in float32, so the only freedom is the order of the float32 sums: the
+    result is float32's rounded to bf16, give or take one bf16 step where a sum lies near a rounding boundary."""
+    want32 = x.float() @ w.float().t() + (b.float() if b is not None else 0)
+    want = want32.bfloat16()
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    off = got.float() != want.float()
+    step = (want.float().abs() * 2.0**-7).clamp_min(2.0**-126)  # one bf16 ulp (8 significant bits) or more
+    assert ((got.float() - want32).abs() <= step).all(), (got.float() - want32).abs().max()
+    assert off.float().mean() < 0.05  # most entries are exactly float32's, rounded once
+
+
+@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 13, 32, 33, 191, 192, 193, 400])
+@pytest.mark.parametrize(("n", "k"), [(1, 1), (63, 17), (64, 64), (65, 3), (200, 96), (130, 895)])
+def test_linear_is_float32_math_rounded_to_bf16(kernel: BF16MM, m: int, n: int, k: int) -> None:
+    w, x, b = _bf16(n, k, seed=0), _bf16(m, k, seed=1), _bf16(n, seed=2)
+    packed = kernel.pack(w)
+    _assert_rounded_float32(kernel.linear(x, packed, n, None), x, w, None)
+    _assert_rounded_float32(kernel.linear(x, packed, n, b), x, w, b)
+
+
+def test_odd_k_never_reads_past_a_row(kernel: BF16MM) -> None:
+    """An odd K's last pair is padded with a zero weight; the next row's first value must not enter it, or an
+    inf there would turn into NaN (inf x 0)."""
+    w = _bf16(64, 5, seed=3)
+    x = _bf16(4, 6, seed=4)
+    x[:, 5] = float("inf")
+    got = kernel.linear(x[:, :5], kernel.pack(w), 64, None)  # rows of 5 inside rows of 6: strided
+    assert torch.isfinite(got.float()).all()
+    _assert_rounded_float32(got, x[:, :5], w, None)
+
+
+def test_leading_dims_strided_and_float_bias(kernel: BF16MM) -> None:
+    w, b = _bf16(70, 32, seed=5), torch.randn(70)
+    x = _bf16(3, 32, 5, seed=6).transpose(1, 2)  # [3, 5, 32], not contiguous
+    got = kernel.linear(x, kernel.pack(w), 70, b)
+    assert got.shape == (3, 5, 70)
+    _assert_rounded_float32(got.reshape(15, 70), x.reshape(15, 32), w, b.bfloat16())
+
+
+def test_nan_and_inf_propagate(kernel: BF16MM) -> None:
+    w, x = _bf16(70, 8, seed=7), _bf16(2, 8, seed=8)
+    x[0, 3], x[1, 2] = float("nan"), float("inf")
+    got = kernel.linear(x, kernel.pack(w), 70, None).float()
+    assert got[0].isnan().all()  # the column tail (70 = 64 + 6) is rounded in C, the rest by the CPU
+    assert not torch.isfinite(got[1]).any()
+
+
+def test_pack_keeps_every_weight(kernel: BF16MM) -> None:
+    """Identity rows pick each weight back out: packing loses and reorders nothing."""
+    w = _bf16(131, 41, seed=9)
+    got = kernel.linear(torch.eye(41, dtype=torch.bfloat16), kernel.pack(w), 131, None)
+    assert torch.equal(got, w.t())
+
+
+def test_self_check_catches_a_wrong_kernel(kernel: BF16MM, monkeypatch: pytest.MonkeyPatch) -> None:
+    bf16mm.self_check(kernel)
+    monkeypatch.setattr(kernel, "linear", lambda x, p, n, b: torch.zeros(x.shape[0], n, dtype=torch.bfloat16))
+    with pytest.raises(bf16mm.BuildError, match="self-check failed"):
+        bf16mm.self_check(kernel)
+
+
+def test_no_avx512_bf16_means_onednn_without_a_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    with caplog.at_level(logging.WARNING):
+        assert bf16mm.kernel() is None
+    assert not caplog.records  # nothing to fix: this CPU has no faster path for bf16
