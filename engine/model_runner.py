@@ -10,7 +10,7 @@ from engine.block_manager import cdiv
 from engine.config import EngineConfig
 from engine.context import AttentionContext, PrefillMeta, reset_context, set_context
 from engine.errors import ConfigError
-from engine.kernels import bf16mm, decode_attn, rmsnorm, wbf16
+from engine.kernels import bf16mm, decode_attn, pointwise, wbf16
 from engine.kernels.gemm import GemmKernel
 from engine.layers.attention import PagedAttention
 from engine.layers.linear import Linear
@@ -45,6 +45,7 @@ class ModelRunner:
             for name, shape in self.model.kv_cache_shape(self.num_blocks + 1, self.block_size):
                 setattr(layer, name, torch.zeros(shape, dtype=self.dtype, device=self.device))
         self.num_packed = self._prepack() if self.device.type == "cpu" else 0
+        self.sampler = Sampler()
         if self.device.type == "cpu" and config.cpu_kernels:
             self._bind_cpu_kernels()
         ours = sum(1 for m in self.model.modules() if isinstance(m, Linear) and m.kernel is not None)
@@ -58,7 +59,6 @@ class ModelRunner:
             ours,
             type(self.kernel).__name__ if self.kernel is not None else "oneDNN",
         )
-        self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
         self._rng = random.Random(config.seed)
 
@@ -96,7 +96,9 @@ class ModelRunner:
         return None
 
     def _bind_cpu_kernels(self) -> None:
-        fused, attn = rmsnorm.kernel(), decode_attn.kernel()
+        fused, attn = pointwise.kernel(), decode_attn.kernel()
+        if fused is not None:
+            self.sampler.argmax = fused.argmax
         for m in self.model.modules():
             if isinstance(m, RMSNorm):
                 m.fused = fused

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -15,6 +15,10 @@ class Sampler:
     argmax(p / q), q ~ Exp(1): a row's token never depends on what else is in the batch.
     """
 
+    def __init__(self) -> None:
+        # torch.argmax(dim=-1); the runner may swap in a CPU kernel with the same answers (engine.kernels.pointwise)
+        self.argmax: Callable[[torch.Tensor], torch.Tensor] = lambda x: x.argmax(dim=-1)
+
     def __call__(
         self,
         logits: torch.Tensor,  # [B, V] float32
@@ -27,7 +31,7 @@ class Sampler:
         if any(p.has_penalties for p in params):
             logits = apply_penalties(logits.clone(), params, prompt_ids, output_ids)
         if all(p.greedy for p in params):
-            tokens = logits.argmax(dim=-1)
+            tokens = self.argmax(logits)
         else:
             tokens = self._sample(logits, params, generators)
         token_list: list[int] = tokens.tolist()
@@ -38,7 +42,7 @@ class Sampler:
     def _sample(
         self, logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
     ) -> torch.Tensor:
-        greedy = logits.argmax(dim=-1)
+        greedy = self.argmax(logits)
         rows = [i for i, p in enumerate(params) if not p.greedy]
         sub = logits[rows]
         temps = torch.tensor([params[i].temperature for i in rows], dtype=sub.dtype, device=sub.device)
@@ -48,7 +52,7 @@ class Sampler:
         q = torch.empty_like(probs)
         for j, i in enumerate(rows):
             q[j].exponential_(generator=generators[i])
-        greedy[rows] = (probs / q).argmax(dim=-1)
+        greedy[rows] = self.argmax(probs / q)
         return greedy
 
 

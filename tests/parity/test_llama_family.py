@@ -92,3 +92,26 @@ def test_arrivals_during_decode_keep_tokens(model_dir: Path, hf_models: dict) ->
     arrivals = {0: ["r0", "r1"], 3: ["r2", "r3", "r4"], 10: ["r5", "r6"], 20: ["r7"]}
     got = run_core(make_core(model_dir), prompts, NEW_TOKENS, arrivals)
     assert got == _expected(hf_models, model_dir, prompts)
+
+
+def test_the_cpu_kernels_are_what_these_tests_ran(model_dir: Path) -> None:
+    """Every test above ran the engine's CPU kernels (fused add + RMSNorm, paged decode attention, greedy
+    argmax): they are bound wherever they apply."""
+    from engine.layers.attention import PagedAttention
+    from engine.layers.norm import RMSNorm
+
+    runner = make_core(model_dir).runner
+    attn = [m for m in runner.model.modules() if isinstance(m, PagedAttention)]
+    norms = [m for m in runner.model.modules() if isinstance(m, RMSNorm)]
+    assert attn and all(m.decode_kernel is not None for m in attn)
+    assert norms and all(m.fused is not None for m in norms)
+    assert runner.sampler.argmax.__self__ is norms[0].fused  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("prompts", [mixed_prompts(), same_length_prompts()], ids=["mixed", "same-length"])
+def test_without_cpu_kernels_the_tokens_are_the_same(
+    model_dir: Path, hf_models: dict, prompts: dict[str, list[int]]
+) -> None:
+    core = make_core(model_dir, cpu_kernels=False)
+    assert not any(getattr(m, "decode_kernel", None) or getattr(m, "fused", None) for m in core.runner.model.modules())
+    assert run_core(core, prompts, NEW_TOKENS) == hf_expected(hf_models, model_dir, prompts, NEW_TOKENS)

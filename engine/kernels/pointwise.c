@@ -1,7 +1,12 @@
-// Fused residual add + RMSNorm over rows of float32 or bf16, with the same roundings as the eager torch code
-// it replaces (engine/layers/norm.py): s = x + residual (rounded to the dtype), y = s * rsqrt(mean(s^2) + eps)
-// (rounded), out = weight * y (rounded). One pass instead of ~9 small torch ops, which at decode's few rows
-// cost far more in dispatch than in arithmetic. Portable: GCC vector extensions, no intrinsics.
+// The small ops between the GEMMs, each fused into one pass over float32 or bf16 rows with the roundings of the
+// eager torch code it replaces (engine/kernels/pointwise.py): at decode's few rows that code is a handful of
+// torch ops per call whose dispatch costs far more than their arithmetic, and at prefill's many rows each op
+// is a separate pass over memory. Portable: GCC vector extensions, no intrinsics.
+//
+// - residual add + RMSNorm: s = x + residual (rounded to the dtype), y = s * rsqrt(mean(s^2) + eps) (rounded),
+//   out = weight * y (rounded);
+// - greedy argmax over float32 logits rows: the first index of the maximum, or of the first NaN, as torch.
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -131,5 +136,43 @@ void rmsnorm_bf16(int64_t rows, int64_t dim, const uint16_t *x, const uint16_t *
         const float k = rstd(sumsq, dim, eps);
         for (j = 0; j + VL <= dim; j += VL) narrow(o + j, widen(w + j) * round_bf16v(widen(sr + j) * k));
         for (; j < dim; j++) o[j] = narrow1(widen1(w[j]) * round_bf16(widen1(sr[j]) * k));
+    }
+}
+
+// logits: [rows][n] float32 -> out[rows]: torch.argmax's answer (the first maximum; the first NaN if any).
+void argmax_f32(int64_t rows, int64_t n, const float *logits, int64_t *out, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (rows * n >= 65536)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *x = logits + r * n;
+        v16f best = (v16f){0} - INFINITY;
+        v16i at = (v16i){0} - 1;
+        v16i nan = {0};
+        v16i idx = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+        int64_t j = 0;
+        for (; j + VL <= n && j + VL <= INT32_MAX; j += VL, idx += VL) {
+            v16f v;
+            memcpy(&v, x + j, sizeof(v));
+            const v16i gt = v > best;  // strict: a lane keeps its first maximum
+            best = (v16f)(((v16i)v & gt) | ((v16i)best & ~gt));
+            at = (idx & gt) | (at & ~gt);
+            nan |= v != v;
+        }
+        int64_t bi = -1;
+        float bv = -INFINITY;
+        for (int i = 0; i < VL; i++)  // across lanes: the largest value, then the smallest index
+            if (at[i] >= 0 && (best[i] > bv || (best[i] == bv && at[i] < bi))) bv = best[i], bi = at[i];
+        int has_nan = 0;
+        for (int i = 0; i < VL; i++) has_nan |= nan[i] != 0;
+        for (; j < n; j++) {
+            if (x[j] != x[j]) has_nan = 1;
+            else if (x[j] > bv) bv = x[j], bi = j;
+        }
+        if (has_nan)
+            for (j = 0; j < n; j++)
+                if (x[j] != x[j]) {
+                    bi = j;
+                    break;
+                }
+        out[r] = bi < 0 ? 0 : bi;
     }
 }

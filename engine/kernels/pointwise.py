@@ -1,0 +1,109 @@
+"""Small row-wise ops fused for CPU (engine/kernels/pointwise.c), beside the torch code each replaces:
+residual add + RMSNorm (`rms_norm`) and greedy sampling's torch.argmax.
+
+At decode's few rows the eager versions are a handful of torch ops whose dispatch dwarfs the arithmetic: add +
+RMSNorm took 0.16 ms a call for 32 x 896 on a 2-core Zen 4, 49 calls a step for a 24-layer model; at prefill's
+thousands of rows each op is a separate pass over memory. torch.argmax over 32 x 151,936 float32 logits took
+3.1 ms, one thread scanning at a time. The kernels do each in one pass, with the same results.
+
+A fused SiLU-and-mul was tried and dropped: torch's own (SLEEF-vectorised) SiLU plus the in-place multiply was
+as fast at 32 and 4,096 rows."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from pathlib import Path
+
+import torch
+
+from engine.kernels.cbuild import BuildError, Once, build
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("pointwise.c")
+_i64, _ptr, _int, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(x + residual), x + residual) in eager torch: the definition, as transformers computes it."""
+    if residual is not None:
+        x = x + residual
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype), x
+
+
+class PointwiseKernels:
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib
+        for f in (lib.rmsnorm_f32, lib.rmsnorm_bf16):
+            f.argtypes = [_i64, _i64, _ptr, _ptr, _ptr, _f32, _ptr, _ptr, _int]
+        lib.argmax_f32.argtypes = [_i64, _i64, _ptr, _ptr, _int]
+        for f in (lib.rmsnorm_f32, lib.rmsnorm_bf16, lib.argmax_f32):
+            f.restype = None
+        self._norm = {torch.float32: lib.rmsnorm_f32, torch.bfloat16: lib.rmsnorm_bf16}
+
+    @classmethod
+    def build(cls, flags: tuple[str, ...] = ("-march=native",)) -> PointwiseKernels:
+        return cls(build(SOURCE, flags))
+
+    @staticmethod
+    def takes(x: torch.Tensor, *others: torch.Tensor) -> bool:
+        return x.device.type == "cpu" and x.dtype in _DTYPES and all(o.dtype == x.dtype for o in others)
+
+    def rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        dim = x.shape[-1]
+        x2 = x.contiguous()
+        r2 = residual.contiguous() if residual is not None else None
+        out = torch.empty_like(x2)
+        total = torch.empty_like(x2) if r2 is not None else x2
+        self._norm[x.dtype](
+            x2.numel() // dim if dim else 0, dim, x2.data_ptr(), r2.data_ptr() if r2 is not None else None,
+            weight.contiguous().data_ptr(), eps, out.data_ptr(), total.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        return out, total
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """torch.argmax(logits, dim=-1) for [B, V] float32 logits."""
+        if logits.dtype != torch.float32 or logits.dim() != 2 or logits.device.type != "cpu":
+            return logits.argmax(dim=-1)
+        x = logits.contiguous()
+        out = torch.empty(x.shape[0], dtype=torch.int64)
+        self.lib.argmax_f32(x.shape[0], x.shape[1], x.data_ptr(), out.data_ptr(), torch.get_num_threads())
+        return out
+
+
+def self_check(k: PointwiseKernels) -> None:
+    """Each op against its torch definition on both dtypes: vector tails, one row and many."""
+    g = torch.Generator().manual_seed(0)
+    for dtype in _DTYPES:
+        for rows, dim in ((1, 37), (3, 64), (70, 200)):
+            x, r = (torch.randn(rows, dim, generator=g).to(dtype) for _ in range(2))
+            w = (1 + 0.1 * torch.randn(dim, generator=g)).to(dtype)
+            pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+            for res in (None, r):
+                pairs += zip(k.rms_norm(x, res, w, 1e-6), rms_norm(x, res, w, 1e-6), strict=True)
+            for got, want in pairs:
+                if not torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-5):
+                    raise BuildError(f"self-check failed for {dtype} {rows}x{dim}")
+    logits = torch.randn(5, 1000, generator=g)
+    logits[1, 7] = logits[1, 900] = 1e9  # a tie: the first wins
+    logits[3, 500] = float("nan")  # a NaN wins, as in torch
+    if not torch.equal(k.argmax(logits), logits.argmax(dim=-1)):
+        raise BuildError("self-check failed for argmax")
+
+
+def _build_checked() -> PointwiseKernels:
+    k = PointwiseKernels.build()
+    self_check(k)
+    return k
+
+
+# The process-wide kernels built for this CPU, or None (logged once) where they cannot be built.
+kernel = Once(_build_checked, log, "RMSNorm and greedy argmax will run as torch ops (slower)")

@@ -1,0 +1,177 @@
+"""The fused CPU kernels (engine.kernels.pointwise, engine.kernels.decode_attn), compiled here with gcc,
+against the torch code they replace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.kernels import cbuild, decode_attn, pointwise
+from engine.kernels.decode_attn import DecodeAttention, reference
+from engine.kernels.pointwise import PointwiseKernels, rms_norm
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(scope="module")
+def pw() -> PointwiseKernels:
+    k = pointwise.kernel()
+    assert k is not None, "gcc is part of make setup's requirements: the kernels must build here"
+    return k
+
+
+@pytest.fixture(scope="module")
+def attn() -> DecodeAttention:
+    k = decode_attn.kernel()
+    assert k is not None, "gcc is part of make setup's requirements: the kernels must build here"
+    return k
+
+
+def _randn(*shape: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+# ---- add + RMSNorm -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "dim"), [(1, 896), (3, 17), (32, 896), (130, 64)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_equals_torch(
+    pw: PointwiseKernels, dtype: torch.dtype, rows: int, dim: int, with_residual: bool
+) -> None:
+    x, r = _randn(rows, dim, seed=0, dtype=dtype), _randn(rows, dim, seed=1, dtype=dtype)
+    w = (1 + 0.1 * _randn(dim, seed=2)).to(dtype)
+    res = r if with_residual else None
+    got, got_sum = pw.rms_norm(x, res, w, 1e-6)
+    want, want_sum = rms_norm(x, res, w, 1e-6)
+    assert got.dtype == dtype and got.shape == want.shape
+    assert torch.equal(got_sum, want_sum)  # the residual stream is the same add, rounded the same way
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    else:  # the only freedom is the order of the float32 sum of squares: at most one bf16 step, rarely
+        torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=1e-6)
+        assert (got != want).float().mean() < 0.01
+
+
+def test_rms_norm_takes_strided_input_and_3d(pw: PointwiseKernels) -> None:
+    x = _randn(4, 64, 3, seed=3).transpose(1, 2)  # [4, 3, 64], not contiguous
+    w = _randn(64, seed=4)
+    got, _ = pw.rms_norm(x, None, w, 1e-5)
+    torch.testing.assert_close(got, rms_norm(x, None, w, 1e-5)[0], rtol=1e-6, atol=1e-6)
+
+
+def test_rms_norm_is_not_taken_for_mixed_dtypes(pw: PointwiseKernels) -> None:
+    assert pw.takes(torch.empty(2, 8), torch.empty(8))
+    assert not pw.takes(torch.empty(2, 8, dtype=torch.bfloat16), torch.empty(8))  # float32 weight, bf16 x
+    assert not pw.takes(torch.empty(2, 8, dtype=torch.float16), torch.empty(8, dtype=torch.float16))
+
+
+# ---- argmax --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("rows", "n"), [(1, 1), (1, 151936), (32, 151936), (5, 1000), (3, 17)])
+def test_argmax_equals_torch(pw: PointwiseKernels, rows: int, n: int) -> None:
+    x = _randn(rows, n, seed=5)
+    assert torch.equal(pw.argmax(x), x.argmax(dim=-1))
+
+
+def test_argmax_ties_nan_and_infinities_as_torch(pw: PointwiseKernels) -> None:
+    x = _randn(6, 100, seed=6)
+    x[0, 3] = x[0, 90] = 50.0  # a tie: the first wins
+    x[1, 40] = float("nan")  # a NaN wins
+    x[1, 60] = float("inf")
+    x[2, 97] = float("nan")  # ... also in the scalar tail
+    x[3] = float("-inf")  # all -inf: index 0
+    x[4, 99] = float("inf")  # the maximum in the tail
+    x[5, :] = 1.0  # all equal: index 0
+    assert torch.equal(pw.argmax(x), x.argmax(dim=-1))
+
+
+def test_greedy_sampler_uses_the_kernel_with_the_same_tokens(pw: PointwiseKernels) -> None:
+    from engine.params import SamplingParams
+    from engine.sampler import Sampler
+
+    logits = _randn(8, 5000, seed=7)
+    plain, fast = Sampler(), Sampler()
+    fast.argmax = pw.argmax
+    params = [SamplingParams(temperature=0)] * 8
+    assert fast(logits, params, [None] * 8)[0] == plain(logits, params, [None] * 8)[0]
+
+
+# ---- paged decode attention -----------------------------------------------------------------------------------
+def _paged_case(
+    b: int, h: int, kv: int, d: int, lens: list[int], dtype: torch.dtype, block: int = 16, seed: int = 8
+) -> tuple[torch.Tensor, ...]:
+    """Caches whose unused blocks hold NaN: reading anything past a sequence's context would show."""
+    width = max(-(-n // block) for n in lens)
+    num_blocks = b * width + 1
+    kc, vc = (_randn(num_blocks, block, kv, d, seed=seed + i, dtype=dtype) for i in range(2))
+    order = torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(seed))
+    tables = torch.full((b, width), num_blocks - 1, dtype=torch.int64)  # padding: the last (NaN) block
+    used = 0
+    for i, n in enumerate(lens):
+        nb = -(-n // block)
+        tables[i, :nb] = order[used : used + nb]
+        used += nb
+        last = tables[i, nb - 1]
+        kc[last, n - (nb - 1) * block :] = float("nan")  # past the context inside its last block
+        vc[last, n - (nb - 1) * block :] = float("nan")
+    kc[-1], vc[-1] = float("nan"), float("nan")
+    q = _randn(b, h, d, seed=seed + 2, dtype=dtype)
+    return q, kc, vc, tables, torch.tensor(lens, dtype=torch.int64)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("h", "kv", "d"), [(14, 2, 64), (4, 4, 16), (8, 1, 128), (32, 2, 64), (6, 3, 32), (5, 1, 80)])
+def test_decode_attention_equals_sdpa(attn: DecodeAttention, dtype: torch.dtype, h: int, kv: int, d: int) -> None:
+    lens = [1, 15, 16, 17, 100, 33]
+    q, kc, vc, tables, ctx = _paged_case(len(lens), h, kv, d, lens, dtype)
+    got = attn(q, kc, vc, tables, ctx, d**-0.5)
+    want = reference(q, kc, vc, tables, ctx, d**-0.5)
+    assert got.dtype == dtype and torch.isfinite(got.float()).all()
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:  # float32 inside, one rounding at the end
+        torch.testing.assert_close(got.float(), want, rtol=2**-7, atol=1e-3)
+
+
+def test_decode_attention_long_context_and_peaked_scores(attn: DecodeAttention) -> None:
+    """Several softmax chunks whose running maximum keeps moving, and scores far apart (exp underflow)."""
+    q, kc, vc, tables, ctx = _paged_case(2, 4, 2, 64, [1000, 77], torch.float32, seed=11)
+    q *= 30
+    got = attn(q, kc, vc, tables, ctx, 0.125)
+    torch.testing.assert_close(got, reference(q, kc, vc, tables, ctx, 0.125), rtol=1e-5, atol=1e-5)
+
+
+def test_decode_attention_takes_only_shapes_it_is_written_for(attn: DecodeAttention) -> None:
+    assert attn.takes(14, 2, 64, torch.bfloat16) and attn.takes(32, 32, 128, torch.float32)
+    assert not attn.takes(14, 2, 72, torch.float32)  # head_dim not a multiple of 16
+    assert not attn.takes(40, 2, 64, torch.float32)  # 20 query heads per KV head
+    assert not attn.takes(14, 2, 64, torch.float16)
+
+
+# ---- build failures --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("module", [pointwise, decode_attn], ids=["pointwise", "decode_attn"])
+def test_without_a_compiler_the_engine_says_what_to_install(
+    module: object, tmp_path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("TIANMEN_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    once: cbuild.Once = module.kernel  # type: ignore[attr-defined]
+    once.reset()
+    try:
+        with caplog.at_level("WARNING"):
+            assert once() is None
+            assert once() is None  # said once, not at every call
+        assert caplog.text.count("gcc") == 1 and "no-such-cc" in caplog.text
+    finally:
+        once.reset()
+
+
+@pytest.mark.parametrize("module", [pointwise, decode_attn], ids=["pointwise", "decode_attn"])
+def test_self_check_catches_a_wrong_kernel(module: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    k = module.kernel()  # type: ignore[attr-defined]
+    module.self_check(k)  # type: ignore[attr-defined]
+    if isinstance(k, PointwiseKernels):
+        monkeypatch.setattr(k, "argmax", lambda x: torch.zeros(x.shape[0], dtype=torch.int64))
+    else:
+        monkeypatch.setattr(DecodeAttention, "__call__", lambda self, q, *args: torch.zeros_like(q))
+    with pytest.raises(cbuild.BuildError, match="self-check failed"):
+        module.self_check(k)  # type: ignore[attr-defined]
