@@ -14,6 +14,7 @@ from engine.kernels import bf16mm, decode_attn, pointwise, wbf16
 from engine.kernels.gemm import GemmKernel
 from engine.layers.attention import PagedAttention
 from engine.layers.linear import Linear
+from engine.layers.mlp import GatedMLP
 from engine.layers.norm import RMSNorm
 from engine.loader import ModelFiles, load_model
 from engine.malloc import keep_freed_memory
@@ -113,8 +114,11 @@ class ModelRunner:
         hint = self.config.max_num_seqs
         tied = getattr(self.model.args, "tie_word_embeddings", False)
         packed = 0
+        if isinstance(self.kernel, bf16mm.BF16MM):  # gated MLPs first: their SiLU goes into the GEMM
+            gated = bf16mm.SiluMulBF16MM(self.kernel)
+            packed += sum(m.fuse_silu(hint, gated) for m in self.model.modules() if isinstance(m, GatedMLP))
         for name, module in self.model.named_modules():
-            if isinstance(module, Linear):
+            if isinstance(module, Linear) and module.packed is None:
                 packed += module.prepack(hint, keep_weight=tied and name == "lm_head", kernel=self.kernel)
         return packed
 

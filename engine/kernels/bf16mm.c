@@ -4,6 +4,11 @@
 //
 // Packed layout: [ceil(N/64)][ceil(K/2)][64][2] bf16: for each 64-column block and each pair of k, the 64
 // columns' two weights side by side, so one 64-byte load feeds 16 columns x 2 k to one VDPBF16PS.
+//
+// bf16mm_linear_silu_mul: a gated MLP's [gate | up] projection whose weight rows were interleaved in blocks of
+// 32 (gate 0-31, up 0-31, gate 32-63, ...; bf16mm.py does it) returns silu(gate) * up directly, with the
+// roundings of the unfused torch code (gate, up, silu(gate) and the product each rounded to bf16): the
+// [M, 2I] projection never goes to memory and the separate SiLU and multiply passes disappear.
 #ifndef __AVX512BF16__
 #error "this kernel needs AVX512-BF16 (-march=native on a CPU without it: oneDNN is used instead)"
 #endif
@@ -69,6 +74,36 @@ static void tile_any(int mr, int64_t K, const uint16_t *x, const uint16_t *w, co
     }
 }
 
+static inline __m512 round_bf16(__m512 v) {  // to the nearest bf16 and back to float32
+    const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// exp(x) = 2^n * p(r), r = x - n ln2, a degree-6 polynomial (relative error ~2e-7); x clamped to [-87, 88].
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+// 16 outputs of silu(gate) * up from float32 sums, rounded as torch rounds them in bf16
+static inline __m512 silu_mul16(__m512 gate, __m512 up) {
+    gate = round_bf16(gate);
+    const __m512 one = _mm512_set1_ps(1.0f);
+    const __m512 s = round_bf16(_mm512_div_ps(gate, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), gate)))));
+    return _mm512_mul_ps(s, round_bf16(up));
+}
+
 static inline uint16_t to_bf16(float f) {  // round to nearest even, as VCVTNEPS2BF16 does
     uint32_t u;
     memcpy(&u, &f, 4);
@@ -77,8 +112,8 @@ static inline uint16_t to_bf16(float f) {  // round to nearest even, as VCVTNEPS
 }
 
 // Threads split the output columns, so each streams only its share of the weights.
-void bf16mm_linear(int64_t M, int64_t N, int64_t K, const uint16_t *x, const uint16_t *w, const uint16_t *b,
-                   uint16_t *y, int nthreads) {
+static void run(int64_t M, int64_t N, int64_t K, const uint16_t *x, const uint16_t *w, const uint16_t *b,
+                uint16_t *y, int nthreads, const int silu_mul) {
     const int64_t nblocks = (N + NB - 1) / NB, pairs = (K + 1) / 2;
 #pragma omp parallel num_threads(nthreads)
     for (int64_t mc0 = 0; mc0 < M; mc0 += MC) {
@@ -99,6 +134,13 @@ void bf16mm_linear(int64_t M, int64_t N, int64_t K, const uint16_t *x, const uin
                 tile_any(mr, K, x + m0 * K, wb, bias, out);
                 for (int r = 0; r < mr; r++) {
                     const float *o = out + r * NB;
+                    if (silu_mul) {  // N % 64 == 0 (checked by the caller): whole blocks, N / 2 outputs a row
+                        uint16_t *yr = y + (m0 + r) * (N / 2) + n0 / 2;
+                        const __m512 lo = silu_mul16(_mm512_loadu_ps(o), _mm512_loadu_ps(o + 32));
+                        const __m512 hi = silu_mul16(_mm512_loadu_ps(o + 16), _mm512_loadu_ps(o + 48));
+                        _mm512_storeu_si512((void *)yr, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+                        continue;
+                    }
                     uint16_t *yr = y + (m0 + r) * N + n0;
                     if (nn == NB) {
                         const __m512bh lo = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(o + 16), _mm512_loadu_ps(o));
@@ -112,6 +154,16 @@ void bf16mm_linear(int64_t M, int64_t N, int64_t K, const uint16_t *x, const uin
             }
         }
     }
+}
+
+void bf16mm_linear(int64_t M, int64_t N, int64_t K, const uint16_t *x, const uint16_t *w, const uint16_t *b,
+                   uint16_t *y, int nthreads) {
+    run(M, N, K, x, w, b, y, nthreads, 0);
+}
+
+void bf16mm_linear_silu_mul(int64_t M, int64_t N, int64_t K, const uint16_t *x, const uint16_t *w,
+                            const uint16_t *b, uint16_t *y, int nthreads) {
+    run(M, N, K, x, w, b, y, nthreads, 1);
 }
 
 // W [N][K] bf16 row-major -> the packed layout above, zero-padded to whole blocks and pairs.

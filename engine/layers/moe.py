@@ -6,22 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers.activation import act_and_mul
-from engine.layers.linear import Linear, MergedLinear
-
-
-class GatedMLP(nn.Module):
-    """down(act(gate(x)) * up(x)); the dense layers, every routed expert and the shared experts."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool = False) -> None:
-        super().__init__()
-        sizes = {"gate": intermediate_size, "up": intermediate_size}
-        self.gate_up_proj = MergedLinear(hidden_size, sizes, bias)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias)
-        self.act = act_and_mul(hidden_act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+from engine.layers.mlp import GatedMLP
 
 
 class MoEGate(nn.Module):

@@ -11,7 +11,8 @@ from torch import nn
 
 from engine.layers.linear import Linear
 from engine.layers.mla import MLAttention
-from engine.layers.moe import GatedMLP, MoE, MoEGate
+from engine.layers.mlp import GatedMLP
+from engine.layers.moe import MoE, MoEGate
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding, rope_parameters, yarn_mscale
 from engine.models.decoder import DecoderLayer, DecoderModel, embedding

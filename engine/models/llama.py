@@ -8,9 +8,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.layers.activation import act_and_mul
 from engine.layers.attention import PagedAttention
 from engine.layers.linear import Linear, MergedLinear
+from engine.layers.mlp import GatedMLP
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 from engine.models.decoder import DecoderLayer, DecoderModel, embedding
@@ -74,23 +74,11 @@ class LlamaAttention(nn.Module):
         return self.o_proj(self.attn(qk[:, :h], qk[:, h:], v.view(-1, kv, d)))
 
 
-class LlamaMLP(nn.Module):
-    def __init__(self, a: LlamaArgs) -> None:
-        super().__init__()
-        sizes = {"gate": a.intermediate_size, "up": a.intermediate_size}
-        self.gate_up_proj = MergedLinear(a.hidden_size, sizes, a.mlp_bias)
-        self.down_proj = Linear(a.intermediate_size, a.hidden_size, a.mlp_bias)
-        self.act = act_and_mul(a.hidden_act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
-
-
 class LlamaDecoderLayer(DecoderLayer):
     def __init__(self, a: LlamaArgs, scratch: tuple[torch.Tensor, torch.Tensor]) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(a, scratch)
-        self.mlp = LlamaMLP(a)
+        self.mlp = GatedMLP(a.hidden_size, a.intermediate_size, a.hidden_act, a.mlp_bias)
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from engine.kernels import bf16mm
-from engine.kernels.bf16mm import BF16MM
+from engine.kernels.bf16mm import BF16MM, SiluMulBF16MM
 from engine.layers.linear import Linear
+from engine.layers.mlp import GatedMLP
 from tests.parity.conftest import make_core, mixed_prompts, run_core, same_length_prompts, step_logits
 
 NEW_TOKENS = 32
@@ -38,8 +39,12 @@ def _core(path: Path, **over: object):  # type: ignore[no-untyped-def]
 
 @pytest.mark.skipif(not bf16mm.supported(), reason="this CPU has no AVX512-BF16: oneDNN runs every GEMM")
 def test_every_linear_layer_runs_through_the_kernel(bf16_dir: Path) -> None:
-    linears = [m for m in _core(bf16_dir).runner.model.modules() if isinstance(m, Linear)]
-    assert linears and all(isinstance(m.kernel, BF16MM) and m.packed.dtype == torch.bfloat16 for m in linears)
+    modules = list(_core(bf16_dir).runner.model.modules())
+    linears = [m for m in modules if isinstance(m, Linear)]
+    mlps = [m for m in modules if isinstance(m, GatedMLP)]
+    assert linears and all(m.packed is not None and m.packed.dtype == torch.bfloat16 for m in linears)
+    assert mlps and all(m.act_fused and isinstance(m.gate_up_proj.kernel, SiluMulBF16MM) for m in mlps)
+    assert all(isinstance(m.kernel, BF16MM) for m in linears if not any(m is g.gate_up_proj for g in mlps))
     assert not any(m.kernel for m in _core(bf16_dir, cpu_kernels=False).runner.model.modules() if isinstance(m, Linear))
 
 
