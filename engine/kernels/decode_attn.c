@@ -80,6 +80,41 @@ static inline v16f vexp(v16f x) {
     return (v16f)((v16i)out & ~under);
 }
 
+// Rows [c, c + n) of one sequence's K or V for one KV head, widened; rows past n are zero (their scores are
+// then masked, and a zero row never turns into NaN the way unused cache memory could).
+static inline __attribute__((always_inline)) void gather(v16f rows[CHUNK][MAX_NV], const char *cache, int64_t c,
+                                                         int64_t n, int64_t b, int64_t kvh, const int64_t *tables,
+                                                         int64_t W, int64_t bs, int64_t KV, int64_t D, int64_t esz,
+                                                         const int bf16, const int64_t nv) {
+    for (int64_t t = 0; t < CHUNK; t++) {
+        if (t < n) {
+            const int64_t pos = c + t, slot = tables[b * W + pos / bs] * bs + pos % bs;
+            const char *row = cache + ((slot * KV + kvh) * D) * esz;
+            for (int64_t j = 0; j < nv; j++) rows[t][j] = load(row + j * VL * esz, bf16);
+        } else {
+            for (int64_t j = 0; j < nv; j++) rows[t][j] = (v16f){0};
+        }
+    }
+}
+
+// Sixteen vectors -> one vector of their sixteen horizontal sums, in order: a tree of pairwise shuffles and
+// adds (30 shuffles and 15 adds) instead of sixteen separate horizontal sums.
+static inline v16f pair(v16f a, v16f b, v16i lo, v16i hi) {
+    return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, hi);
+}
+
+static inline v16f reduce16(const v16f v[VL]) {
+    const v16i l1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+    const v16i l2 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+    const v16i l3 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+    const v16i l4 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+    v16f r1[8], r2[4], r3[2];
+    for (int i = 0; i < 8; i++) r1[i] = pair(v[2 * i], v[2 * i + 1], l1, l1 + 8);
+    for (int i = 0; i < 4; i++) r2[i] = pair(r1[2 * i], r1[2 * i + 1], l2, l2 + 4);
+    for (int i = 0; i < 2; i++) r3[i] = pair(r2[2 * i], r2[2 * i + 1], l3, l3 + 2);
+    return pair(r3[0], r3[1], l4, l4 + 1);
+}
+
 static inline __attribute__((always_inline)) void decode(int64_t B, int64_t H, int64_t KV, int64_t D,
                                                          const char *q, const char *kc, const char *vc,
                                                          int64_t bs, const int64_t *tables, int64_t W,
@@ -100,20 +135,20 @@ static inline __attribute__((always_inline)) void decode(int64_t B, int64_t H, i
             m[g] = -INFINITY;
             l[g] = 0.0f;
         }
+        v16f rows[CHUNK][MAX_NV];  // this chunk's K rows, then its V rows, widened to float32
         for (int64_t c = 0; c < L; c += CHUNK) {
             const int64_t n = L - c < CHUNK ? L - c : CHUNK;
-            for (int64_t t = 0; t < n; t++) {
-                const int64_t pos = c + t, slot = tables[b * W + pos / bs] * bs + pos % bs;
-                const char *kr = kc + ((slot * KV + kvh) * D) * esz;
-                v16f kv[MAX_NV];
-                for (int64_t j = 0; j < nv; j++) kv[j] = load(kr + j * VL * esz, bf16);
-                for (int64_t g = 0; g < G; g++) {
-                    v16f acc = qv[g][0] * kv[0];
-                    for (int64_t j = 1; j < nv; j++) acc += qv[g][j] * kv[j];
-                    s[g][t] = hsum(acc);
-                }
-            }
+            gather(rows, kc, c, n, b, kvh, tables, W, bs, KV, D, esz, bf16, nv);
             for (int64_t g = 0; g < G; g++) {
+                for (int64_t h = 0; h < CHUNK; h += VL) {  // 16 tokens' scores as one vector
+                    v16f acc[VL];
+                    for (int t = 0; t < VL; t++) {
+                        acc[t] = qv[g][0] * rows[h + t][0];
+                        for (int64_t j = 1; j < nv; j++) acc[t] += qv[g][j] * rows[h + t][j];
+                    }
+                    const v16f sc = reduce16(acc);
+                    memcpy(s[g] + h, &sc, sizeof(sc));
+                }
                 for (int64_t t = n; t < CHUNK; t++) s[g][t] = -INFINITY;
                 v16f s0, s1;
                 memcpy(&s0, s[g], sizeof(s0));
@@ -130,14 +165,13 @@ static inline __attribute__((always_inline)) void decode(int64_t B, int64_t H, i
                 m[g] = mn;
                 for (int64_t j = 0; j < nv; j++) o[g][j] *= alpha;
             }
-            for (int64_t t = 0; t < n; t++) {
-                const int64_t pos = c + t, slot = tables[b * W + pos / bs] * bs + pos % bs;
-                const char *vr = vc + ((slot * KV + kvh) * D) * esz;
-                v16f vv[MAX_NV];
-                for (int64_t j = 0; j < nv; j++) vv[j] = load(vr + j * VL * esz, bf16);
-                for (int64_t g = 0; g < G; g++)
-                    for (int64_t j = 0; j < nv; j++) o[g][j] += s[g][t] * vv[j];
-            }
+            gather(rows, vc, c, n, b, kvh, tables, W, bs, KV, D, esz, bf16, nv);
+            for (int64_t g = 0; g < G; g++)
+                for (int64_t j = 0; j < nv; j++) {  // one accumulator in a register across the chunk
+                    v16f acc = o[g][j];
+                    for (int64_t t = 0; t < n; t++) acc += s[g][t] * rows[t][j];
+                    o[g][j] = acc;
+                }
         }
         for (int64_t g = 0; g < G; g++) {
             char *orow = out + ((b * H + kvh * G + g) * D) * esz;
