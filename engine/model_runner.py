@@ -18,6 +18,7 @@ from engine.layers.mlp import GatedMLP
 from engine.layers.norm import RMSNorm
 from engine.loader import ModelFiles, load_model
 from engine.malloc import keep_freed_memory
+from engine.models.llama import LlamaAttention
 from engine.outputs import ModelOutput, SchedulerOutput
 from engine.sampler import Sampler
 
@@ -101,7 +102,7 @@ class ModelRunner:
         if fused is not None:
             self.sampler.argmax = fused.argmax
         for m in self.model.modules():
-            if isinstance(m, RMSNorm):
+            if isinstance(m, RMSNorm | LlamaAttention):
                 m.fused = fused
             elif (
                 isinstance(m, PagedAttention)

@@ -5,6 +5,8 @@
 //
 // - residual add + RMSNorm: s = x + residual (rounded to the dtype), y = s * rsqrt(mean(s^2) + eps) (rounded),
 //   out = weight * y (rounded);
+// - rotary embedding (rotate_half layout) in place: out = x * cos (rounded) + rotate_half(x) * sin (rounded),
+//   the sum rounded;
 // - greedy argmax over float32 logits rows: the first index of the maximum, or of the first NaN, as torch.
 #include <math.h>
 #include <stdint.h>
@@ -137,6 +139,47 @@ void rmsnorm_bf16(int64_t rows, int64_t dim, const uint16_t *x, const uint16_t *
         for (j = 0; j + VL <= dim; j += VL) narrow(o + j, widen(w + j) * round_bf16v(widen(sr + j) * k));
         for (; j < dim; j++) o[j] = narrow1(widen1(w[j]) * round_bf16(widen1(sr[j]) * k));
     }
+}
+
+// x: [T][heads][D], token rows `ld` elements apart, heads contiguous; cos, sin: [T][D] in the same dtype.
+void rope_f32(int64_t T, int64_t heads, int64_t D, float *x, int64_t ld, const float *cos, const float *sin,
+              int nthreads) {
+    const int64_t half = D / 2;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (T * heads * D >= 65536)
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t h = 0; h < heads; h++) {
+            float *a = x + t * ld + h * D, *b = a + half;
+            const float *c = cos + t * D, *s = sin + t * D;
+            for (int64_t i = 0; i < half; i++) {
+                const float x1 = a[i], x2 = b[i];
+                a[i] = x1 * c[i] + (-x2) * s[i];
+                b[i] = x2 * c[half + i] + x1 * s[half + i];
+            }
+        }
+}
+
+void rope_bf16(int64_t T, int64_t heads, int64_t D, uint16_t *x, int64_t ld, const uint16_t *cos,
+               const uint16_t *sin, int nthreads) {
+    const int64_t half = D / 2;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (T * heads * D >= 65536)
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t h = 0; h < heads; h++) {
+            uint16_t *a = x + t * ld + h * D, *b = a + half;
+            const uint16_t *c = cos + t * D, *s = sin + t * D;
+            int64_t i = 0;
+            for (; i + VL <= half; i += VL) {
+                const v16f x1 = widen(a + i), x2 = widen(b + i);
+                const v16f lo = round_bf16v(x1 * widen(c + i)) + round_bf16v(-x2 * widen(s + i));
+                const v16f hi = round_bf16v(x2 * widen(c + half + i)) + round_bf16v(x1 * widen(s + half + i));
+                narrow(a + i, lo);
+                narrow(b + i, hi);
+            }
+            for (; i < half; i++) {
+                const float x1 = widen1(a[i]), x2 = widen1(b[i]);
+                a[i] = narrow1(round_bf16(x1 * widen1(c[i])) + round_bf16(-x2 * widen1(s[i])));
+                b[i] = narrow1(round_bf16(x2 * widen1(c[half + i])) + round_bf16(x1 * widen1(s[half + i])));
+            }
+        }
 }
 
 // logits: [rows][n] float32 -> out[rows]: torch.argmax's answer (the first maximum; the first NaN if any).

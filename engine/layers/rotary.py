@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from engine.errors import ModelLoadError
+from engine.kernels.pointwise import apply_rotary as apply_rotary  # the definition lives beside its CPU kernel
 
 
 def rope_parameters(hf: dict[str, Any]) -> dict[str, Any]:
@@ -85,11 +86,6 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)  # [T, 1, D]
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
 def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine.kernels.pointwise import PointwiseKernels
 from engine.layers.attention import PagedAttention
 from engine.layers.linear import Linear, MergedLinear
 from engine.layers.mlp import GatedMLP
@@ -66,11 +67,13 @@ class LlamaAttention(nn.Module):
         )
         self.o_proj = Linear(self.q_size, a.hidden_size, a.o_bias)
         self.attn = PagedAttention(a.num_heads, a.num_kv_heads, a.head_dim, a.head_dim**-0.5, scratch)
+        self.fused: PointwiseKernels | None = None  # bound by the runner where the CPU kernels build: RoPE in place
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        qk = apply_rotary(qk.view(-1, h + kv, d), cos, sin)  # q and k side by side: one rotation, [T, H + KV, D]
+        qk = qk.view(-1, h + kv, d)  # q and k side by side: one rotation, [T, H + KV, D]
+        qk = self.fused.rotary(qk, cos, sin) if self.fused is not None else apply_rotary(qk, cos, sin)
         return self.o_proj(self.attn(qk[:, :h], qk[:, h:], v.view(-1, kv, d)))
 
 

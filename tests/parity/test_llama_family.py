@@ -95,16 +95,19 @@ def test_arrivals_during_decode_keep_tokens(model_dir: Path, hf_models: dict) ->
 
 
 def test_the_cpu_kernels_are_what_these_tests_ran(model_dir: Path) -> None:
-    """Every test above ran the engine's CPU kernels (fused add + RMSNorm, paged decode attention, greedy
-    argmax): they are bound wherever they apply."""
+    """Every test above ran the engine's CPU kernels (fused add + RMSNorm, RoPE in place, paged decode
+    attention, greedy argmax): they are bound wherever they apply."""
     from engine.layers.attention import PagedAttention
     from engine.layers.norm import RMSNorm
+    from engine.models.llama import LlamaAttention
 
     runner = make_core(model_dir).runner
     attn = [m for m in runner.model.modules() if isinstance(m, PagedAttention)]
     norms = [m for m in runner.model.modules() if isinstance(m, RMSNorm)]
+    ropes = [m for m in runner.model.modules() if isinstance(m, LlamaAttention)]
     assert attn and all(m.decode_kernel is not None for m in attn)
     assert norms and all(m.fused is not None for m in norms)
+    assert ropes and all(m.fused is not None for m in ropes)
     assert runner.sampler.argmax.__self__ is norms[0].fused  # type: ignore[attr-defined]
 
 

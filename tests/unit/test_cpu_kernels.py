@@ -8,7 +8,7 @@ import torch
 
 from engine.kernels import cbuild, decode_attn, pointwise
 from engine.kernels.decode_attn import DecodeAttention, reference
-from engine.kernels.pointwise import PointwiseKernels, rms_norm
+from engine.kernels.pointwise import PointwiseKernels, apply_rotary, rms_norm
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -63,6 +63,35 @@ def test_rms_norm_is_not_taken_for_mixed_dtypes(pw: PointwiseKernels) -> None:
     assert pw.takes(torch.empty(2, 8), torch.empty(8))
     assert not pw.takes(torch.empty(2, 8, dtype=torch.bfloat16), torch.empty(8))  # float32 weight, bf16 x
     assert not pw.takes(torch.empty(2, 8, dtype=torch.float16), torch.empty(8, dtype=torch.float16))
+
+
+# ---- rotary embedding ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("tokens", "heads", "d"), [(1, 16, 64), (33, 3, 128), (5, 2, 20), (200, 9, 64)])
+def test_rotary_in_place_equals_torch(
+    pw: PointwiseKernels, dtype: torch.dtype, tokens: int, heads: int, d: int
+) -> None:
+    """On q and k as the model holds them: a view into the fused qkv projection, token rows strided."""
+    qkv = _randn(tokens, (heads + 1) * d, seed=9, dtype=dtype)
+    qk = qkv[:, : heads * d].view(tokens, heads, d)
+    cos, sin = (_randn(tokens, 1, d, seed=10 + i, dtype=dtype) for i in range(2))
+    want = apply_rotary(qk, cos, sin)
+    v_before = qkv[:, heads * d :].clone()
+    got = pw.rotary(qk, cos, sin)
+    assert got.data_ptr() == qk.data_ptr()  # in place
+    assert torch.equal(qkv[:, heads * d :], v_before)  # nothing outside q/k touched
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, want)  # the same products and sum, rounded the same way
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_rotary_falls_back_to_torch_for_layouts_it_does_not_take(pw: PointwiseKernels) -> None:
+    x = _randn(4, 8, 3, seed=12).transpose(1, 2)  # heads not contiguous
+    cos, sin = _randn(4, 1, 8, seed=13), _randn(4, 1, 8, seed=14)
+    torch.testing.assert_close(pw.rotary(x, cos, sin), apply_rotary(x, cos, sin))
+    xb = x.bfloat16()  # float32 cos/sin with bf16 x
+    torch.testing.assert_close(pw.rotary(xb, cos, sin), apply_rotary(xb, cos, sin))
 
 
 # ---- argmax --------------------------------------------------------------------------------------------------
