@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from engine.kernels.cbuild import BuildError, Once, build
+from engine.kernels.cbuild import Once, SelfCheckError, build
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ def self_check(kernel: BF16MM) -> None:
         got = kernel.linear(x, kernel.pack(w), n, b).float()
         want = torch.addmm(b.float(), x.float(), w.float().t())
         if not torch.allclose(got, want, rtol=1e-2, atol=1e-2):
-            raise BuildError(f"self-check failed at {m}x{n}x{k}: max error {(got - want).abs().max().item():.3g}")
+            raise SelfCheckError(f"self-check failed at {m}x{n}x{k}: max error {(got - want).abs().max().item():.3g}")
 
 
 def _build_checked() -> BF16MM:

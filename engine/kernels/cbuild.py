@@ -29,6 +29,10 @@ class BuildError(RuntimeError):
     pass
 
 
+class SelfCheckError(BuildError):
+    """The kernel built but gave wrong answers on this machine: it must not be used."""
+
+
 K = TypeVar("K")
 
 
@@ -47,6 +51,12 @@ class Once(Generic[K]):
                 self._tried = True
                 try:
                     self._kernel = self._make()
+                except SelfCheckError as e:
+                    self._log.warning(
+                        "%s: %s. The kernel is not used; please report this with the output of lscpu.",
+                        self._consequence,
+                        e,
+                    )
                 except BuildError as e:
                     self._log.warning(
                         "%s: %s. Install a C compiler (gcc) so the engine can build its CPU kernel.",

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from engine.kernels.cbuild import BuildError, Once, build
+from engine.kernels.cbuild import Once, SelfCheckError, build
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ def self_check(kernel: DecodeAttention) -> None:
             want = reference(q, kc, vc, tables, lens, d**-0.5)
             tol = 1e-5 if dtype == torch.float32 else 2e-2
             if not torch.allclose(got, want, rtol=tol, atol=tol):
-                raise BuildError(f"self-check failed for {dtype}, {h}/{kv} heads of {d}")
+                raise SelfCheckError(f"self-check failed for {dtype}, {h}/{kv} heads of {d}")
 
 
 def _build_checked() -> DecodeAttention:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from engine.kernels.cbuild import BuildError, Once, build
+from engine.kernels.cbuild import Once, SelfCheckError, build
 
 log = logging.getLogger(__name__)
 
@@ -114,12 +114,12 @@ def self_check(k: PointwiseKernels) -> None:
                 pairs.append((k.rotary(xr.clone(), cos, sin), apply_rotary(xr, cos, sin)))
             for got, want in pairs:
                 if not torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-5):
-                    raise BuildError(f"self-check failed for {dtype} {rows}x{dim}")
+                    raise SelfCheckError(f"self-check failed for {dtype} {rows}x{dim}")
     logits = torch.randn(5, 1000, generator=g)
     logits[1, 7] = logits[1, 900] = 1e9  # a tie: the first wins
     logits[3, 500] = float("nan")  # a NaN wins, as in torch
     if not torch.equal(k.argmax(logits), logits.argmax(dim=-1)):
-        raise BuildError("self-check failed for argmax")
+        raise SelfCheckError("self-check failed for argmax")
 
 
 def _build_checked() -> PointwiseKernels:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from engine.kernels.cbuild import BuildError, Once, build
+from engine.kernels.cbuild import Once, SelfCheckError, build
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ def self_check(kernel: WBF16) -> None:
         x, b = torch.randn(m, k, generator=g), torch.randn(n, generator=g)
         got, want = kernel.linear(x, kernel.pack(w), n, b), torch.addmm(b, x, w.t())
         if not torch.allclose(got, want, rtol=1e-4, atol=1e-4):
-            raise BuildError(f"self-check failed at {m}x{n}x{k}: max error {(got - want).abs().max().item():.3g}")
+            raise SelfCheckError(f"self-check failed at {m}x{n}x{k}: max error {(got - want).abs().max().item():.3g}")
 
 
 def _build_checked() -> WBF16:

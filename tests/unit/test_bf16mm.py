@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from engine.kernels import bf16mm
 from engine.kernels.bf16mm import BF16MM, SiluMulBF16MM, interleave_halves
+from engine.kernels.cbuild import SelfCheckError
 
 pytestmark = pytest.mark.skipif(not bf16mm.supported(), reason="this CPU has no AVX512-BF16")
 
@@ -89,7 +90,7 @@ def test_pack_keeps_every_weight(kernel: BF16MM) -> None:
 def test_self_check_catches_a_wrong_kernel(kernel: BF16MM, monkeypatch: pytest.MonkeyPatch) -> None:
     bf16mm.self_check(kernel)
     monkeypatch.setattr(kernel, "linear", lambda x, p, n, b: torch.zeros(x.shape[0], n, dtype=torch.bfloat16))
-    with pytest.raises(bf16mm.BuildError, match="self-check failed"):
+    with pytest.raises(SelfCheckError, match="self-check failed"):
         bf16mm.self_check(kernel)
 
 

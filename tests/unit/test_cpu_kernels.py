@@ -3,6 +3,8 @@ against the torch code they replace."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -202,5 +204,17 @@ def test_self_check_catches_a_wrong_kernel(module: object, monkeypatch: pytest.M
         monkeypatch.setattr(k, "argmax", lambda x: torch.zeros(x.shape[0], dtype=torch.int64))
     else:
         monkeypatch.setattr(DecodeAttention, "__call__", lambda self, q, *args: torch.zeros_like(q))
-    with pytest.raises(cbuild.BuildError, match="self-check failed"):
+    with pytest.raises(cbuild.SelfCheckError, match="self-check failed"):
         module.self_check(k)  # type: ignore[attr-defined]
+
+
+def test_a_kernel_that_fails_its_self_check_is_not_used_and_the_warning_says_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    def wrong() -> object:
+        raise cbuild.SelfCheckError("self-check failed for argmax")
+
+    once = cbuild.Once(wrong, logging.getLogger("engine.kernels.test"), "argmax will run in torch")
+    with caplog.at_level("WARNING"):
+        assert once() is None
+    assert "not used" in caplog.text and "lscpu" in caplog.text and "gcc" not in caplog.text

@@ -108,5 +108,5 @@ def test_self_check_catches_a_wrong_kernel(monkeypatch: pytest.MonkeyPatch) -> N
     k = wbf16.kernel()
     assert k is not None, "gcc is part of make setup's requirements: the kernel must build here"
     monkeypatch.setattr(k, "linear", lambda x, p, n, b: torch.zeros(x.shape[0], n))
-    with pytest.raises(cbuild.BuildError, match="self-check failed"):
+    with pytest.raises(cbuild.SelfCheckError, match="self-check failed"):
         wbf16.self_check(k)
