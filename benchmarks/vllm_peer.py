@@ -14,6 +14,10 @@ import os
 import sys
 import time
 
+# Run as a script, this file's directory is sys.path[0]: our benchmark modules would shadow top-level packages
+# vLLM imports (a `kernels` module here once broke its import).
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+
 
 def main() -> None:
     model, prompts_file, n, dtype = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]

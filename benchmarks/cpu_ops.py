@@ -1,7 +1,7 @@
 """The engine's fused CPU kernels against the torch code they replace, at a batch-32 decode step of
 Qwen2-0.5B's shape (and a 4,096-row prefill where it applies).
 
-    python -m benchmarks.kernels [--dtype bfloat16|float32] [--context 176] [--repeat 200]
+    python -m benchmarks.cpu_ops [--dtype bfloat16|float32] [--context 176] [--repeat 200]
 
 Rows: paged decode attention (engine.kernels.decode_attn, read in place) against gathering the blocks and
 running SDPA with a padding mask (the engine's path without it); residual add + RMSNorm, RoPE and greedy
