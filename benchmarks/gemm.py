@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from engine.kernels import bf16mm, wbf16
 from engine.kernels.gemm import GemmKernel
+from engine.malloc import keep_freed_memory
 
 SHAPES = {"qkv": (1152, 896), "gate_up": (9728, 896), "down": (896, 4864), "lm_head": (151936, 896)}
 
@@ -51,6 +52,7 @@ def main() -> None:
     ap.add_argument("--rows", default="1,4,32,64,4096")
     ap.add_argument("--repeat", type=int, default=10)
     args = ap.parse_args()
+    keep_freed_memory()  # as the engine does on CPU: fresh outputs reuse memory instead of page-faulting
     kernel: GemmKernel | None = bf16mm.kernel() if args.kernel == "bf16mm" else wbf16.kernel()
     if kernel is None:
         raise SystemExit(f"{args.kernel} is not available here (no AVX512-BF16, or see the warning above)")

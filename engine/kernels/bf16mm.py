@@ -2,8 +2,10 @@
 
 Same arithmetic as oneDNN's bf16 GEMM on these CPUs (VDPBF16PS: bf16 products, fp32 sums, one rounding to
 bf16 at the end), with less overhead at decode's small batches. Measured on a 2-core Zen 4
-(`python -m benchmarks.gemm`, docs/PERFORMANCE.md): 1.4-2.2x oneDNN's prepacked bf16 at batch 1, 1.1x at
-batch 32, even at 4,096 rows.
+(`python -m benchmarks.gemm`, docs/PERFORMANCE.md), hot in cache: 1.3-1.7x oneDNN's prepacked bf16 at batch 1,
+1.0-1.1x at batch 32, even at 4,096 rows; in the model, where weights stream from memory, more. A gated MLP's
+[gate | up] projection can return silu(gate) * up directly (SiluMulBF16MM): no [T, 2I] intermediate and no
+separate SiLU and multiply passes (1.17x at 4,096 rows).
 """
 
 from __future__ import annotations

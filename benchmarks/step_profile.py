@@ -1,0 +1,95 @@
+"""Where a step's time goes: the throughput workload with a timer around each kind of module call.
+
+    python -m benchmarks.step_profile [--shape qwen2-0.5b] [--num-prompts 32] [--output-len 128] [--no-cpu-kernels]
+
+Runs N prompts x 128 random ids -> --output-len tokens (greedy, EOS ignored, prefix caching off) once to warm
+up, then once timed, wrapping Linear, attention, RMSNorm and the runner's step with wall-clock timers. Prints
+one row per (module, shape) with its total, call count and ms per call; rows with more than 64 input rows
+are the prefill's. The wrappers cost a little themselves; compare runs of this command with each other, and
+throughput with benchmarks.throughput.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from benchmarks.shapes import SHAPES, checkpoint
+from engine import LLM, EngineConfig, SamplingParams
+from engine.layers.attention import PagedAttention
+from engine.layers.linear import Linear
+from engine.layers.norm import RMSNorm
+from engine.model_runner import ModelRunner
+
+TOTAL: defaultdict[str, float] = defaultdict(float)
+CALLS: Counter[str] = Counter()
+
+
+def _timed(cls: type, method: str, key: Callable[[Any, tuple[Any, ...]], str]) -> None:
+    original = getattr(cls, method)
+
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        t = time.perf_counter()
+        out = original(self, *args, **kwargs)
+        k = key(self, args)
+        TOTAL[k] += time.perf_counter() - t
+        CALLS[k] += 1
+        return out
+
+    setattr(cls, method, wrapper)
+
+
+def _rows(x: torch.Tensor) -> str:
+    return ">64" if x.shape[0] > 64 else str(x.shape[0])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", default="qwen2-0.5b", choices=sorted(SHAPES))
+    ap.add_argument("--num-prompts", type=int, default=32)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--no-cpu-kernels", action="store_true", help="cpu_kernels = false: oneDNN and torch only")
+    args = ap.parse_args()
+
+    _timed(Linear, "forward", lambda m, a: f"linear {m.out_features} x {m.in_features}, M {_rows(a[0])}")
+    _timed(PagedAttention, "forward", lambda m, a: f"attention, M {_rows(a[0])}")
+    _timed(RMSNorm, "forward", lambda m, a: f"add + RMSNorm, M {_rows(a[0])}")
+    _timed(ModelRunner, "execute", lambda m, a: "runner step (all of the above and the rest)")
+
+    path = str(checkpoint(args.shape))
+    vocab = SHAPES[args.shape]["vocab_size"]
+    config = EngineConfig(
+        model=path,
+        max_num_seqs=args.num_prompts,
+        max_model_len=1024,
+        enable_prefix_caching=False,
+        cpu_kernels=not args.no_cpu_kernels,
+    )
+    llm = LLM(config)
+    rng = random.Random(0)
+    params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
+    for _ in range(2):  # the first run warms up; only the second is kept
+        TOTAL.clear()
+        CALLS.clear()
+        prompts = [[rng.randrange(vocab) for _ in range(128)] for _ in range(args.num_prompts)]
+        t = time.perf_counter()
+        llm.generate(prompts, params)
+        wall = time.perf_counter() - t
+
+    dtype = str(config.torch_dtype).removeprefix("torch.")
+    kernels = "off" if args.no_cpu_kernels else "on"
+    workload = f"{args.num_prompts} x 128 -> {args.output_len}"
+    print(f"\n{args.shape}, {dtype}, cpu_kernels {kernels}, {workload}: {wall:.2f} s")
+    print(f"{'what':<48} {'total ms':>10} {'calls':>7} {'ms/call':>9}")
+    for k, v in sorted(TOTAL.items(), key=lambda kv: -kv[1]):
+        print(f"{k:<48} {v * 1e3:>10.1f} {CALLS[k]:>7} {v / CALLS[k] * 1e3:>9.3f}")
+
+
+if __name__ == "__main__":
+    main()
