@@ -13,24 +13,18 @@ from __future__ import annotations
 
 import argparse
 import platform
-import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from benchmarks.timing import best_seconds
 from engine.kernels import decode_attn, pointwise
 from engine.malloc import keep_freed_memory
 
 
 def per_call_us(f: Callable[[], object], repeat: int) -> float:
-    f()
-    best = float("inf")
-    for _ in range(repeat):
-        t = time.perf_counter()
-        f()
-        best = min(best, time.perf_counter() - t)
-    return best * 1e6
+    return best_seconds(f, repeat) * 1e6
 
 
 def _paged(b: int, ctx: int, kv: int, d: int, dtype: torch.dtype, block: int = 16) -> tuple[torch.Tensor, ...]:

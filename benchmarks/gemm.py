@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import argparse
 import platform
-import time
 from collections.abc import Callable
 from functools import partial
 
 import torch
 import torch.nn.functional as F
 
+from benchmarks.timing import best_seconds
 from engine.kernels import bf16mm, wbf16
 from engine.kernels.gemm import GemmKernel
 from engine.malloc import keep_freed_memory
@@ -32,13 +32,7 @@ SHAPES = {"qkv": (1152, 896), "gate_up": (9728, 896), "down": (896, 4864), "lm_h
 
 
 def per_call_ms(f: Callable[[], object], repeat: int) -> float:
-    f()
-    best = float("inf")
-    for _ in range(repeat):
-        t = time.perf_counter()
-        f()
-        best = min(best, time.perf_counter() - t)
-    return best * 1e3
+    return best_seconds(f, repeat) * 1e3
 
 
 def _gemm_then_silu_mul(x: torch.Tensor, onednn: torch.Tensor) -> torch.Tensor:

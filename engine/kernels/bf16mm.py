@@ -117,13 +117,7 @@ def self_check(kernel: BF16MM) -> None:
             raise SelfCheckError(f"self-check failed at {m}x{n}x{k}: max error {(got - want).abs().max().item():.3g}")
 
 
-def _build_checked() -> BF16MM:
-    k = BF16MM.build()
-    self_check(k)
-    return k
-
-
-_once = Once(_build_checked, log, "bfloat16 linear layers will use oneDNN (slower at small batches)")
+_once = Once(BF16MM.build, log, "bfloat16 linear layers will use oneDNN (slower at small batches)", check=self_check)
 
 
 def kernel() -> BF16MM | None:

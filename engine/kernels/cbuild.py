@@ -39,8 +39,15 @@ K = TypeVar("K")
 class Once(Generic[K]):
     """A process-wide kernel, built (and self-checked) on first use; None, with one WARNING, where it can't be."""
 
-    def __init__(self, make: Callable[[], K], logger: logging.Logger, consequence: str) -> None:
-        self._make, self._log, self._consequence = make, logger, consequence
+    def __init__(
+        self,
+        make: Callable[[], K],
+        logger: logging.Logger,
+        consequence: str,
+        check: Callable[[K], None] | None = None,
+    ) -> None:
+        """`make` builds the kernel, `check` (raising SelfCheckError) vets it on this machine before first use."""
+        self._make, self._check, self._log, self._consequence = make, check, logger, consequence
         self._lock = threading.Lock()
         self._kernel: K | None = None
         self._tried = False
@@ -50,7 +57,10 @@ class Once(Generic[K]):
             if not self._tried:
                 self._tried = True
                 try:
-                    self._kernel = self._make()
+                    kernel = self._make()
+                    if self._check is not None:
+                        self._check(kernel)
+                    self._kernel = kernel
                 except SelfCheckError as e:
                     self._log.warning(
                         "%s: %s. The kernel is not used; please report this with the output of lscpu.",

@@ -101,11 +101,5 @@ def self_check(kernel: DecodeAttention) -> None:
                 raise SelfCheckError(f"self-check failed for {dtype}, {h}/{kv} heads of {d}")
 
 
-def _build_checked() -> DecodeAttention:
-    k = DecodeAttention.build()
-    self_check(k)
-    return k
-
-
 # The process-wide kernel built for this CPU, or None (logged once) where it cannot be built.
-kernel = Once(_build_checked, log, "decode attention will gather K/V and run SDPA (slower)")
+kernel = Once(DecodeAttention.build, log, "decode attention will gather K/V and run SDPA (slower)", check=self_check)

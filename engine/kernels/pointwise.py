@@ -122,11 +122,5 @@ def self_check(k: PointwiseKernels) -> None:
         raise SelfCheckError("self-check failed for argmax")
 
 
-def _build_checked() -> PointwiseKernels:
-    k = PointwiseKernels.build()
-    self_check(k)
-    return k
-
-
 # The process-wide kernels built for this CPU, or None (logged once) where they cannot be built.
-kernel = Once(_build_checked, log, "RMSNorm and greedy argmax will run as torch ops (slower)")
+kernel = Once(PointwiseKernels.build, log, "RMSNorm and greedy argmax will run as torch ops (slower)", check=self_check)

@@ -94,11 +94,7 @@ def self_check(kernel: WBF16) -> None:
             raise SelfCheckError(f"self-check failed at {m}x{n}x{k}: max error {(got - want).abs().max().item():.3g}")
 
 
-def _build_checked() -> WBF16:
-    k = WBF16.build()
-    self_check(k)
-    return k
-
-
 # The process-wide kernel built for this CPU, or None (logged once) where it cannot be built.
-kernel = Once(_build_checked, log, "bf16 weights will be widened to float32 (twice the memory, slower decode)")
+kernel = Once(
+    WBF16.build, log, "bf16 weights will be widened to float32 (twice the memory, slower decode)", check=self_check
+)
