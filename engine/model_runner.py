@@ -50,6 +50,9 @@ class ModelRunner:
         self.sampler = Sampler()
         if self.device.type == "cpu" and config.cpu_kernels:
             self._bind_cpu_kernels()
+        self.attention_in_place = all(
+            isinstance(m, PagedAttention) and m.decode_kernel is not None for m in self.model.attention_layers()
+        )
         ours = sum(1 for m in self.model.modules() if isinstance(m, Linear) and m.kernel is not None)
         log.info(
             "model on %s, %s math: %d KV blocks of %d tokens; %d linear layers prepacked, %d of them for %s",
@@ -195,9 +198,10 @@ class ModelRunner:
                 [s.block_ids + [self.pad_block] * (width - len(s.block_ids)) for s in decodes], device=dev
             )
             ctx_lens = torch.tensor([s.start + 1 for s in decodes], device=dev)
-            hidden = torch.arange(width * bs, device=dev) >= ctx_lens.unsqueeze(1)
-            dmask = torch.zeros(hidden.shape, dtype=self.dtype, device=dev).masked_fill_(hidden, float("-inf"))
-            dmask = dmask.view(len(decodes), 1, 1, -1)
+            if not self.attention_in_place:  # the kernel reads the lengths; SDPA and MLA need a mask
+                hidden = torch.arange(width * bs, device=dev) >= ctx_lens.unsqueeze(1)
+                dmask = torch.zeros(hidden.shape, dtype=self.dtype, device=dev).masked_fill_(hidden, float("-inf"))
+                dmask = dmask.view(len(decodes), 1, 1, -1)
         ctx = AttentionContext(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             num_decodes=sched.num_decodes,

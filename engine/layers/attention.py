@@ -57,9 +57,10 @@ class PagedAttention(nn.Module):
 
     def _decode(self, q: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         block_tables, mask = ctx.decode_block_tables, ctx.decode_mask
-        assert block_tables is not None and mask is not None
+        assert block_tables is not None
         if self.decode_kernel is not None and ctx.decode_context_lens is not None:
             return self.decode_kernel(q, self.k_cache, self.v_cache, block_tables, ctx.decode_context_lens, self.scale)
+        assert mask is not None
         b, kv, d = q.shape[0], self.num_kv_heads, self.head_dim
         k, v = self._gather(block_tables.flatten())
         # NOTE: a query's G = H / KV heads sharing one KV head play the role of G query positions, so

@@ -26,7 +26,7 @@ class GatedMLP(nn.Module):
 
     def fuse_silu(self, batch_hint: int, kernel: GemmKernel) -> bool:
         """Pack gate_up_proj for a kernel whose GEMM applies silu(gate) * up itself (engine.kernels.bf16mm)."""
-        if not self.is_silu or self.gate_up_proj.packed is not None:
-            return False
-        self.act_fused = self.gate_up_proj.prepack(batch_hint, kernel=kernel) and self.gate_up_proj.kernel is kernel
+        if not self.is_silu or self.gate_up_proj.packed is not None or not kernel.accepts(self.gate_up_proj.weight):
+            return False  # left to the ordinary prepacking
+        self.act_fused = self.gate_up_proj.prepack(batch_hint, kernel=kernel)
         return self.act_fused

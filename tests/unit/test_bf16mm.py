@@ -128,3 +128,23 @@ def test_fused_silu_mul_equals_the_unfused_torch_code(
 def test_interleave_halves_alternates_blocks_of_32() -> None:
     rows = torch.arange(128)
     assert interleave_halves(rows).tolist() == [*range(0, 32), *range(64, 96), *range(32, 64), *range(96, 128)]
+
+
+@pytest.mark.parametrize(("inter", "fused"), [(64, True), (48, False)])
+def test_gated_mlp_fuses_silu_only_where_the_kernel_takes_the_weight(kernel: BF16MM, inter: int, fused: bool) -> None:
+    """An intermediate size that is not a multiple of 32 keeps the unfused path, and its gate_up is left for
+    the ordinary prepacking (the plain kernel), not packed for oneDNN on the way."""
+    from engine.layers.mlp import GatedMLP
+
+    mlp = GatedMLP(32, inter, "silu").to(torch.bfloat16)
+    for p in mlp.parameters():
+        p.data.normal_(0, 0.2)
+    x = _bf16(5, 32, seed=13)
+    want = mlp(x)
+    assert mlp.fuse_silu(8, SiluMulBF16MM(kernel)) is fused
+    assert mlp.act_fused is fused and (mlp.gate_up_proj.packed is not None) is fused
+    if not fused:
+        mlp.gate_up_proj.prepack(8, kernel=kernel)
+    mlp.down_proj.prepack(8, kernel=kernel)
+    assert isinstance(mlp.gate_up_proj.kernel, SiluMulBF16MM if fused else BF16MM)
+    torch.testing.assert_close(mlp(x).float(), want.float(), rtol=2e-2, atol=2e-2)

@@ -4,6 +4,7 @@ against the torch code they replace."""
 from __future__ import annotations
 
 import logging
+import platform
 
 import pytest
 import torch
@@ -218,3 +219,17 @@ def test_a_kernel_that_fails_its_self_check_is_not_used_and_the_warning_says_so(
     with caplog.at_level("WARNING"):
         assert once() is None
     assert "not used" in caplog.text and "lscpu" in caplog.text and "gcc" not in caplog.text
+
+
+@pytest.mark.parametrize("flags", [("-march=x86-64",), ("-march=x86-64-v3",)], ids=["x86-64", "x86-64-v3"])
+@pytest.mark.parametrize("cls", [PointwiseKernels, DecodeAttention], ids=["pointwise", "decode_attn"])
+def test_the_portable_code_is_right_without_avx512(
+    cls: type, flags: tuple[str, ...], tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kernels are GCC vector extensions, no intrinsics: built for a baseline x86 (SSE2) or AVX2 target, as
+    on CPUs without AVX-512 (and, the same way, on ARM), they must give the same answers."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("x86 -march targets")
+    monkeypatch.setenv("TIANMEN_KERNEL_CACHE", str(tmp_path))
+    k = cls.build(flags)  # type: ignore[attr-defined]
+    (pointwise if cls is PointwiseKernels else decode_attn).self_check(k)
