@@ -97,6 +97,17 @@ static inline __attribute__((always_inline)) void gather(v16f rows[CHUNK][MAX_NV
     }
 }
 
+// Ask for rows [c, c + n) of K or V ahead of their use: in a model the cache is cold (the weights streamed
+// through the caches since this layer last ran), and the rows sit in scattered 16-token blocks.
+static inline void prefetch_rows(const char *cache, int64_t c, int64_t n, int64_t b, int64_t kvh,
+                                 const int64_t *tables, int64_t W, int64_t bs, int64_t KV, int64_t D, int64_t esz) {
+    for (int64_t t = 0; t < n; t++) {
+        const int64_t pos = c + t, slot = tables[b * W + pos / bs] * bs + pos % bs;
+        const char *row = cache + ((slot * KV + kvh) * D) * esz;
+        for (int64_t off = 0; off < D * esz; off += 64) __builtin_prefetch(row + off, 0, 3);
+    }
+}
+
 // Sixteen vectors -> one vector of their sixteen horizontal sums, in order: a tree of pairwise shuffles and
 // adds (30 shuffles and 15 adds) instead of sixteen separate horizontal sums.
 static inline v16f pair(v16f a, v16f b, v16i lo, v16i hi) {
@@ -138,6 +149,10 @@ static inline __attribute__((always_inline)) void decode(int64_t B, int64_t H, i
         v16f rows[CHUNK][MAX_NV];  // this chunk's K rows, then its V rows, widened to float32
         for (int64_t c = 0; c < L; c += CHUNK) {
             const int64_t n = L - c < CHUNK ? L - c : CHUNK;
+            if (c == 0) prefetch_rows(kc, 0, n, b, kvh, tables, W, bs, KV, D, esz);
+            prefetch_rows(vc, c, n, b, kvh, tables, W, bs, KV, D, esz);  // used after the scores
+            if (c + CHUNK < L)  // the next chunk's keys
+                prefetch_rows(kc, c + CHUNK, L - c - CHUNK < CHUNK ? L - c - CHUNK : CHUNK, b, kvh, tables, W, bs, KV, D, esz);
             gather(rows, kc, c, n, b, kvh, tables, W, bs, KV, D, esz, bf16, nv);
             for (int64_t g = 0; g < G; g++) {
                 for (int64_t h = 0; h < CHUNK; h += VL) {  // 16 tokens' scores as one vector
