@@ -2,9 +2,10 @@
 residual add + RMSNorm (`rms_norm`), rotary embeddings (`apply_rotary`) and greedy sampling's torch.argmax.
 
 At decode's few rows the eager versions are a handful of torch ops whose dispatch dwarfs the arithmetic: add +
-RMSNorm took 0.16 ms a call for 32 x 896 on a 2-core Zen 4, 49 calls a step for a 24-layer model; at prefill's
-thousands of rows each op is a separate pass over memory. torch.argmax over 32 x 151,936 float32 logits took
-3.1 ms, one thread scanning at a time. The kernels do each in one pass, with the same results.
+RMSNorm took 0.11 ms a call for 32 x 896 in the model on a 2-core Zen 4 (`python -m benchmarks.step_profile
+--no-cpu-kernels`), 49 calls a step for a 24-layer model; at prefill's thousands of rows each op is a separate
+pass over memory. torch.argmax over 32 x 151,936 float32 logits took 2.0 ms (`python -m benchmarks.cpu_ops`),
+one thread scanning at a time. The kernels do each in one pass, with the same results.
 
 A fused SiLU-and-mul was tried and dropped: torch's own (SLEEF-vectorised) SiLU plus the in-place multiply was
 as fast at 32 and 4,096 rows."""
