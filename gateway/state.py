@@ -1,0 +1,38 @@
+"""RequestState: what the middleware, admission, routes, metrics and the audit hook share about one call."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class RequestState:
+    """Set once per request by RequestContext in `scope["state"]`; each layer fills in its own fields.
+
+    Replaces the old `scope["audit"]` dict: a misspelt field is an AttributeError, not a silent None."""
+
+    request_id: str
+    start: float = field(default_factory=time.time)  # wall clock, for the event's @timestamp
+    status: int = 500  # until a response starts
+    duration_s: float = 0.0
+    # who (Auth)
+    user: str | None = None
+    tenant: str | None = None
+    auth_failure: str | None = None
+    # what (routes)
+    model: str | None = None
+    stream: bool | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    total_tokens: int = 0
+    cached_tokens: int | None = None
+    finish_reason: str | None = None
+    ttft_ms: float | None = None
+    itl_s: list[float] = field(default_factory=list)
+    prompt_text: str | None = None  # only for the audit content policy; never logged
+    response_text: str | None = None
+    # decisions
+    ratelimit: str | None = None
+    error: str | None = None
+    settled_by_stream: bool = False
