@@ -22,6 +22,8 @@ import torch
 
 from benchmarks.shapes import SHAPES, checkpoint
 from engine import LLM, EngineConfig, SamplingParams
+from engine.config import GEMM_PATHS
+from engine.kernels.select import GemmPlan, row_class
 from engine.layers.attention import PagedAttention
 from engine.layers.linear import Linear
 from engine.layers.norm import RMSNorm
@@ -45,6 +47,11 @@ def _timed(cls: type, method: str, key: Callable[[Any, tuple[Any, ...]], str]) -
     setattr(cls, method, wrapper)
 
 
+def _gemm_key(plan: GemmPlan, args: tuple[Any, ...]) -> str:
+    rows = args[0].numel() // plan.in_features
+    return f"gemm K {plan.in_features} via {plan.names[row_class(rows)]}, M {_rows(args[0])}"
+
+
 def _rows(x: torch.Tensor) -> str:
     return ">64" if x.shape[0] > 64 else str(x.shape[0])
 
@@ -55,9 +62,11 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--no-cpu-kernels", action="store_true", help="cpu_kernels = false: oneDNN and torch only")
+    ap.add_argument("--gemm-path", default="auto", choices=GEMM_PATHS, help="force one GEMM path (default: measured)")
     args = ap.parse_args()
 
-    _timed(Linear, "forward", lambda m, a: f"linear {m.out_features} x {m.in_features}, M {_rows(a[0])}")
+    _timed(GemmPlan, "__call__", _gemm_key)
+    _timed(Linear, "forward", lambda m, a: f"linear {m.out_features} x {m.in_features} (incl. its GEMM)")
     _timed(PagedAttention, "forward", lambda m, a: f"attention, M {_rows(a[0])}")
     _timed(RMSNorm, "forward", lambda m, a: f"add + RMSNorm, M {_rows(a[0])}")
     _timed(ModelRunner, "execute", lambda m, a: "runner step (all of the above and the rest)")
@@ -70,6 +79,7 @@ def main() -> None:
         max_model_len=1024,
         enable_prefix_caching=False,
         cpu_kernels=not args.no_cpu_kernels,
+        gemm_path=args.gemm_path,
     )
     llm = LLM(config)
     rng = random.Random(0)

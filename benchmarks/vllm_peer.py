@@ -23,7 +23,7 @@ def main() -> None:
     model, prompts_file, n, dtype = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
     with open(prompts_file) as f:
         prompts: list[list[int]] = json.load(f)
-    # vLLM's CPU build keeps one core for itself unless told which to bind (shared/FACTS.md)
+    # vLLM's CPU build keeps one core for itself unless told which to bind (halving its throughput on 2 cores)
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{os.cpu_count() - 1}")
     from vllm import LLM, SamplingParams, TokensPrompt
 
@@ -35,9 +35,10 @@ def main() -> None:
         max_num_seqs=max(len(prompts), 1),
         seed=0,
         gpu_memory_utilization=0.5,
+        skip_tokenizer_init=True,  # token ids in and out, as for our engine; the random models have no tokenizer
     )
-    params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
-    first = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, detokenize=False)
+    first = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, detokenize=False)
 
     def run(batch: list[list[int]], p: SamplingParams) -> float:
         t = time.perf_counter()
@@ -46,7 +47,7 @@ def main() -> None:
         assert all(len(o.outputs[0].token_ids) == p.max_tokens for o in outs)
         return elapsed
 
-    run([prompts[0][:16]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
+    run([prompts[0][:16]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, detokenize=False))  # warm-up
     batch_s = run(prompts, params)
     prefill_s = run([prompts[0]], first)
     one_s = run([prompts[1]], params)

@@ -8,6 +8,7 @@ import torch
 
 from engine.errors import ConfigError
 
+GEMM_PATHS = ("auto", "onednn", "torch", "bf16mm", "wbf16")
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
@@ -49,9 +50,14 @@ class EngineConfig:
     # CPU, float32: weights that are exactly bf16 (a bf16 checkpoint) stay bf16 in memory and are widened in
     # registers by a kernel built for this CPU (engine.kernels.wbf16); same results, half the bytes per step
     compact_weights: bool = True
-    # CPU: run linear layers through kernels compiled for this CPU (engine.kernels: the bf16-weight kernel
-    # above, and an AVX512-BF16 GEMM for bfloat16); False leaves every GEMM to oneDNN
+    # CPU: kernels compiled for this CPU (engine.kernels) are candidates: GEMMs (the bf16-weight kernel above,
+    # an AVX512-BF16 GEMM), RMSNorm, RoPE, decode attention, argmax. False: oneDNN and torch only
     cpu_kernels: bool = True
+    # CPU: how each linear layer runs. auto: the fastest measured on this CPU, per weight shape and batch size
+    # (engine.kernels.select, cached), and the other kernels only where they beat torch; a path's name forces it
+    # wherever it applies and binds every other kernel that builds, untimed (debugging, tests)
+    gemm_path: str = "auto"
+    gemm_layouts: int = 2  # at most this many packed copies of a weight, each run for the batch sizes it wins
 
     def __post_init__(self) -> None:
         self.model = Path(self.model)
@@ -73,6 +79,10 @@ class EngineConfig:
             )
         if not self.batch_buckets or sorted(set(self.batch_buckets)) != self.batch_buckets or self.batch_buckets[0] < 1:
             raise ConfigError(f"batch_buckets must be increasing positive sizes; got {self.batch_buckets}")
+        if self.gemm_path not in GEMM_PATHS:
+            raise ConfigError(f"gemm_path must be one of {', '.join(GEMM_PATHS)}; got {self.gemm_path!r}")
+        if self.gemm_layouts < 1:
+            raise ConfigError(f"gemm_layouts must be >= 1; got {self.gemm_layouts}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise ConfigError(f"kv_cache_bytes must be > 0; got {self.kv_cache_bytes}")
 

@@ -10,15 +10,12 @@ from engine.block_manager import cdiv
 from engine.config import EngineConfig
 from engine.context import AttentionContext, PrefillMeta, reset_context, set_context
 from engine.errors import ConfigError
-from engine.kernels import bf16mm, decode_attn, pointwise, wbf16
-from engine.kernels.gemm import GemmKernel
-from engine.layers.attention import PagedAttention
-from engine.layers.linear import Linear
-from engine.layers.mlp import GatedMLP
-from engine.layers.norm import RMSNorm
+from engine.kernels import decode_attn, pointwise, wbf16
+from engine.kernels.bind import BindReport, bind_cpu_kernels, gemm_paths, make_selector
+from engine.kernels.kernel_set import CpuKernels
+from engine.kernels.op_choice import choose_kernels
 from engine.loader import ModelFiles, load_model
 from engine.malloc import keep_freed_memory
-from engine.models.llama import LlamaAttention
 from engine.outputs import ModelOutput, SchedulerOutput
 from engine.sampler import Sampler
 
@@ -38,32 +35,29 @@ class ModelRunner:
         if config.keep_freed_memory and self.device.type == "cpu":
             keep_freed_memory()
         self.block_size = config.block_size
-        self.kernel = self._cpu_kernel()
-        compact = isinstance(self.kernel, wbf16.WBF16)
+        cpu = self.device.type == "cpu"
+        compact = cpu and self.dtype == torch.float32 and config.compact_weights and config.cpu_kernels
+        compact = compact and wbf16.kernel() is not None  # bf16 storage only where the bf16-weight kernel runs
         self.model = load_model(files, hf_config, self.device, self.dtype, bf16_storage=compact)
         self.num_blocks = self._size_kv_cache(max_model_len)
         self.pad_block = self.num_blocks  # one spare block past the pool absorbs padded slots
         for layer in self.model.attention_layers():
             for name, shape in self.model.kv_cache_shape(self.num_blocks + 1, self.block_size):
                 setattr(layer, name, torch.zeros(shape, dtype=self.dtype, device=self.device))
-        self.num_packed = self._prepack() if self.device.type == "cpu" else 0
         self.sampler = Sampler()
-        if self.device.type == "cpu" and config.cpu_kernels:
-            self._bind_cpu_kernels()
-        self.attention_in_place = all(
-            isinstance(m, PagedAttention) and m.decode_kernel is not None for m in self.model.attention_layers()
-        )
-        ours = sum(1 for m in self.model.modules() if isinstance(m, Linear) and m.kernel is not None)
+        self.kernels = BindReport()
+        if cpu:
+            self.kernels = self._bind_cpu_kernels(compact)
+        self.attention_in_place = all(getattr(m, "kernel", None) is not None for m in self.model.attention_layers())
         log.info(
-            "model on %s, %s math: %d KV blocks of %d tokens; %d linear layers prepacked, %d of them for %s",
+            "model on %s, %s math: %d KV blocks of %d tokens",
             self.device,
             str(self.dtype).removeprefix("torch."),
             self.num_blocks,
             self.block_size,
-            self.num_packed,
-            ours,
-            type(self.kernel).__name__ if self.kernel is not None else "oneDNN",
         )
+        for line in self.kernels.lines():
+            log.info("%s", line)
         self.generators: dict[str, torch.Generator] = {}
         self._rng = random.Random(config.seed)
 
@@ -90,41 +84,18 @@ class ModelRunner:
             )
         return num_blocks
 
-    def _cpu_kernel(self) -> GemmKernel | None:
-        """Our GEMM kernel for this CPU and dtype, where one applies and builds; None leaves oneDNN."""
-        if self.device.type != "cpu" or not self.config.cpu_kernels:
-            return None
-        if self.dtype == torch.float32 and self.config.compact_weights:
-            return wbf16.kernel()
-        if self.dtype == torch.bfloat16:
-            return bf16mm.kernel()
-        return None
-
-    def _bind_cpu_kernels(self) -> None:
-        fused, attn = pointwise.kernel(), decode_attn.kernel()
-        if fused is not None:
-            self.sampler.argmax = fused.argmax
-        for m in self.model.modules():
-            if isinstance(m, RMSNorm | LlamaAttention):
-                m.fused = fused
-            elif (
-                isinstance(m, PagedAttention)
-                and attn
-                and attn.takes(m.num_heads, m.num_kv_heads, m.head_dim, self.dtype)
-            ):
-                m.decode_kernel = attn
-
-    def _prepack(self) -> int:
-        hint = self.config.max_num_seqs
-        tied = getattr(self.model.args, "tie_word_embeddings", False)
-        packed = 0
-        if isinstance(self.kernel, bf16mm.BF16MM):  # gated MLPs first: their SiLU goes into the GEMM
-            gated = bf16mm.SiluMulBF16MM(self.kernel)
-            packed += sum(m.fuse_silu(hint, gated) for m in self.model.modules() if isinstance(m, GatedMLP))
-        for name, module in self.model.named_modules():
-            if isinstance(module, Linear) and module.packed is None:
-                packed += module.prepack(hint, keep_weight=tied and name == "lm_head", kernel=self.kernel)
-        return packed
+    def _bind_cpu_kernels(self, bf16_weights: bool) -> BindReport:
+        """Every kernel the model takes, in one pass; each linear layer's GEMM chosen by timing on this CPU."""
+        c = self.config
+        use = c.cpu_kernels
+        paths = gemm_paths(self.dtype, c.max_num_seqs, use, bf16_weights)
+        selector = make_selector(paths, self.dtype, c.gemm_path if use else "onednn", max_layouts=c.gemm_layouts)
+        kernels = CpuKernels()
+        if use:
+            pw, attn = pointwise.kernel(), decode_attn.kernel()
+            timer = selector.timer if selector.measure else None  # a forced gemm_path binds every kernel untimed
+            kernels = choose_kernels(self.model, pw, attn, self.dtype, timer, selector.cache)
+        return bind_cpu_kernels(self.model, [self.sampler], kernels, selector, c.max_num_seqs)
 
     # ---- one step -----------------------------------------------------------------------------
     @torch.inference_mode()

@@ -1,11 +1,15 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.outputs import Logprob
 from engine.params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.kernels.kernel_set import CpuKernels
 
 
 class Sampler:
@@ -16,8 +20,12 @@ class Sampler:
     """
 
     def __init__(self) -> None:
-        # torch.argmax(dim=-1); the runner may swap in a CPU kernel with the same answers (engine.kernels.pointwise)
+        # torch.argmax(dim=-1), or a CPU kernel with the same answers (engine.kernels.pointwise)
         self.argmax: Callable[[torch.Tensor], torch.Tensor] = lambda x: x.argmax(dim=-1)
+
+    def bind_kernels(self, kernels: CpuKernels) -> None:
+        if kernels.argmax is not None:
+            self.argmax = kernels.argmax.argmax
 
     def __call__(
         self,

@@ -81,7 +81,7 @@ class Once(Generic[K]):
             self._kernel, self._tried = None, False
 
 
-def _cpu_signature() -> str:
+def cpu_signature() -> str:
     """What -march=native depends on: the CPU's model and feature flags."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
@@ -91,7 +91,7 @@ def _cpu_signature() -> str:
     return platform.machine() + "\n" + "\n".join(sorted(set(keep)))
 
 
-def _cache_dir() -> Path:
+def cache_dir() -> Path:
     explicit = os.environ.get("TIANMEN_KERNEL_CACHE")
     home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tianmen" / "kernels"
     for d in (Path(explicit) if explicit else home, Path(tempfile.gettempdir()) / f"tianmen-kernels-{os.getuid()}"):
@@ -114,8 +114,8 @@ def build(source: Path, flags: tuple[str, ...] = ("-march=native",)) -> ctypes.C
     if cc is None:
         raise BuildError("no C compiler found (install gcc, or set CC)")
     cmd = [cc, "-O3", "-std=gnu11", "-fPIC", "-shared", "-fopenmp", *flags]
-    key = hashlib.sha256("\0".join([source.read_text(), *cmd, _cpu_signature()]).encode()).hexdigest()[:16]
-    out = _cache_dir() / f"{source.stem}-{key}.so"
+    key = hashlib.sha256("\0".join([source.read_text(), *cmd, cpu_signature()]).encode()).hexdigest()[:16]
+    out = cache_dir() / f"{source.stem}-{key}.so"
     if not out.exists():
         tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
         try:

@@ -1,13 +1,26 @@
-"""What a Linear layer needs from a CPU GEMM kernel (engine.kernels.wbf16, engine.kernels.bf16mm)."""
+"""The ways a linear layer can run on CPU, each behind one interface, so the engine can time them and keep the
+fastest (engine.kernels.select): F.linear, oneDNN's prepacked GEMM (AMX where the CPU has it), and our own
+kernels (engine.kernels.bf16mm, engine.kernels.wbf16), including the gated-MLP GEMM whose epilogue applies
+silu(gate) * up."""
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+Act = Callable[[torch.Tensor], torch.Tensor]  # a gated MLP's act(gate) * up over [..., 2I] → [..., I]
+Run = Callable[[torch.Tensor], torch.Tensor]
 
 
 class GemmKernel(Protocol):
+    """What a compiled GEMM kernel offers (engine.kernels.wbf16, engine.kernels.bf16mm)."""
+
     def accepts(self, weight: torch.Tensor) -> bool:
         """Whether this weight can go to the kernel without changing results."""
         ...
@@ -19,3 +32,98 @@ class GemmKernel(Protocol):
     def linear(self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., K] → x W^T + b, [..., N]."""
         ...
+
+
+class GemmPath(Protocol):
+    """One way to compute a linear layer: `prepare` packs the weight once and returns the function to call.
+
+    With `act` (a gated MLP's merged [gate | up] projection) the function returns act(x W^T + b)."""
+
+    name: str
+
+    def accepts(self, weight: torch.Tensor, act: Act | None) -> bool: ...
+
+    def prepare(self, weight: torch.Tensor, bias: torch.Tensor | None, act: Act | None) -> Run: ...
+
+
+def _then(run: Run, act: Act | None) -> Run:
+    return run if act is None else lambda x: act(run(x))
+
+
+class TorchPath:
+    """F.linear on the plain weight: what transformers runs."""
+
+    name = "torch"
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+    def accepts(self, weight: torch.Tensor, act: Act | None) -> bool:
+        return True
+
+    def prepare(self, weight: torch.Tensor, bias: torch.Tensor | None, act: Act | None) -> Run:
+        w = weight.to(self.dtype)  # a bf16-stored weight under float32 math widens (exactly)
+        b = bias.to(self.dtype) if bias is not None else None
+        return _then(lambda x: F.linear(x, w, b), act)
+
+
+class OneDNNPath:
+    """oneDNN's GEMM on a weight reordered once into its blocked layout (torch's private mkldnn ops, which
+    inductor's freezing also uses); AMX tiles on CPUs that have them."""
+
+    name = "onednn"
+
+    def __init__(self, dtype: torch.dtype, batch_hint: int) -> None:
+        self.dtype, self.batch_hint = dtype, batch_hint
+        self.available = self._probe()
+
+    def _probe(self) -> bool:
+        try:
+            w = torch.ones(8, 8, dtype=self.dtype)
+            packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
+            torch.ops.mkldnn._linear_pointwise(torch.ones(1, 8, dtype=self.dtype), packed, None, "none", [], "")
+        except (AttributeError, RuntimeError) as e:  # private ops: missing or unsupported on this CPU
+            log.debug("oneDNN prepacking unavailable (%s)", e)
+            return False
+        return True
+
+    def accepts(self, weight: torch.Tensor, act: Act | None) -> bool:
+        return self.available
+
+    def prepare(self, weight: torch.Tensor, bias: torch.Tensor | None, act: Act | None) -> Run:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(self.dtype), self.batch_hint)
+        b = bias.to(self.dtype) if bias is not None else None
+        linear = torch.ops.mkldnn._linear_pointwise
+        return _then(lambda x: linear(x, packed, b, "none", [], ""), act)
+
+
+class KernelPath:
+    """One of our compiled kernels, for the weights and math it is written for."""
+
+    def __init__(self, name: str, kernel: GemmKernel, dtype: torch.dtype) -> None:
+        self.name, self.kernel, self.dtype = name, kernel, dtype
+
+    def accepts(self, weight: torch.Tensor, act: Act | None) -> bool:
+        return self.kernel.accepts(weight)
+
+    def prepare(self, weight: torch.Tensor, bias: torch.Tensor | None, act: Act | None) -> Run:
+        packed, n, kernel = self.kernel.pack(weight), weight.shape[0], self.kernel
+        b = bias.to(self.dtype) if bias is not None else None
+        return _then(lambda x: kernel.linear(x, packed, n, b), act)
+
+
+class FusedSiluPath:
+    """bf16mm's gated-MLP GEMM: silu(gate) * up comes out of the epilogue (no [T, 2I] intermediate). Only for
+    SiLU MLPs, whose act it replaces."""
+
+    name = "bf16mm-silu"
+
+    def __init__(self, kernel: GemmKernel) -> None:
+        self.kernel = kernel
+
+    def accepts(self, weight: torch.Tensor, act: Act | None) -> bool:
+        return getattr(act, "is_silu_and_mul", False) and self.kernel.accepts(weight)
+
+    def prepare(self, weight: torch.Tensor, bias: torch.Tensor | None, act: Act | None) -> Run:
+        packed, n, kernel = self.kernel.pack(weight), weight.shape[0], self.kernel
+        return lambda x: kernel.linear(x, packed, n, bias)

@@ -16,14 +16,15 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
-def act_and_mul(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+class ActAndMul:
     """The gated MLP's act(gate) * up over a merged [T, 2I] projection."""
-    if name not in _ACTIVATIONS:
-        raise ModelLoadError(f"unsupported hidden_act {name!r}; supported: {', '.join(_ACTIVATIONS)}")
-    act = _ACTIVATIONS[name]
 
-    def fn(x: torch.Tensor) -> torch.Tensor:
+    def __init__(self, name: str) -> None:
+        if name not in _ACTIVATIONS:
+            raise ModelLoadError(f"unsupported hidden_act {name!r}; supported: {', '.join(_ACTIVATIONS)}")
+        self.act = _ACTIVATIONS[name]
+        self.is_silu_and_mul = name in ("silu", "swish")  # a fused GEMM epilogue may replace it (engine.kernels)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)  # [T, 2I] -> [T, I]
-        return act(gate).mul_(up)  # in place: one [T, I] allocation instead of two
-
-    return fn
+        return self.act(gate).mul_(up)  # in place: one [T, I] allocation instead of two

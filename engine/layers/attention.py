@@ -1,11 +1,16 @@
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.context import AttentionContext, PrefillMeta, get_context
 from engine.kernels.decode_attn import DecodeAttention
+
+if TYPE_CHECKING:
+    from engine.kernels.kernel_set import CpuKernels
 
 
 class PagedAttention(nn.Module):
@@ -30,7 +35,12 @@ class PagedAttention(nn.Module):
         # NOTE: K/V rows gathered from the cache land in buffers shared by every layer of the model: a fresh
         # tensor per layer and step costs page faults, which are dear on a VM.
         self.scratch = scratch or (torch.empty(0), torch.empty(0))
-        self.decode_kernel: DecodeAttention | None = None  # bound by the runner on CPU (engine.kernels)
+        self.kernel: DecodeAttention | None = None  # reads the paged cache in place (engine.kernels.decode_attn)
+
+    def bind_kernels(self, kernels: CpuKernels) -> None:
+        k = kernels.decode_attn
+        fits = k is not None and k.takes(self.num_heads, self.num_kv_heads, self.head_dim, self.k_cache.dtype)
+        self.kernel = k if fits else None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [T, H, D]  k, v: [T, KV, D]  ->  [T, H * D]
@@ -58,8 +68,8 @@ class PagedAttention(nn.Module):
     def _decode(self, q: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         block_tables, mask = ctx.decode_block_tables, ctx.decode_mask
         assert block_tables is not None
-        if self.decode_kernel is not None and ctx.decode_context_lens is not None:
-            return self.decode_kernel(q, self.k_cache, self.v_cache, block_tables, ctx.decode_context_lens, self.scale)
+        if self.kernel is not None and ctx.decode_context_lens is not None:
+            return self.kernel(q, self.k_cache, self.v_cache, block_tables, ctx.decode_context_lens, self.scale)
         assert mask is not None
         b, kv, d = q.shape[0], self.num_kv_heads, self.head_dim
         k, v = self._gather(block_tables.flatten())

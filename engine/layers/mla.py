@@ -7,7 +7,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.context import PrefillMeta, get_context
-from engine.kernels.gemm import GemmKernel
 from engine.layers.linear import Linear, MergedLinear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import apply_rotary, apply_rotary_interleaved
@@ -15,9 +14,7 @@ from engine.layers.rotary import apply_rotary, apply_rotary_interleaved
 
 class _UnpackedLinear(Linear):
     bf16_storage = False  # decode does float32 math on the plain weight
-
-    def prepack(self, batch_hint: int, keep_weight: bool = False, kernel: GemmKernel | None = None) -> bool:
-        return False  # NOTE: decode reads kv_b_proj's weight as W_UK / W_UV, so it keeps the plain layout
+    packable = False  # NOTE: decode reads kv_b_proj's weight as W_UK / W_UV, so it keeps the plain layout
 
 
 class MLAttention(nn.Module):

@@ -3,8 +3,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.kernels.gemm import GemmKernel
-from engine.layers.activation import act_and_mul
+from engine.kernels.select import GemmPlan
+from engine.layers.activation import ActAndMul
 from engine.layers.linear import Linear, MergedLinear
 
 
@@ -16,17 +16,14 @@ class GatedMLP(nn.Module):
         sizes = {"gate": intermediate_size, "up": intermediate_size}
         self.gate_up_proj = MergedLinear(hidden_size, sizes, bias)
         self.down_proj = Linear(intermediate_size, hidden_size, bias)
-        self.act = act_and_mul(hidden_act)
-        self.is_silu = hidden_act in ("silu", "swish")
-        self.act_fused = False  # gate_up_proj itself returns silu(gate) * up (fuse_silu)
+        self.act = ActAndMul(hidden_act)
+        self.gate_up_act: GemmPlan | None = None  # gate_up_proj and act as one plan (a GEMM may fuse the act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.gate_up_proj(x)
-        return self.down_proj(h if self.act_fused else self.act(h))
+        h = self.gate_up_act(x) if self.gate_up_act is not None else self.act(self.gate_up_proj(x))
+        return self.down_proj(h)
 
-    def fuse_silu(self, batch_hint: int, kernel: GemmKernel) -> bool:
-        """Pack gate_up_proj for a kernel whose GEMM applies silu(gate) * up itself (engine.kernels.bf16mm)."""
-        if not self.is_silu or self.gate_up_proj.packed is not None or not kernel.accepts(self.gate_up_proj.weight):
-            return False  # left to the ordinary prepacking
-        self.act_fused = self.gate_up_proj.prepack(batch_hint, kernel=kernel)
-        return self.act_fused
+    def use_plan(self, plan: GemmPlan) -> None:
+        """`plan` computes act(gate_up_proj(x)); gate_up_proj's plain weight is dropped."""
+        self.gate_up_act = plan
+        self.gate_up_proj.use_plan(plan)

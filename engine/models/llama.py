@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -15,6 +15,9 @@ from engine.layers.mlp import GatedMLP
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 from engine.models.decoder import DecoderLayer, DecoderModel, embedding
+
+if TYPE_CHECKING:
+    from engine.kernels.kernel_set import CpuKernels
 
 
 @dataclass(slots=True)
@@ -67,13 +70,16 @@ class LlamaAttention(nn.Module):
         )
         self.o_proj = Linear(self.q_size, a.hidden_size, a.o_bias)
         self.attn = PagedAttention(a.num_heads, a.num_kv_heads, a.head_dim, a.head_dim**-0.5, scratch)
-        self.fused: PointwiseKernels | None = None  # bound by the runner where the CPU kernels build: RoPE in place
+        self.kernel: PointwiseKernels | None = None  # RoPE in place
+
+    def bind_kernels(self, kernels: CpuKernels) -> None:
+        self.kernel = kernels.rope
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         qk = qk.view(-1, h + kv, d)  # q and k side by side: one rotation, [T, H + KV, D]
-        qk = self.fused.rotary(qk, cos, sin) if self.fused is not None else apply_rotary(qk, cos, sin)
+        qk = self.kernel.rotary(qk, cos, sin) if self.kernel is not None else apply_rotary(qk, cos, sin)
         return self.o_proj(self.attn(qk[:, :h], qk[:, h:], v.view(-1, kv, d)))
 
 

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from engine.kernels import bf16mm
-from engine.kernels.bf16mm import BF16MM, SiluMulBF16MM
 from engine.layers.linear import Linear
 from engine.layers.mlp import GatedMLP
 from tests.parity.conftest import make_core, mixed_prompts, run_core, same_length_prompts, step_logits
@@ -39,13 +38,14 @@ def _core(path: Path, **over: object):  # type: ignore[no-untyped-def]
 
 @pytest.mark.skipif(not bf16mm.supported(), reason="this CPU has no AVX512-BF16: oneDNN runs every GEMM")
 def test_every_linear_layer_runs_through_the_kernel(bf16_dir: Path) -> None:
-    modules = list(_core(bf16_dir).runner.model.modules())
+    modules = list(_core(bf16_dir, gemm_path="bf16mm").runner.model.modules())
     linears = [m for m in modules if isinstance(m, Linear)]
     mlps = [m for m in modules if isinstance(m, GatedMLP)]
-    assert linears and all(m.packed is not None and m.packed.dtype == torch.bfloat16 for m in linears)
-    assert mlps and all(m.act_fused and isinstance(m.gate_up_proj.kernel, SiluMulBF16MM) for m in mlps)
-    assert all(isinstance(m.kernel, BF16MM) for m in linears if not any(m is g.gate_up_proj for g in mlps))
-    assert not any(m.kernel for m in _core(bf16_dir, cpu_kernels=False).runner.model.modules() if isinstance(m, Linear))
+    assert mlps and all(m.gate_up_act is not None and set(m.gate_up_act.names) == {"bf16mm-silu"} for m in mlps)
+    plain = [m for m in linears if not any(m is g.gate_up_proj for g in mlps)]
+    assert plain and all(m.plan is not None and set(m.plan.names) == {"bf16mm"} for m in plain)
+    off = [m for m in _core(bf16_dir, cpu_kernels=False).runner.model.modules() if isinstance(m, Linear)]
+    assert off and all(m.plan is not None and set(m.plan.names) == {"onednn"} for m in off)
 
 
 def test_prefill_logits_are_as_close_to_float32_as_transformers_bf16(bf16_dir: Path, hf16: torch.nn.Module) -> None:
@@ -64,12 +64,17 @@ def test_prefill_logits_are_as_close_to_float32_as_transformers_bf16(bf16_dir: P
         assert (ours[i] - theirs).abs().max() / scale < 2e-2
 
 
-@pytest.mark.parametrize("cpu_kernels", [True, False], ids=["kernels", "torch-only"])
+CONFIGS = {"selected": {}, "torch-only": {"cpu_kernels": False}, "torch-gemm": {"gemm_path": "torch"}}
+if bf16mm.supported():
+    CONFIGS["bf16mm"] = {"gemm_path": "bf16mm"}
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("prompts", [mixed_prompts(), same_length_prompts()], ids=["mixed", "same-length"])
 def test_greedy_tokens_are_transformers_bf16_choices(
-    bf16_dir: Path, hf16: torch.nn.Module, prompts: dict[str, list[int]], cpu_kernels: bool
+    bf16_dir: Path, hf16: torch.nn.Module, prompts: dict[str, list[int]], config: str
 ) -> None:
-    ours = run_core(_core(bf16_dir, cpu_kernels=cpu_kernels), prompts, NEW_TOKENS)
+    ours = run_core(_core(bf16_dir, **CONFIGS[config]), prompts, NEW_TOKENS)
     for rid, prompt in prompts.items():
         assert len(ours[rid]) == NEW_TOKENS
         with torch.no_grad():  # transformers' logits at every position we sampled, given our tokens before it

@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.kernels.wbf16 import WBF16
 from engine.layers.linear import Linear
 from tests.parity.conftest import (
     hf_expected,
@@ -28,9 +27,9 @@ def _linears(core) -> list[Linear]:  # type: ignore[no-untyped-def]
 
 
 def test_kernel_holds_every_weight_as_bf16(bf16_dir: Path) -> None:
-    core = make_core(bf16_dir)
+    core = make_core(bf16_dir, gemm_path="wbf16")
     linears = _linears(core)
-    assert linears and all(isinstance(m.kernel, WBF16) and m.packed.dtype == torch.bfloat16 for m in linears)
+    assert linears and all(m.plan is not None and set(m.plan.names) == {"wbf16"} for m in linears)
     assert core.runner.model.model.embed_tokens.weight.dtype == torch.bfloat16
     assert core.runner.model.model.norm.weight.dtype == torch.float32  # the math stays float32
 
@@ -45,15 +44,18 @@ def test_prefill_logits_match(bf16_dir: Path, hf_models: dict) -> None:
         torch.testing.assert_close(captured[0][i], ref, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("gemm_path", ["auto", "wbf16"])
 @pytest.mark.parametrize("prompts", [mixed_prompts(), same_length_prompts()], ids=["mixed", "same-length"])
-def test_greedy_batch_matches_generate(bf16_dir: Path, hf_models: dict, prompts: dict[str, list[int]]) -> None:
+def test_greedy_batch_matches_generate(
+    bf16_dir: Path, hf_models: dict, prompts: dict[str, list[int]], gemm_path: str
+) -> None:
     expected = hf_expected(hf_models, bf16_dir, prompts, NEW_TOKENS)
-    assert run_core(make_core(bf16_dir), prompts, NEW_TOKENS) == expected
+    assert run_core(make_core(bf16_dir, gemm_path=gemm_path), prompts, NEW_TOKENS) == expected
 
 
 def test_compact_weights_off_widens_to_float32_with_the_same_tokens(bf16_dir: Path, hf_models: dict) -> None:
     core = make_core(bf16_dir, compact_weights=False)
-    assert not any(m.kernel is not None for m in _linears(core))
+    assert not any(m.plan is not None and "wbf16" in m.plan.names for m in _linears(core))
     assert core.runner.model.model.embed_tokens.weight.dtype == torch.float32
     prompts = mixed_prompts(4)
     assert run_core(core, prompts, NEW_TOKENS) == hf_expected(hf_models, bf16_dir, prompts, NEW_TOKENS)

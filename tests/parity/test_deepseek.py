@@ -235,12 +235,11 @@ def test_bf16_checkpoint_through_the_bf16_weight_kernel(ds_dir: Path, tmp_path: 
     the experts and the shared experts all go through the kernel and the greedy tokens match transformers."""
     from transformers import AutoModelForCausalLM
 
-    from engine.kernels.wbf16 import WBF16
     from engine.layers.linear import Linear
 
     AutoModelForCausalLM.from_pretrained(ds_dir, dtype=torch.bfloat16).save_pretrained(tmp_path)
-    core = make_core(tmp_path)
-    compact = [m for m in core.runner.model.modules() if isinstance(m, Linear) and isinstance(m.kernel, WBF16)]
+    core = make_core(tmp_path, gemm_path="wbf16")
+    compact = [m for m in core.runner.model.modules() if isinstance(m, Linear) and m.plan and "wbf16" in m.plan.names]
     assert len(compact) > 10
     prompts = mixed_prompts()
     assert run_core(core, prompts, NEW_TOKENS) == hf_expected({}, tmp_path, prompts, NEW_TOKENS)

@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.kernels.bind import gemm_paths
+from engine.layers.linear import Linear
 from engine.outputs import SchedulerOutput
 from tests.parity.conftest import (
     VOCAB,
@@ -94,21 +96,24 @@ def test_arrivals_during_decode_keep_tokens(model_dir: Path, hf_models: dict) ->
     assert got == _expected(hf_models, model_dir, prompts)
 
 
-def test_the_cpu_kernels_are_what_these_tests_ran(model_dir: Path) -> None:
-    """Every test above ran the engine's CPU kernels (fused add + RMSNorm, RoPE in place, paged decode
-    attention, greedy argmax): they are bound wherever they apply."""
+def test_a_forced_gemm_path_binds_every_cpu_kernel(model_dir: Path) -> None:
+    """With a forced GEMM path (the parametrized test below) the engine's CPU kernels (fused add + RMSNorm, RoPE
+    in place, paged decode attention, greedy argmax) are bound wherever they apply, untimed; with "auto" (the
+    tests above) only those measured faster than torch here are."""
     from engine.layers.attention import PagedAttention
     from engine.layers.norm import RMSNorm
     from engine.models.llama import LlamaAttention
 
-    runner = make_core(model_dir).runner
+    runner = make_core(model_dir, gemm_path="onednn").runner
     attn = [m for m in runner.model.modules() if isinstance(m, PagedAttention)]
     norms = [m for m in runner.model.modules() if isinstance(m, RMSNorm)]
     ropes = [m for m in runner.model.modules() if isinstance(m, LlamaAttention)]
-    assert attn and all(m.decode_kernel is not None for m in attn)
-    assert norms and all(m.fused is not None for m in norms)
-    assert ropes and all(m.fused is not None for m in ropes)
-    assert runner.sampler.argmax.__self__ is norms[0].fused  # type: ignore[attr-defined]
+    assert attn and all(m.kernel is not None for m in attn)
+    assert norms and all(m.kernel is not None for m in norms)
+    assert ropes and all(m.kernel is not None for m in ropes)
+    assert runner.sampler.argmax.__self__ is norms[0].kernel  # type: ignore[attr-defined]
+    linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.plan is not None for m in linears)  # every GEMM as the selection chose
 
 
 @pytest.mark.parametrize("prompts", [mixed_prompts(), same_length_prompts()], ids=["mixed", "same-length"])
@@ -116,5 +121,21 @@ def test_without_cpu_kernels_the_tokens_are_the_same(
     model_dir: Path, hf_models: dict, prompts: dict[str, list[int]]
 ) -> None:
     core = make_core(model_dir, cpu_kernels=False)
-    assert not any(getattr(m, "decode_kernel", None) or getattr(m, "fused", None) for m in core.runner.model.modules())
+    assert not any(getattr(m, "kernel", None) for m in core.runner.model.modules())
+    plans = [m.plan for m in core.runner.model.modules() if isinstance(m, Linear)]
+    assert plans and all(p is not None and set(p.names) == {"onednn"} for p in plans)
     assert run_core(core, prompts, NEW_TOKENS) == hf_expected(hf_models, model_dir, prompts, NEW_TOKENS)
+
+
+FORCED = sorted({p.name.split("-")[0] for p in gemm_paths(torch.float32, 8, True, True)})
+
+
+@pytest.mark.parametrize("path", FORCED)
+def test_every_gemm_path_forced_in_turn_gives_the_same_tokens(model_dir: Path, hf_models: dict, path: str) -> None:
+    """Whatever the selection picks on another CPU, each candidate it can pick is right on its own."""
+    core = make_core(model_dir, gemm_path=path)
+    plans = [m.plan for m in core.runner.model.modules() if isinstance(m, Linear)]
+    if path != "wbf16":  # the bf16-weight kernel takes only weights that are exactly bf16 (test_bf16_weights.py)
+        assert plans and all(p is not None and p.names[0].startswith(path) for p in plans)
+    prompts = mixed_prompts(4)
+    assert run_core(core, prompts, NEW_TOKENS) == _expected(hf_models, model_dir, prompts)

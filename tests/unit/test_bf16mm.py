@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from engine.kernels import bf16mm
 from engine.kernels.bf16mm import BF16MM, SiluMulBF16MM, interleave_halves
 from engine.kernels.cbuild import SelfCheckError
+from engine.layers.mlp import GatedMLP
 
 pytestmark = pytest.mark.skipif(not bf16mm.supported(), reason="this CPU has no AVX512-BF16")
 
@@ -132,19 +133,20 @@ def test_interleave_halves_alternates_blocks_of_32() -> None:
 
 @pytest.mark.parametrize(("inter", "fused"), [(64, True), (48, False)])
 def test_gated_mlp_fuses_silu_only_where_the_kernel_takes_the_weight(kernel: BF16MM, inter: int, fused: bool) -> None:
-    """An intermediate size that is not a multiple of 32 keeps the unfused path, and its gate_up is left for
-    the ordinary prepacking (the plain kernel), not packed for oneDNN on the way."""
-    from engine.layers.mlp import GatedMLP
+    """An intermediate size that is not a multiple of 32 keeps the unfused path: gate_up runs through the plain
+    kernel and the SiLU in torch."""
+    from engine.kernels.bind import make_selector, plan_linears
+    from engine.kernels.gemm import FusedSiluPath, KernelPath, OneDNNPath
 
     mlp = GatedMLP(32, inter, "silu").to(torch.bfloat16)
     for p in mlp.parameters():
         p.data.normal_(0, 0.2)
     x = _bf16(5, 32, seed=13)
     want = mlp(x)
-    assert mlp.fuse_silu(8, SiluMulBF16MM(kernel)) is fused
-    assert mlp.act_fused is fused and (mlp.gate_up_proj.packed is not None) is fused
-    if not fused:
-        mlp.gate_up_proj.prepack(8, kernel=kernel)
-    mlp.down_proj.prepack(8, kernel=kernel)
-    assert isinstance(mlp.gate_up_proj.kernel, SiluMulBF16MM if fused else BF16MM)
+    paths = [FusedSiluPath(SiluMulBF16MM(kernel)), KernelPath("bf16mm", kernel, torch.bfloat16)]
+    assert paths[0].accepts(mlp.gate_up_proj.weight, mlp.act) is fused
+    plan_linears(mlp, make_selector([*paths, OneDNNPath(torch.bfloat16, 8)], torch.bfloat16, forced="bf16mm"))
+    assert mlp.gate_up_act is not None and mlp.down_proj.plan is not None
+    assert set(mlp.gate_up_act.names) == {"bf16mm-silu" if fused else "bf16mm"}
+    assert set(mlp.down_proj.plan.names) == {"bf16mm"}
     torch.testing.assert_close(mlp(x).float(), want.float(), rtol=2e-2, atol=2e-2)

@@ -1,0 +1,137 @@
+"""The one pass that hands a model its CPU kernels.
+
+Layers own their reference math (torch) and take a kernel in one way: a module with `bind_kernels(kernels)`
+picks what it can use from the `CpuKernels` it is given (RMSNorm, RoPE, decode attention, the sampler's argmax);
+linear layers get a GemmPlan, chosen per weight shape by timing (engine.kernels.select). The runner calls
+`bind_cpu_kernels` once after loading and keeps only KV sizing and input preparation.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from engine.kernels import bf16mm, cbuild, wbf16
+from engine.kernels.gemm import Act, FusedSiluPath, GemmPath, KernelPath, OneDNNPath, TorchPath
+from engine.kernels.kernel_set import CpuKernels
+from engine.kernels.select import (
+    CLASSES,
+    GemmPlan,
+    GemmSelector,
+    PlanCache,
+    ShapeChoice,
+    Timer,
+    cache_key,
+    call_seconds,
+)
+from engine.layers.linear import Linear
+from engine.layers.mlp import GatedMLP
+
+log = logging.getLogger(__name__)
+
+_SOURCES = [Path(__file__).with_name(n) for n in ("gemm.py", "select.py", "bf16mm.c", "wbf16.c")]
+
+
+@dataclass(slots=True)
+class BindReport:
+    """What was bound: per GEMM shape its choice and how many layers share it; for the start-up log."""
+
+    shapes: dict[str, tuple[int, ShapeChoice]] = field(default_factory=dict)
+
+    def lines(self) -> list[str]:
+        return [f"gemm {shape} x{count}: {choice.describe()}" for shape, (count, choice) in self.shapes.items()]
+
+
+def gemm_paths(dtype: torch.dtype, batch_hint: int, use_kernels: bool, bf16_weights: bool) -> list[GemmPath]:
+    """The candidates on this machine for `dtype` math; our kernels only where they built and passed their check."""
+    paths: list[GemmPath] = [OneDNNPath(dtype, batch_hint), TorchPath(dtype)]
+    paths = [p for p in paths if not isinstance(p, OneDNNPath) or p.available]
+    if not use_kernels:
+        return paths
+    if dtype == torch.bfloat16 and (k := bf16mm.kernel()) is not None:
+        paths += [KernelPath("bf16mm", k, dtype), FusedSiluPath(bf16mm.SiluMulBF16MM(k))]
+    if dtype == torch.float32 and bf16_weights and (w := wbf16.kernel()) is not None:
+        paths.append(KernelPath("wbf16", w, dtype))
+    return paths
+
+
+def make_selector(
+    paths: list[GemmPath], dtype: torch.dtype, forced: str = "auto", timer: Timer = call_seconds,
+    cache_dir: Path | None = None, max_layouts: int = 2,
+) -> GemmSelector:  # fmt: skip
+    """A selector over `paths` that caches its timings on disk; with `forced`, that path wherever it applies
+    (oneDNN, then F.linear, elsewhere), untimed."""
+    if forced != "auto":
+        family = [p for p in paths if p.name.split("-")[0] == forced]  # bf16mm: its fused variant first
+        if not family:
+            log.warning("gemm_path=%s is not available on this CPU and dtype; using oneDNN / F.linear", forced)
+        paths = sorted(paths, key=lambda p: (p not in family, p.name == forced, p.name != "onednn"))
+        return GemmSelector(paths, dtype, None, timer, max_layouts, measure=False)
+    cache = None
+    try:
+        directory = cache_dir or cbuild.cache_dir()
+        cache = PlanCache(
+            directory, cache_key(cbuild.cpu_signature(), _SOURCES) + "-" + str(dtype).removeprefix("torch.")
+        )
+    except cbuild.BuildError as e:
+        log.warning("GEMM timings will not be cached: %s", e)
+    return GemmSelector(paths, dtype, cache, timer, max_layouts)
+
+
+def bind_cpu_kernels(
+    model: nn.Module, extra: Iterable[object], kernels: CpuKernels, selector: GemmSelector, max_logit_rows: int
+) -> BindReport:
+    """Bind `kernels` into every module (and `extra` objects, e.g. the sampler) that takes them, and give every
+    packable linear layer a GemmPlan. The LM head sees at most `max_logit_rows` rows a call."""
+    for m in [*model.modules(), *extra]:
+        bind = getattr(m, "bind_kernels", None)
+        if bind is not None:
+            bind(kernels)
+    head = getattr(model, "lm_head", None)
+    return plan_linears(model, selector, {id(head): max_logit_rows} if head is not None else {})
+
+
+def plan_linears(model: nn.Module, selector: GemmSelector, max_rows: dict[int, int] | None = None) -> BindReport:
+    """A GemmPlan for every packable linear layer, chosen per weight shape; `max_rows`: by module id."""
+    rows_of = max_rows or {}
+    groups: dict[str, list[tuple[GatedMLP | Linear, Linear, Act | None]]] = defaultdict(list)
+    gated = set()
+    for m in model.modules():
+        if isinstance(m, GatedMLP) and m.gate_up_proj.packable:
+            gated.add(id(m.gate_up_proj))
+            groups[_shape(m.gate_up_proj, m.act)].append((m, m.gate_up_proj, m.act))
+    for m in model.modules():
+        if isinstance(m, Linear) and m.packable and id(m) not in gated:
+            rows = rows_of.get(id(m))
+            groups[_shape(m, None) + (f" rows<={rows}" if rows else "")].append((m, m, None))
+    report = BindReport()
+    for shape, units in groups.items():
+        samples = [(lin.weight.data, _bias(lin)) for _, lin, _ in units]
+        choice = selector.choose(shape, samples, units[0][2], rows_of.get(id(units[0][0])))
+        for owner, lin, act in units:
+            prepared = {
+                name: selector.paths[name].prepare(lin.weight.data, _bias(lin), act) for name in choice.layouts()
+            }
+            owner.use_plan(GemmPlan([prepared[n] for n in choice.per_class], lin.in_features, choice.per_class))
+        report.shapes[shape] = (len(units), choice)
+    return report
+
+
+def _bias(lin: Linear) -> torch.Tensor | None:
+    return lin.bias.data if lin.bias is not None else None
+
+
+def _shape(lin: Linear, act: Act | None) -> str:
+    w = lin.weight
+    tags = [str(w.dtype).removeprefix("torch."), "bias" if lin.bias is not None else "", "gated" if act else ""]
+    silu = "silu" if act is not None and getattr(act, "is_silu_and_mul", False) else ""
+    return f"{w.shape[0]}x{w.shape[1]} " + "+".join(t for t in (*tags, silu) if t)
+
+
+__all__ = ["CLASSES", "BindReport", "CpuKernels", "bind_cpu_kernels", "gemm_paths", "make_selector"]

@@ -1,0 +1,19 @@
+"""CpuKernels: the kernels a model's layers may take in the binding pass (engine.kernels.bind)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.kernels.decode_attn import DecodeAttention
+from engine.kernels.pointwise import PointwiseKernels
+
+
+@dataclass(slots=True)
+class CpuKernels:
+    """One field per kernelled op; None where the kernel is off, did not build, failed its self-check, or was
+    measured slower than the torch code on this machine (engine.kernels.op_choice)."""
+
+    rms_norm: PointwiseKernels | None = None
+    rope: PointwiseKernels | None = None
+    argmax: PointwiseKernels | None = None
+    decode_attn: DecodeAttention | None = None

@@ -1,0 +1,195 @@
+"""engine.kernels.select: GEMM paths are chosen by measurement, checked against the reference, and cached."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.kernels.bind import make_selector, plan_linears
+from engine.kernels.gemm import Act, OneDNNPath, Run, TorchPath
+from engine.kernels.select import CLASSES, ROWS, GemmPlan, GemmSelector, PlanCache, cache_key
+from engine.layers.mlp import GatedMLP
+
+
+class FakeClock:
+    """A timer whose time passes only when a fake path runs: each call costs cost(name, rows) seconds."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.calls = 0
+
+    def timer(self, fn: Callable[[], object]) -> float:
+        self.calls += 1
+        start = self.now
+        fn()
+        return self.now - start
+
+
+class FakePath:
+    """Computes the right answer (or a wrong one) and charges the fake clock what `cost` says."""
+
+    def __init__(self, name: str, clock: FakeClock, cost: Callable[[int], float], wrong: bool = False) -> None:
+        self.name, self.clock, self.cost, self.wrong = name, clock, cost, wrong
+        self.prepared = 0
+
+    def accepts(self, weight: torch.Tensor, act: Act | None) -> bool:
+        return True
+
+    def prepare(self, weight: torch.Tensor, bias: torch.Tensor | None, act: Act | None) -> Run:
+        self.prepared += 1
+
+        def run(x: torch.Tensor) -> torch.Tensor:
+            self.clock.now += self.cost(x.shape[0])
+            y = F.linear(x, weight, bias)
+            y = act(y) if act is not None else y
+            return y + 1 if self.wrong else y
+
+        return run
+
+
+def _samples(n: int = 3, shape: tuple[int, int] = (24, 16)) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(*shape, generator=g), None) for _ in range(n)]
+
+
+def _selector(*paths: FakePath, clock: FakeClock, **kw: object) -> GemmSelector:
+    return GemmSelector(list(paths), torch.float32, timer=clock.timer, **kw)  # type: ignore[arg-type]
+
+
+def test_the_fastest_path_wins_each_class_and_a_slow_one_is_never_chosen() -> None:
+    clock = FakeClock()
+    base = FakePath("onednn", clock, lambda r: 10.0 + r)
+    fast_small = FakePath("ours", clock, lambda r: 1.0 if r <= 8 else 1000.0)
+    slow = FakePath("slow", clock, lambda r: 1e6)
+    choice = _selector(base, fast_small, slow, clock=clock).choose("24x16", _samples(), None)
+    assert choice.per_class == ["ours", "ours", "onednn", "onednn", "onednn"]
+    assert "slow" not in choice.per_class
+    assert choice.us["ours"][0] == pytest.approx(1e6)  # µs per call: 1 s each on the fake clock
+    assert len(CLASSES) == len(ROWS) == len(choice.per_class)
+
+
+def test_a_path_with_wrong_answers_is_dropped_however_fast() -> None:
+    clock = FakeClock()
+    base = FakePath("onednn", clock, lambda r: 10.0)
+    liar = FakePath("liar", clock, lambda r: 0.001, wrong=True)
+    choice = _selector(base, liar, clock=clock).choose("24x16", _samples(), None)
+    assert choice.per_class == ["onednn"] * len(ROWS)
+    assert all(math.isinf(v) for v in choice.us["liar"])
+
+
+def test_never_a_path_slower_than_the_baseline_and_at_most_max_layouts() -> None:
+    clock = FakeClock()
+    base = FakePath("onednn", clock, lambda r: 10.0)
+    a = FakePath("a", clock, lambda r: 1.0 if r == 1 else 20.0)  # wins one class only
+    b = FakePath("b", clock, lambda r: 2.0 if r in (8, 32) else 30.0)  # wins two
+    two = _selector(base, a, b, clock=clock, max_layouts=2).choose("s", _samples(), None)
+    assert two.per_class == ["onednn", "b", "b", "onednn", "onednn"]  # b wins more classes; a is not held
+    one = _selector(base, a, b, clock=clock, max_layouts=1).choose("s", _samples(), None)
+    assert one.per_class == ["onednn"] * len(ROWS)
+    three = _selector(base, a, b, clock=clock, max_layouts=3).choose("s", _samples(), None)
+    assert three.per_class == ["a", "b", "b", "onednn", "onednn"]
+
+
+def test_a_win_within_noise_of_the_baseline_keeps_the_baseline() -> None:
+    clock = FakeClock()
+    choice = _selector(
+        FakePath("onednn", clock, lambda r: 10.0), FakePath("ours", clock, lambda r: 9.9), clock=clock
+    ).choose("s", _samples(), None)
+    assert choice.per_class == ["onednn"] * len(ROWS)
+
+
+def test_one_layout_may_replace_the_baseline_when_it_wins_everywhere() -> None:
+    clock = FakeClock()
+    choice = _selector(
+        FakePath("onednn", clock, lambda r: 10.0), FakePath("ours", clock, lambda r: 1.0), clock=clock, max_layouts=1
+    ).choose("s", _samples(), None)
+    assert choice.per_class == ["ours"] * len(ROWS) and choice.layouts() == ["ours"]
+
+
+def test_classes_past_max_rows_are_not_timed() -> None:
+    clock = FakeClock()
+    seen: list[int] = []
+    base = FakePath("onednn", clock, lambda r: seen.append(r) or 10.0)  # type: ignore[func-returns-value]
+    ours = FakePath("ours", clock, lambda r: 1.0)
+    choice = _selector(base, ours, clock=clock).choose("s", _samples(), None, max_rows=32)
+    assert max(seen) == 32 and choice.per_class == ["ours"] * len(ROWS)
+
+
+def test_the_table_is_cached_and_a_new_cpu_or_kernel_source_measures_again(tmp_path: Path) -> None:
+    src = tmp_path / "kernel.c"
+    src.write_text("int f(void) { return 1; }")
+    key = cache_key("cpu A", [src])
+    clock = FakeClock()
+    paths = (FakePath("onednn", clock, lambda r: 10.0), FakePath("ours", clock, lambda r: 1.0))
+    first = _selector(*paths, clock=clock, cache=PlanCache(tmp_path, key)).choose("s", _samples(), None)
+    timed = clock.calls
+    assert timed > 0
+    again = _selector(*paths, clock=clock, cache=PlanCache(tmp_path, key)).choose("s", _samples(), None)
+    assert clock.calls == timed and again == first  # read from disk: nothing timed
+    assert cache_key("cpu B", [src]) != key
+    src.write_text("int f(void) { return 2; }")
+    assert cache_key("cpu A", [src]) != key
+    _selector(*paths, clock=clock, cache=PlanCache(tmp_path, cache_key("cpu A", [src]))).choose("s", _samples(), None)
+    assert clock.calls > timed
+
+
+def test_a_cached_choice_naming_a_missing_path_is_measured_again(tmp_path: Path) -> None:
+    clock = FakeClock()
+    cache = PlanCache(tmp_path, "k")
+    _selector(FakePath("onednn", clock, lambda r: 10.0), FakePath("gone", clock, lambda r: 1.0), clock=clock,
+              cache=cache).choose("s", _samples(), None)  # fmt: skip
+    choice = _selector(FakePath("onednn", clock, lambda r: 10.0), clock=clock, cache=PlanCache(tmp_path, "k")).choose(
+        "s", _samples(), None
+    )
+    assert choice.per_class == ["onednn"] * len(ROWS)
+
+
+def test_a_plan_runs_the_path_of_the_call_rows() -> None:
+    calls: list[str] = []
+
+    def tagged(name: str) -> Run:
+        return lambda x: calls.append(name) or x  # type: ignore[func-returns-value]
+
+    plan = GemmPlan([tagged(c) for c in CLASSES], 4, list(CLASSES))
+    for rows, want in (
+        (1, "1"),
+        (2, "<=8"),
+        (8, "<=8"),
+        (9, "<=32"),
+        (128, "<=128"),
+        (129, "prefill"),
+        (4096, "prefill"),
+    ):
+        plan(torch.zeros(rows, 4))
+        assert calls[-1] == want, rows
+    plan(torch.zeros(2, 3, 4))  # [B, T, K]: 6 rows
+    assert calls[-1] == "<=8"
+
+
+def test_plans_over_a_real_mlp_give_the_module_reference_answers(tmp_path: Path) -> None:
+    """Real paths (oneDNN, F.linear), real timing: whatever wins, the MLP computes what it computed before."""
+    torch.manual_seed(0)
+    mlp = GatedMLP(32, 64, "silu").float()
+    for p in mlp.parameters():
+        p.data.normal_(0, 0.2)
+    x = torch.randn(5, 32)
+    want = mlp(x)
+    paths = [p for p in (OneDNNPath(torch.float32, 8), TorchPath(torch.float32)) if getattr(p, "available", True)]
+    report = plan_linears(mlp, make_selector(paths, torch.float32, cache_dir=tmp_path))  # type: ignore[arg-type]
+    assert mlp.gate_up_act is not None and mlp.down_proj.plan is not None
+    assert mlp.gate_up_proj.weight.numel() == 0  # the plain weight is gone: the plan holds the packed copies
+    assert len(report.shapes) == 2 and all(line.startswith("gemm ") for line in report.lines())
+    torch.testing.assert_close(mlp(x), want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_forced_path_runs_wherever_it_applies_untimed() -> None:
+    clock = FakeClock()
+    paths = [FakePath("onednn", clock, lambda r: 1.0), FakePath("torch", clock, lambda r: 1.0)]
+    selector = make_selector(paths, torch.float32, forced="torch", timer=clock.timer)  # type: ignore[arg-type]
+    assert selector.choose("s", _samples(), None).per_class == ["torch"] * len(ROWS)
+    assert clock.calls == 0
