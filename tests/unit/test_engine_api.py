@@ -85,7 +85,7 @@ def test_prompt_too_long_is_refused(model: Path) -> None:
 
 def test_max_model_len_ends_generation(model: Path) -> None:
     llm = LLM(cfg(model, max_model_len=32))
-    out = llm.generate([list(range(5, 25))], SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))[0]
+    out = llm.generate([list(range(5, 25))], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 12
 
 
