@@ -27,7 +27,7 @@ def calls(tok: Tokenizer) -> list[Callable[[], Any]]:
         out.append(lambda text=text: tok.encode(text))
         out.append(lambda text=text: tok.encode(text, add_special_tokens=False))
         out.append(lambda chat=chat: tok.encode_chat(chat))
-        out.append(lambda chat=chat: tok.apply_chat_template(chat, tools=tools if i % 2 else None))
+        out.append(lambda chat=chat, t=tools if i % 2 else None: tok.apply_chat_template(chat, tools=t))
         out.append(lambda text=text: tok.find_control_token(text))
         out.append(lambda text=text: tok.decode(tok.encode(text)))
     return out
