@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 
 _Collector = tuple[asyncio.AbstractEventLoop, "asyncio.Queue[RequestOutput | BaseException]"]
 _DEAD = "the engine stopped after an internal error; restart the server"
+_SHUT_DOWN = "the engine is shutting down"
 
 
 class AsyncEngine:
@@ -79,15 +80,17 @@ class AsyncEngine:
         the request failed alone inside the engine, EngineDeadError if the engine stopped."""
         if self._dead is not None:
             raise EngineDeadError(_DEAD) from self._dead
+        if self._stop:
+            raise EngineDeadError(_SHUT_DOWN)
         if request_id in self._collectors:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         req = self.core.make_request(request_id, prompt_token_ids, params, cache_salt)
         self._loop.check(params)
         q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._collectors[request_id] = (asyncio.get_running_loop(), q)
-        if self._dead is not None:  # died after the first check: its broadcast may have missed this collector
+        if self._dead is not None or self._stop:  # stopped after the checks above: its broadcast may have missed us
             self._collectors.pop(request_id, None)
-            raise EngineDeadError(_DEAD) from self._dead
+            raise EngineDeadError(_DEAD if self._dead is not None else _SHUT_DOWN) from self._dead
         self._send("add", req)
         finished = False
         try:
@@ -130,7 +133,11 @@ class AsyncEngine:
         collector = self._collectors.get(req_id)
         if collector is not None:
             loop, q = collector
-            loop.call_soon_threadsafe(q.put_nowait, item)
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, item)
+            except RuntimeError:  # that caller's event loop is closed: nobody is listening, the others still are
+                self._collectors.pop(req_id, None)
+                self._inbox.put(("abort", req_id))
 
     # ---- the engine thread --------------------------------------------------------------------------
     def _run(self) -> None:
@@ -152,8 +159,9 @@ class AsyncEngine:
         except BaseException as e:  # NOTE: every waiting caller must hear of it, or it would hang forever
             log.exception("an engine step failed; the engine is stopped")
             self._dead = e  # set before the broadcast: generate() checks it after registering its collector
-            for req_id in list(self._collectors):
-                self._deliver(req_id, EngineDeadError(_DEAD))
+        why = _DEAD if self._dead is not None else _SHUT_DOWN
+        for req_id in list(self._collectors):
+            self._deliver(req_id, EngineDeadError(why))
 
     def _drain_inbox(self) -> None:
         while True:

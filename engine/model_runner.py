@@ -168,8 +168,8 @@ class ModelRunner:
         try:
             tokens, logprobs = self.sampler(logits, params, gens, prompts, outputs)
             return ModelOutput([s.req_id for s in seqs], tokens, list(logprobs) if logprobs else None, failed)
-        except Exception:
-            pass
+        except Exception as e:
+            log.warning("the batched sampler failed (%s); sampling its %d rows one by one", type(e).__name__, len(seqs))
         req_ids: list[str] = []
         tokens, row_lps = [], []
         for k, s in enumerate(seqs):

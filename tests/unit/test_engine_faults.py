@@ -168,3 +168,18 @@ async def test_an_unwritable_profile_trace_is_logged_and_the_engine_steps_on(
         assert f"wrote a profile of engine steps to {good}" in caplog.text
     finally:
         await engine.shutdown()
+
+
+async def test_shutdown_tells_waiting_callers_and_refuses_new_ones(model: Path) -> None:
+    engine = AsyncEngine.from_config(cfg(model))
+    ids = engine.tokenizer.encode("Hello world")
+    params = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+    stream = engine.generate(ids, params, "long")
+    await anext(stream)
+    await engine.shutdown()
+    with pytest.raises(EngineDeadError, match="shutting down"):
+        async for _ in stream:
+            pass
+    with pytest.raises(EngineDeadError, match="shutting down"):
+        async for _ in engine.generate(ids, params, "late"):
+            pass
