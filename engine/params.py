@@ -19,15 +19,19 @@ MAX_STOP_TOKEN_IDS = 256
 MAX_LOGIT_BIAS = 300  # entries, OpenAI's limit
 MAX_ABS_LOGIT_BIAS = 100.0
 SEED_MODULUS = 1 << 64
+_MASK64 = SEED_MODULUS - 1
 
 
 def torch_seed(seed: int) -> int:
-    """What torch.Generator.manual_seed gets for a request's seed: seed mod 2**64.
+    """What torch.Generator.manual_seed gets for a request's seed: splitmix64(seed mod 2**64).
 
-    torch itself accepts [-2**63, 2**64) and reads a negative seed as seed + 2**64, so every seed torch took
-    keeps its tokens; any other Python int (e.g. the gateway's seed + choice) wraps the same way.
+    The mix is a bijection of [0, 2**64), so distinct 64-bit seeds stay distinct, and it makes the low 32 bits,
+    all that CPU generators (mt19937) keep, depend on every bit. Any Python int is taken mod 2**64 first.
     """
-    return seed % SEED_MODULUS
+    z = (seed + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
 
 
 @dataclass(slots=True)

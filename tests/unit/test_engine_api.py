@@ -165,7 +165,7 @@ async def test_the_issue_s_seeds_and_top_k_no_longer_stop_the_engine(model: Path
         assert all(len(t) == 8 for t in (huge, low, top, wrapped))
         assert await run("s5", seed=2**64) == huge  # same seed, same tokens
         assert await run("s6", seed=0) == huge == wrapped  # 2**64 wraps to 0 (engine.params.torch_seed)
-        assert await run("s7", seed=-1) == top  # torch's own reading of a negative seed is kept
+        assert await run("s7", seed=-1) == top  # and -1 to 2**64 - 1
         with pytest.raises(InvalidRequestError, match="vocabulary size") as e:
             await run("k", top_k=9223372036854775808)
         assert e.value.param == "top_k"

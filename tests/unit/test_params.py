@@ -120,23 +120,28 @@ def test_tiny_temperatures_sample_greedily() -> None:
     assert not SamplingParams(temperature=1e-5).greedy
 
 
+def draw(seed: int) -> list[float]:
+    g = torch.Generator()
+    g.manual_seed(seed)
+    return torch.empty(4).exponential_(generator=g).tolist()
+
+
 @pytest.mark.parametrize("seed", [-(2**63), -1, 0, 2**63, 2**64 - 1, 2**64, -(2**63) - 1, 2**200, -(2**200)])
 def test_every_int_seed_is_accepted_and_maps_into_torch(seed: int) -> None:
     assert SamplingParams(seed=seed).seed == seed
     mapped = torch_seed(seed)
-    assert 0 <= mapped < 2**64 and mapped == seed % 2**64
+    assert 0 <= mapped < 2**64 and mapped == torch_seed(seed % 2**64)
     torch.Generator().manual_seed(mapped)
 
 
-def test_seed_mapping_keeps_what_torch_did_for_its_own_range() -> None:
-    def draw(seed: int) -> list[float]:
-        g = torch.Generator()
-        g.manual_seed(seed)
-        return torch.empty(4).exponential_(generator=g).tolist()
-
-    for seed in (-1, -(2**63), 5, 2**64 - 1):
-        assert draw(torch_seed(seed)) == draw(seed)
-    assert draw(torch_seed(2**64 + 5)) == draw(5)  # wraps: the gateway's seed + choice past 2**64 - 1
+def test_distinct_64_bit_seeds_sample_differently_even_on_cpu() -> None:
+    # torch's CPU generator keeps only a seed's low 32 bits: unmixed, these pairs would sample alike
+    assert draw(2**63 - 1) == draw(2**64 - 1) and draw(5) == draw(5 + 2**32)
+    assert draw(torch_seed(2**63 - 1)) != draw(torch_seed(2**64 - 1))
+    assert draw(torch_seed(5)) != draw(torch_seed(5 + 2**32))
+    assert len({torch_seed(s) for s in range(-1000, 1000)}) == 2000
+    assert draw(torch_seed(7)) == draw(torch_seed(7))  # same seed, same draws
+    assert torch_seed(2**64 + 5) == torch_seed(5) and torch_seed(-1) == torch_seed(2**64 - 1)  # wraps mod 2**64
 
 
 @pytest.mark.parametrize(
