@@ -1,12 +1,16 @@
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.errors import ConfigError
+from engine.errors import ConfigError, InvalidRequestError
 from engine.loader import DirectoryFiles, ModelFiles, eos_token_ids, read_json
 from engine.model_runner import ModelRunner
 from engine.outputs import EngineOutput
-from engine.request import Request
+from engine.params import SamplingParams
+from engine.request import Request, check_prompt
+from engine.sampler import SamplerFn
 from engine.scheduler import Scheduler
 
 
@@ -24,9 +28,9 @@ def model_max_len(config: EngineConfig, hf_config: dict) -> int:
 
 
 class EngineCore:
-    """schedule → execute → update, synchronously, on token ids only."""
+    """schedule → execute → update, synchronously, on token ids only. `sampler` replaces the runner's (tests)."""
 
-    def __init__(self, config: EngineConfig, files: ModelFiles | None = None) -> None:
+    def __init__(self, config: EngineConfig, files: ModelFiles | None = None, sampler: SamplerFn | None = None) -> None:
         self.config = config
         self.files = files or DirectoryFiles(config.model)
         self.hf_config = read_json(self.files, "config.json")
@@ -35,6 +39,9 @@ class EngineCore:
             raise ConfigError("max_num_batched_tokens must be >= block_size")
         self.eos_token_ids = eos_token_ids(self.files, self.hf_config)
         self.runner = ModelRunner(config, self.files, self.hf_config, self.max_model_len)
+        if sampler is not None:
+            self.runner.sampler = sampler  # type: ignore[assignment]
+        self.vocab_size: int = self.runner.model.args.vocab_size  # the logits' width: every token id is below it
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager,
@@ -42,12 +49,27 @@ class EngineCore:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             max_waiting=config.max_waiting,
-            vocab_size=self.runner.model.args.vocab_size,
         )
 
+    def make_request(
+        self, req_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, cache_salt: str | None = None
+    ) -> Request:
+        """A complete Request, checked against this model; InvalidRequestError names the bad field.
+
+        Reads only what never changes after construction, so any thread may call it.
+        """
+        if not isinstance(req_id, str) or not req_id:
+            raise InvalidRequestError("the request id must be a non-empty string", param="request_id")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise InvalidRequestError("cache_salt must be a string", param="cache_salt")
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError("sampling parameters must be a SamplingParams", param="params")
+        prompt = check_prompt(prompt_token_ids, self.vocab_size, self.max_model_len)
+        params.check(self.vocab_size, self.max_model_len)
+        return Request(req_id, prompt, params, self.eos_token_ids, cache_salt, self.max_model_len)
+
     def add_request(self, req: Request) -> None:
-        if not req.eos_token_ids:
-            req.eos_token_ids = self.eos_token_ids
+        """Queue a Request from make_request; raises only for a duplicate id or a full queue."""
         self.scheduler.add_request(req)
 
     def finish_request(self, req_id: str, reason: str, stop_reason: str | int | None = None) -> EngineOutput | None:

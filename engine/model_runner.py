@@ -16,7 +16,8 @@ from engine.kernels.kernel_set import CpuKernels
 from engine.kernels.op_choice import choose_kernels
 from engine.loader import ModelFiles, load_model
 from engine.malloc import keep_freed_memory
-from engine.outputs import ModelOutput, SchedulerOutput
+from engine.outputs import ModelOutput, ScheduledSeq, SchedulerOutput
+from engine.params import torch_seed
 from engine.sampler import Sampler
 
 log = logging.getLogger(__name__)
@@ -111,24 +112,57 @@ class ModelRunner:
         sampled = [s for s in sched.seqs if s.sample]
         if not sampled:
             return ModelOutput([], [])
-        logits = self.model.compute_logits(hidden[sample_rows])
-        params = [s.params for s in sampled]
-        gens = [self._generator(s.req_id, s.params.seed) if not s.params.greedy else None for s in sampled]
+        return self._sample(sampled, self.model.compute_logits(hidden[sample_rows]))
+
+    def _sample(self, seqs: list[ScheduledSeq], logits: torch.Tensor) -> ModelOutput:
+        """Sample every row at once; if that raises, row by row, so that only the rows that raise fail."""
+        failed: list[str] = []
+        gens: list[torch.Generator | None] = []
+        keep: list[int] = []
+        for k, s in enumerate(seqs):
+            try:
+                gens.append(None if s.params.greedy else self._generator(s.req_id, s.params.seed))
+                keep.append(k)
+            except Exception as e:
+                _log_failure(s.req_id, e, failed)
+        if len(keep) < len(seqs):
+            seqs, logits = [seqs[k] for k in keep], logits[keep]
+        if not seqs:
+            return ModelOutput([], [], None, failed)
+        params = [s.params for s in seqs]
         penal = any(p.has_penalties for p in params)
-        tokens, logprobs = self.sampler(
-            logits,
-            params,
-            gens,
-            [s.prompt_token_ids for s in sampled] if penal else (),
-            [s.output_token_ids for s in sampled] if penal else (),
-        )
-        return ModelOutput([s.req_id for s in sampled], tokens, logprobs)
+        prompts = [s.prompt_token_ids for s in seqs] if penal else []
+        outputs = [s.output_token_ids for s in seqs] if penal else []
+        # NOTE: a batch that raises may already have drawn from some generators; restoring them lets each row
+        # draw exactly what it would have drawn alone (get_state is a 5 KB copy on CPU, 16 bytes on CUDA)
+        states = [g.get_state() if g is not None else None for g in gens]
+        try:
+            tokens, logprobs = self.sampler(logits, params, gens, prompts, outputs)
+            return ModelOutput([s.req_id for s in seqs], tokens, list(logprobs) if logprobs else None, failed)
+        except Exception as e:
+            log.warning("the batched sampler failed (%s); sampling its %d rows one by one", type(e).__name__, len(seqs))
+        req_ids: list[str] = []
+        tokens, row_lps = [], []
+        for k, s in enumerate(seqs):
+            gen, state = gens[k], states[k]
+            if gen is not None and state is not None:
+                gen.set_state(state)
+            try:
+                token, lp = self.sampler(logits[k : k + 1], [params[k]], [gen], prompts[k : k + 1], outputs[k : k + 1])
+            except Exception as e:
+                _log_failure(s.req_id, e, failed)
+                continue
+            req_ids.append(s.req_id)
+            tokens.append(token[0])
+            row_lps.append(lp[0] if lp else None)
+        logprob_list = row_lps if any(lp is not None for lp in row_lps) else None
+        return ModelOutput(req_ids, tokens, logprob_list, failed)
 
     def _generator(self, req_id: str, seed: int | None) -> torch.Generator:
         gen = self.generators.get(req_id)
         if gen is None:
             gen = torch.Generator(self.device)
-            gen.manual_seed(seed if seed is not None else self._rng.getrandbits(63))
+            gen.manual_seed(torch_seed(seed) if seed is not None else self._rng.getrandbits(63))
             self.generators[req_id] = gen
         return gen
 
@@ -187,3 +221,9 @@ class ModelRunner:
             ctx,
             torch.tensor(sample_rows, dtype=torch.long, device=dev),
         )
+
+
+def _log_failure(req_id: str, error: Exception, failed: list[str]) -> None:
+    # the type only: a message could quote the request's content
+    log.error("request %s failed while sampling (%s); the engine serves the others", req_id, type(error).__name__)
+    failed.append(req_id)

@@ -1,10 +1,17 @@
 from __future__ import annotations
 
+import logging
+
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError
 from engine.outputs import EngineOutput, RequestOutput
 from engine.params import SamplingParams
 from engine.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+# (req_id, finish reason, stop reason): a request the output processor ended that the core has yet to finish
+Ending = tuple[str, str, str | None]
 
 
 class OutputProcessor:
@@ -14,10 +21,13 @@ class OutputProcessor:
         self.tokenizer = tokenizer  # None: token ids only (a model directory without tokenizer.json)
         self.detok: dict[str, IncrementalDetokenizer | None] = {}
 
+    def check(self, params: SamplingParams) -> None:
+        if self.tokenizer is None and params.stop:
+            raise InvalidRequestError("stop strings need a tokenizer; this model has none", param="stop")
+
     def add(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.check(params)
         if self.tokenizer is None:
-            if params.stop:
-                raise InvalidRequestError("stop strings need a tokenizer; this model has none", param="stop")
             self.detok[req_id] = None
             return
         self.detok[req_id] = IncrementalDetokenizer(
@@ -27,27 +37,41 @@ class OutputProcessor:
     def drop(self, req_id: str) -> None:
         self.detok.pop(req_id, None)
 
-    def process(self, outputs: list[EngineOutput]) -> tuple[list[RequestOutput], list[tuple[str, str]]]:
-        """Returns the deltas and (req_id, stop string) for requests a stop string just ended."""
+    def process(self, outputs: list[EngineOutput]) -> tuple[list[RequestOutput], list[Ending]]:
+        """The deltas, and the requests that a stop string or a failure here just ended."""
         deltas: list[RequestOutput] = []
-        stopped: list[tuple[str, str]] = []
+        endings: list[Ending] = []
         for out in outputs:
             if out.req_id not in self.detok:
                 continue
-            detok = self.detok[out.req_id]
-            finish, stop_reason = out.finish_reason, None
-            text, stop = detok.add(out.new_token_ids) if detok is not None and out.new_token_ids else ("", None)
-            if stop is not None:
-                if finish is None:  # the core does not know yet: the caller finishes the request
-                    stopped.append((out.req_id, stop))
-                finish, stop_reason = "stop", stop
-            elif finish is not None:
-                text += detok.flush() if detok is not None else ""
-                if finish == "stop" and out.new_token_ids:
-                    stop_reason = out.new_token_ids[-1]  # EOS or a stop token id
-            if finish is not None:
+            if out.finish_reason == "error":  # failed in the core, which has finished it already
                 del self.detok[out.req_id]
-            deltas.append(
-                RequestOutput(out.req_id, out.new_token_ids, text, finish, out.usage, out.logprobs, stop_reason)
-            )
-        return deltas, stopped
+                deltas.append(RequestOutput(out.req_id, [], "", "error", out.usage))
+                continue
+            try:
+                delta, stop = self._delta(out)
+            except Exception as e:  # one request's detokenizing must not stop the others'
+                log.error("request %s failed while detokenizing (%s)", out.req_id, type(e).__name__)
+                del self.detok[out.req_id]
+                deltas.append(RequestOutput(out.req_id, [], "", "error", out.usage))
+                endings.append((out.req_id, "error", None))
+                continue
+            if stop is not None and out.finish_reason is None:  # the core does not know yet
+                endings.append((out.req_id, "stop", stop))
+            if delta.finish_reason is not None:
+                del self.detok[out.req_id]
+            deltas.append(delta)
+        return deltas, endings
+
+    def _delta(self, out: EngineOutput) -> tuple[RequestOutput, str | None]:
+        detok = self.detok[out.req_id]
+        finish, stop_reason = out.finish_reason, None
+        text, stop = detok.add(out.new_token_ids) if detok is not None and out.new_token_ids else ("", None)
+        if stop is not None:
+            finish, stop_reason = "stop", stop
+        elif finish is not None:
+            text += detok.flush() if detok is not None else ""
+            if finish == "stop" and out.new_token_ids:
+                stop_reason = out.new_token_ids[-1]  # EOS or a stop token id
+        delta = RequestOutput(out.req_id, out.new_token_ids, text, finish, out.usage, out.logprobs, stop_reason)
+        return delta, stop

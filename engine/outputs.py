@@ -46,11 +46,12 @@ class Logprob:
 
 @dataclass(slots=True)
 class ModelOutput:
-    """Sampled tokens for the seqs with sample=True, in SchedulerOutput order."""
+    """Sampled tokens for the seqs with sample=True, in SchedulerOutput order, less the ones that failed."""
 
     req_ids: list[str]
     token_ids: list[int]
-    logprobs: list[Logprob] | None = None
+    logprobs: list[Logprob | None] | None = None  # None where a row did not ask for logprobs
+    failed_req_ids: list[str] = field(default_factory=list)  # sampling raised for these: they end with "error"
 
 
 @dataclass(slots=True)
@@ -71,7 +72,7 @@ class EngineOutput:
     req_id: str
     new_token_ids: list[int]
     logprobs: list[Logprob] | None
-    finish_reason: str | None  # None while running; "stop" | "length" | "abort"
+    finish_reason: str | None  # None while running; "stop" | "length" | "abort" | "error" (failed alone)
     usage: Usage
 
 

@@ -2,7 +2,9 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
 
+from engine.errors import InvalidRequestError
 from engine.params import SamplingParams
 
 
@@ -32,6 +34,7 @@ class Request:
         "req_id",
         "status",
         "stop_reason",
+        "stop_token_ids",
         "token_ids",
     )
 
@@ -50,6 +53,7 @@ class Request:
         self.output_token_ids: list[int] = []
         self.params = params
         self.eos_token_ids = eos_token_ids
+        self.stop_token_ids = frozenset(params.stop_token_ids)
         self.cache_salt = cache_salt
         self.max_len = max_len  # model length limit: prompt + output never exceed it
         self.status = RequestStatus.WAITING
@@ -84,10 +88,28 @@ class Request:
     def check_stop(self) -> bool:
         """After a new token: decide whether it ends the request (EOS, stop token, length)."""
         token = self.output_token_ids[-1]
-        if (not self.params.ignore_eos and token in self.eos_token_ids) or token in self.params.stop_token_ids:
+        if (not self.params.ignore_eos and token in self.eos_token_ids) or token in self.stop_token_ids:
             self.finish_reason, self.stop_reason = "stop", token
         elif self.num_output_tokens >= self.params.max_tokens or (
             self.max_len is not None and self.num_tokens >= self.max_len
         ):
             self.finish_reason = "length"
         return self.finish_reason is not None
+
+
+def check_prompt(prompt_token_ids: Sequence[int], vocab_size: int, max_model_len: int) -> list[int]:
+    """The prompt as a list, if it fits the model: non-empty, shorter than the context, ids in the vocabulary."""
+    if not isinstance(prompt_token_ids, list | tuple):
+        raise InvalidRequestError("the prompt must be a list of token ids", param="prompt")
+    n = len(prompt_token_ids)
+    if n == 0:
+        raise InvalidRequestError("the prompt is empty", param="prompt")
+    if n >= max_model_len:
+        raise InvalidRequestError(
+            f"the prompt has {n} tokens, but this model's context length is {max_model_len} tokens "
+            "(prompt + completion); shorten the prompt",
+            param="messages",
+        )
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in prompt_token_ids):
+        raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab_size})", param="prompt")
+    return list(prompt_token_ids)

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -10,6 +10,19 @@ from engine.params import SamplingParams
 
 if TYPE_CHECKING:
     from engine.kernels.kernel_set import CpuKernels
+
+
+class SamplerFn(Protocol):
+    """What the model runner samples with (Sampler, or a test's wrapper around it)."""
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+        prompt_ids: Sequence[Sequence[int]] = (),
+        output_ids: Sequence[Sequence[int]] = (),
+    ) -> tuple[list[int], list[Logprob] | None]: ...
 
 
 class Sampler:
@@ -35,6 +48,9 @@ class Sampler:
         prompt_ids: Sequence[Sequence[int]] = (),
         output_ids: Sequence[Sequence[int]] = (),
     ) -> tuple[list[int], list[Logprob] | None]:
+        if any(p.logit_bias for p in params):
+            logits = apply_logit_bias(logits, params)
+        # NOTE: reported logprobs include logit_bias, as OpenAI's do, but not penalties or temperature
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(p.logprobs is not None for p in params) else None
         if any(p.has_penalties for p in params):
             logits = apply_penalties(logits.clone(), params, prompt_ids, output_ids)
@@ -62,6 +78,21 @@ class Sampler:
             q[j].exponential_(generator=generators[i])
         greedy[rows] = self.argmax(probs / q)
         return greedy
+
+
+def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """A copy of logits with each row's logit_bias added: one scatter for the whole batch, biased rows only."""
+    rows: list[int] = []
+    cols: list[int] = []
+    values: list[float] = []
+    for i, p in enumerate(params):
+        if p.logit_bias:
+            rows.extend([i] * len(p.logit_bias))
+            cols.extend(p.logit_bias)
+            values.extend(p.logit_bias.values())
+    dev = logits.device
+    index = (torch.tensor(rows, dtype=torch.long, device=dev), torch.tensor(cols, dtype=torch.long, device=dev))
+    return logits.index_put(index, torch.tensor(values, dtype=logits.dtype, device=dev), accumulate=True)
 
 
 def apply_penalties(
@@ -101,7 +132,7 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, params: Sequence[SamplingParam
         return logits
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab, device=dev).expand(b, vocab)
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev).unsqueeze(1)
+    top_k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], device=dev).unsqueeze(1)
     drop = ranks >= top_k
     top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=dev).unsqueeze(1)
     probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)

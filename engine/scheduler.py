@@ -23,14 +23,12 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         max_waiting: int = 1024,
-        vocab_size: int | None = None,
     ) -> None:
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.max_waiting = max_waiting
-        self.vocab_size = vocab_size
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -41,22 +39,11 @@ class Scheduler:
 
     # ---- admission -----------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
+        """Queue a complete, validated Request (EngineCore.make_request builds one)."""
         if req.req_id in self.requests:
             raise InvalidRequestError(f"request id {req.req_id!r} is already in use", param="request_id")
-        n = req.num_prompt_tokens
-        if n == 0:
-            raise InvalidRequestError("the prompt is empty", param="prompt")
-        if n >= self.max_model_len:
-            raise InvalidRequestError(
-                f"the prompt has {n} tokens, but this model's context length is {self.max_model_len} tokens "
-                "(prompt + completion); shorten the prompt",
-                param="messages",
-            )
-        if self.vocab_size is not None and not all(0 <= t < self.vocab_size for t in req.prompt_token_ids):
-            raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
         if len(self.waiting) >= self.max_waiting:
             raise EngineOverloadedError(f"the engine's waiting queue is full ({self.max_waiting} requests)")
-        req.max_len = self.max_model_len
         self.requests[req.req_id] = req
         self.waiting.append(req)
 
@@ -152,8 +139,16 @@ class Scheduler:
             self.num_generation_tokens += 1
             if req.check_stop():
                 self._finish(req)
-            lp = [out.logprobs[k]] if out.logprobs is not None and req.params.logprobs is not None else None
+            row_lp = out.logprobs[k] if out.logprobs is not None and req.params.logprobs is not None else None
+            lp = [row_lp] if row_lp is not None else None
             outputs.append(EngineOutput(req_id, [token], lp, req.finish_reason, self.usage(req)))
+        for req_id in out.failed_req_ids:  # the runner could not sample for these: they end, the others go on
+            req = self.requests.get(req_id)
+            if req is None or req.finished:
+                continue
+            req.finish_reason = "error"
+            self._finish(req)
+            outputs.append(EngineOutput(req_id, [], None, "error", self.usage(req)))
         return outputs
 
     # ---- ending ------------------------------------------------------------------------------

@@ -7,7 +7,6 @@ the same sandboxed jinja2 environment, globals, filters and template variables. 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
@@ -30,7 +29,11 @@ _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
 class Tokenizer:
-    """Encode, decode and chat-format text for one model. Build it with `from_files` or `from_dir`."""
+    """Encode, decode and chat-format text for one model. Build it with `from_files` or `from_dir`.
+
+    Safe to share between threads: everything is set up in __init__ and nothing changes afterwards (the HF
+    backend encodes and decodes through shared references; each jinja render makes its own context).
+    """
 
     def __init__(self, backend: HFTokenizer, config: Mapping[str, Any], chat_templates: Mapping[str, str]) -> None:
         self._tok = backend
@@ -60,6 +63,10 @@ class Tokenizer:
             or bool(config.get("clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False))
         )
 
+        # special token strings (e.g. <|im_start|>): in chat content they would forge roles, so callers refuse them
+        self.control_tokens: tuple[str, ...] = tuple(
+            t.content for t in self._tok.get_added_tokens_decoder().values() if t.special and t.content
+        )
         self.chat_template: str | None = chat_templates.get("default")
         env = _template_environment()
         self._templates: dict[str, jinja2.Template] = {}
@@ -113,11 +120,6 @@ class Tokenizer:
     def from_dir(cls, path: str | Path) -> Tokenizer:
         root = Path(path)
         return cls.from_files(lambda name: (root / name).read_bytes())
-
-    @functools.cached_property
-    def control_tokens(self) -> tuple[str, ...]:
-        """Special token strings (e.g. <|im_start|>): in chat content they would forge roles, so callers refuse them."""
-        return tuple(t.content for t in self._tok.get_added_tokens_decoder().values() if t.special and t.content)
 
     def find_control_token(self, text: str) -> str | None:
         return next((t for t in self.control_tokens if t in text), None)

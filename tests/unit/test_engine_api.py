@@ -85,7 +85,7 @@ def test_prompt_too_long_is_refused(model: Path) -> None:
 
 def test_max_model_len_ends_generation(model: Path) -> None:
     llm = LLM(cfg(model, max_model_len=32))
-    out = llm.generate([list(range(5, 25))], SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))[0]
+    out = llm.generate([list(range(5, 25))], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 12
 
 
@@ -145,3 +145,84 @@ def test_async_errors_are_typed(model: Path) -> None:
             await engine.shutdown()
 
     asyncio.run(run())
+
+
+async def test_the_issue_s_seeds_and_top_k_no_longer_stop_the_engine(model: Path) -> None:
+    engine = AsyncEngine.from_config(cfg(model, enable_prefix_caching=False))
+    ids = engine.tokenizer.encode("Hello world")
+
+    async def run(rid: str, **kw: object) -> list[int]:
+        params = SamplingParams(max_tokens=8, temperature=0.9, ignore_eos=True, **kw)  # type: ignore[arg-type]
+        tokens: list[int] = []
+        async for out in engine.generate(ids, params, rid):
+            tokens += out.new_token_ids
+        return tokens
+
+    try:
+        # each alone, so equal seeds see equal batches
+        huge, low = await run("s1", seed=2**64), await run("s2", seed=-(2**63) - 1)
+        top, wrapped = await run("s3", seed=2**64 - 1), await run("s4", seed=2**64 - 1 + 1)  # n=2: seed + i
+        assert all(len(t) == 8 for t in (huge, low, top, wrapped))
+        assert await run("s5", seed=2**64) == huge  # same seed, same tokens
+        assert await run("s6", seed=0) == huge == wrapped  # 2**64 wraps to 0 (engine.params.torch_seed)
+        assert await run("s7", seed=-1) == top  # and -1 to 2**64 - 1
+        with pytest.raises(InvalidRequestError, match="vocabulary size") as e:
+            await run("k", top_k=9223372036854775808)
+        assert e.value.param == "top_k"
+        assert engine.healthy and len(await run("after")) == 8
+    finally:
+        await engine.shutdown()
+
+
+async def test_invalid_requests_are_refused_before_anything_is_queued(model: Path) -> None:
+    engine = AsyncEngine.from_config(cfg(model))
+    vocab = engine.core.vocab_size
+    ids = engine.tokenizer.encode("Hello world")
+    cases: list[tuple[list[int], SamplingParams, str]] = [
+        (ids, SamplingParams(top_k=vocab + 1), "top_k"),
+        (ids, SamplingParams(max_tokens=engine.max_model_len + 1), "max_tokens"),
+        (ids, SamplingParams(stop_token_ids=[vocab]), "stop_token_ids"),
+        (ids, SamplingParams(logit_bias={vocab: 1.0}), "logit_bias"),
+        ([5, vocab], SamplingParams(), "prompt"),
+        ([], SamplingParams(), "prompt"),
+    ]
+    try:
+        for prompt, params, param in cases:
+            with pytest.raises(InvalidRequestError) as e:
+                async for _ in engine.generate(prompt, params, "x"):
+                    pass
+            assert e.value.param == param
+            assert engine._inbox.empty()  # the step thread never saw it
+        params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+        first = engine.generate(ids, params, "dup")
+        out = await anext(first)
+        with pytest.raises(InvalidRequestError, match="already in use"):
+            async for _ in engine.generate(ids, params, "dup"):
+                pass
+        tokens = list(out.new_token_ids)
+        async for out in first:
+            tokens += out.new_token_ids
+        assert len(tokens) == 6 and out.finish_reason == "length"
+    finally:
+        await engine.shutdown()
+
+
+def test_one_bad_prompt_in_a_batch_queues_none_of_it(model: Path) -> None:
+    llm = LLM(cfg(model))
+    good = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    with pytest.raises(InvalidRequestError) as e:
+        llm.generate(["Hello", "world"], [good, SamplingParams(top_k=10**6)])
+    assert e.value.param == "top_k" and not llm.core.has_unfinished()
+    assert [len(c.token_ids) for c in llm.generate(["Hello", "world"], good)] == [3, 3]
+
+
+def test_logit_bias_steers_a_real_model(model: Path) -> None:
+    llm = LLM(cfg(model))
+
+    def first_tokens(bias: dict[int, float] | None) -> list[int]:
+        params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logit_bias=bias)
+        return llm.generate(["Hello world"], params)[0].token_ids
+
+    plain = first_tokens(None)
+    assert first_tokens({plain[0]: -100})[0] != plain[0]
+    assert first_tokens({42: 100}) == [42] * 4

@@ -18,7 +18,7 @@ def make(
     max_len: int = 64,
     max_waiting: int = 100,
 ) -> Scheduler:
-    return Scheduler(BlockManager(num_blocks, block_size), max_num_seqs, budget, max_len, max_waiting, vocab_size=1000)
+    return Scheduler(BlockManager(num_blocks, block_size), max_num_seqs, budget, max_len, max_waiting)
 
 
 def add(s: Scheduler, rid: str, n: int, max_tokens: int = 8) -> Request:
@@ -78,14 +78,23 @@ def test_preempts_newest_when_blocks_run_out_and_recomputes() -> None:
     assert s.bm.num_free_blocks == 1
 
 
-def test_prompt_too_long_and_bad_ids_are_refused() -> None:
-    s = make(max_len=16)
-    with pytest.raises(InvalidRequestError, match="16 tokens"):
-        add(s, "a", 16)
-    with pytest.raises(InvalidRequestError, match="empty"):
-        s.add_request(Request("b", [], SamplingParams()))
-    with pytest.raises(InvalidRequestError, match="token ids"):
-        s.add_request(Request("c", [5, 1000], SamplingParams()))
+def test_duplicate_ids_are_refused() -> None:
+    s = make()
+    add(s, "a", 3)
+    with pytest.raises(InvalidRequestError, match="already in use") as e:
+        add(s, "a", 3)
+    assert e.value.param == "request_id"
+
+
+def test_a_failed_request_ends_alone_and_frees_its_blocks() -> None:
+    s = make()
+    a, b = add(s, "a", 5), add(s, "b", 5)
+    out = s.schedule()
+    outs = s.update_from_output(out, ModelOutput(["a"], [7], None, ["b"]))
+    assert [(o.req_id, o.new_token_ids, o.finish_reason) for o in outs] == [("a", [7], None), ("b", [], "error")]
+    assert b.finished and b.finish_reason == "error" and not a.finished
+    assert s.bm.block_ids("b") == [] and [r.req_id for r in s.running] == ["a"]
+    assert "b" in s.schedule().finished_req_ids  # the runner drops its generator
 
 
 def test_waiting_queue_is_bounded() -> None:

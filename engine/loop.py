@@ -1,0 +1,49 @@
+"""The one engine step that both fronts (AsyncEngine, LLM) run."""
+
+from __future__ import annotations
+
+from engine.core import EngineCore
+from engine.output_processor import OutputProcessor
+from engine.outputs import RequestOutput
+from engine.params import SamplingParams
+from engine.request import Request
+from engine.tokenizer import Tokenizer
+
+
+class EngineLoop:
+    """schedule → run the model → sample → detokenize and find stop strings → finish what ended.
+
+    A delta with finish_reason "error" is a request that failed alone; its blocks are already free.
+    Anything `step()` raises is a failure of the whole step.
+    """
+
+    def __init__(self, core: EngineCore, tokenizer: Tokenizer | None) -> None:
+        self.core = core
+        self.processor = OutputProcessor(tokenizer)
+
+    def check(self, params: SamplingParams) -> None:
+        """What add() would refuse that the core's make_request does not check (stop strings without a tokenizer)."""
+        self.processor.check(params)
+
+    def add(self, req: Request) -> None:
+        self.processor.add(req.req_id, req.prompt_token_ids, req.params)
+        try:
+            self.core.add_request(req)
+        except BaseException:
+            self.processor.drop(req.req_id)
+            raise
+
+    def abort(self, req_id: str) -> RequestOutput | None:
+        """End a request now; its final delta, or None if it had already ended."""
+        self.processor.drop(req_id)
+        out = self.core.finish_request(req_id, "abort")
+        return None if out is None else RequestOutput(req_id, [], "", "abort", out.usage)
+
+    def has_unfinished(self) -> bool:
+        return self.core.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        deltas, endings = self.processor.process(self.core.step())
+        for req_id, reason, stop in endings:
+            self.core.finish_request(req_id, reason, stop)
+        return deltas
