@@ -9,6 +9,7 @@ from engine.errors import (
     EngineOverloadedError,
     InvalidRequestError,
     ModelLoadError,
+    RequestFailedError,
 )
 from engine.llm import LLM, Completion
 from engine.loader import DirectoryFiles, ModelFiles
@@ -29,6 +30,7 @@ __all__ = [
     "Logprob",
     "ModelFiles",
     "ModelLoadError",
+    "RequestFailedError",
     "RequestOutput",
     "SamplingParams",
     "Usage",

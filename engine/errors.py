@@ -27,3 +27,7 @@ class EngineOverloadedError(EngineError):
 
 class EngineDeadError(EngineError):
     """The engine's step thread died; no request can be served until restart."""
+
+
+class RequestFailedError(EngineError):
+    """One request failed inside the engine; the engine keeps serving everyone else."""

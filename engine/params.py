@@ -25,6 +25,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; n >= 0: sampled token's logprob plus the top n
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
 
     def __post_init__(self) -> None:
         def bad(param: str, why: str) -> InvalidRequestError:
