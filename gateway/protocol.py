@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from engine import InvalidRequestError, SamplingParams
 from gateway.errors import APIError
@@ -86,12 +86,13 @@ class _SamplingFields(BaseModel):
     repetition_penalty: Annotated[float, Field(gt=0, le=2)] = 1.0
     ignore_eos: bool = False
 
-    @model_validator(mode="after")
-    def _check_logit_bias(self) -> _SamplingFields:
-        for key in self.logit_bias or {}:
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_keys(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key in bias or {}:
             if not _TOKEN_KEY.fullmatch(key):
-                raise ValueError(f"logit_bias keys must be token ids (decimal integers), got {key[:40]!r}")
-        return self
+                raise ValueError(f"keys must be token ids (decimal integers), got {key[:40]!r}")
+        return bias
 
     @property
     def include_usage(self) -> bool:
@@ -136,11 +137,12 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
 
-    @model_validator(mode="after")
-    def _check(self) -> ChatCompletionRequest:
-        if self.top_logprobs is not None and not self.logprobs:
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, top: int | None, info: ValidationInfo) -> int | None:
+        if top is not None and not info.data.get("logprobs"):
             raise ValueError("top_logprobs requires logprobs: true")
-        return self
+        return top
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -163,13 +165,12 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     suffix: Text | None = None
 
-    @model_validator(mode="after")
-    def _check(self) -> CompletionRequest:
-        if self.echo:
-            raise ValueError("echo is not supported")
-        if self.suffix:
-            raise ValueError("suffix is not supported")
-        return self
+    @field_validator("echo", "suffix")
+    @classmethod
+    def _unsupported(cls, value: bool | str | None, info: ValidationInfo) -> bool | str | None:
+        if value:
+            raise ValueError(f"{info.field_name} is not supported by this server")
+        return value
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
