@@ -23,6 +23,7 @@ MAX_STOP, MAX_STOP_CHARS = 16, 256
 MAX_MESSAGES, MAX_PARTS = 2048, 256
 MAX_LOGIT_BIAS = 300
 MAX_PROMPT_IDS = 1 << 20
+_UNION_TAG = re.compile(r".*\[.*|(constrained-)?(str|int|float|bool|list|dict)")  # pydantic's names of branches
 _TOKEN_KEY = re.compile(r"[0-9]{1,10}")
 
 Short = Annotated[str, Field(max_length=MAX_SHORT)]
@@ -187,6 +188,12 @@ class CompletionRequest(_SamplingFields):
         return p if isinstance(p, str) else str(p[0])
 
 
+def _most_telling(errors: list[Any]) -> Any:
+    """A union reports every branch: a broken constraint (the type matched) beats a type mismatch, deeper beats
+    shallower, so `stop: [1]` says stop.0 should be a string and 17 stop strings say there are too many."""
+    return max(errors, key=lambda x: (not x["type"].endswith("_type"), len(x["loc"])))
+
+
 def parse(model: type[_SamplingFields], body: Any) -> Any:
     """Validate a decoded JSON body; a failure is a 400 naming the most specific bad field."""
     if not isinstance(body, dict):
@@ -195,8 +202,8 @@ def parse(model: type[_SamplingFields], body: Any) -> Any:
     try:
         return model.model_validate(body)
     except ValidationError as e:
-        err = max(e.errors(), key=lambda x: len(x["loc"]))  # a union reports every branch: the deepest is the news
-        loc = [str(p) for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p in ("str", "list")))]
+        err = _most_telling(e.errors())
+        loc = [str(p) for p in err["loc"] if not (isinstance(p, str) and _UNION_TAG.fullmatch(p))]
         param = ".".join(loc) or None
         if err["type"] == "extra_forbidden":
             msg = "unknown field: this server does not implement it"
