@@ -39,14 +39,16 @@ class StreamOptions(BaseModel):
 
 class TextPart(BaseModel):
     model_config = STRICT
-    type: Short
+    type: Literal["text"]
     text: Text
 
-    @model_validator(mode="after")
-    def _text_only(self) -> TextPart:
-        if self.type != "text":
-            raise ValueError(f"content part type {self.type!r} is not supported; only 'text' is")
-        return self
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, part: Any) -> Any:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if isinstance(kind, str) and kind != "text":
+            raise ValueError(f"content part type {kind[:40]!r} is not supported; only 'text' is")
+        return part
 
 
 class ChatMessage(BaseModel):
