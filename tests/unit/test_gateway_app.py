@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -14,12 +15,17 @@ from gateway.auth_guard import FailedAuthLimiter
 from gateway.state import RequestState
 from security.jwt import AuthError
 from security.principal import Principal
+from security.ratelimit import RateLimitConfig, RateLimiter, RateLimitTier
 
 
 class FakeTokenizer:
     vocab_size = 512
 
+    def __init__(self) -> None:
+        self.threads: list[int] = []  # where each encoding ran
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        self.threads.append(threading.get_ident())
         return [ord(c) for c in text]
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
@@ -47,6 +53,7 @@ class FakeEngine:
     ) -> AsyncIterator[RequestOutput]:
         self.calls.append((request_id, cache_salt))
         self.params.append(params)
+        self.loop_thread = threading.get_ident()
         if self.mode == "overloaded":
             raise EngineOverloadedError("the engine's waiting queue is full (1 requests)")
         if self.mode == "fails":
@@ -243,3 +250,23 @@ def test_logit_bias_reaches_the_engine_and_is_bounded() -> None:
         ):
             r = c.post("/v1/chat/completions", json={**CHAT, "logit_bias": bias}, headers=AUTH)
             assert r.status_code == 400 and r.json()["error"]["param"] == param, (bias, r.text)
+
+
+def test_out_of_quota_requests_are_refused_before_any_tokenizing() -> None:
+    limiter = RateLimiter(RateLimitConfig(tiers={"default": RateLimitTier(requests_per_minute=1)}))
+    c, engine = client(limiter=limiter)
+    with c:
+        assert c.post("/v1/chat/completions", json=CHAT, headers=AUTH).status_code == 200
+        assert len(engine.tokenizer.threads) == 1 and engine.tokenizer.threads[0] != engine.loop_thread
+        r = c.post("/v1/chat/completions", json=CHAT, headers=AUTH)
+        assert r.status_code == 429 and r.headers["retry-after"]
+    assert len(engine.tokenizer.threads) == 1  # the refused request was never templated nor tokenized
+
+
+def test_a_prompt_that_cannot_fit_is_refused_before_tokenizing() -> None:
+    c, engine = client()
+    long = {**CHAT, "messages": [{"role": "user", "content": "x" * 2000}]}  # fake tokens are 1 char; context 128
+    with c:
+        r = c.post("/v1/chat/completions", json=long, headers=AUTH)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert engine.tokenizer.threads == []
