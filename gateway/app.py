@@ -14,7 +14,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.routing import Route
 
-from gateway import routes
+from gateway import prompt, routes
 from gateway.auth_guard import FailedAuthLimiter
 from gateway.errors import APIError, api_error_handler, http_exception_handler, unhandled_error_handler
 from gateway.metrics import Metrics
@@ -51,6 +51,7 @@ def create_app(deps: Deps) -> Starlette:
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         for start in deps.startup:
             await start()
+        await prompt.bounds(deps.engine.tokenizer)  # one pass over the vocabulary, before the first request
         try:
             yield
         finally:
