@@ -1,37 +1,62 @@
-"""Rate-limit admission for one call: 429 / 503 as OpenAI-shaped errors, settlement with real counts."""
+"""Rate-limit admission for one call: 429 / 503 as OpenAI-shaped errors, lease renewal, settlement with real counts."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import math
-from typing import Any
 
 from gateway.errors import APIError
+from gateway.state import RequestState
 from security.principal import Principal
 from security.ratelimit import Admission, RateLimiter, RateLimitUnavailable
 
 
-async def admit(
-    limiter: RateLimiter | None, principal: Principal, est_tokens: int, audit: dict[str, Any]
-) -> Admission | None:
+class Lease:
+    """An admitted call: its concurrency lease is renewed every lease_ttl_s/3 until `settle`, which runs once."""
+
+    def __init__(self, limiter: RateLimiter | None, adm: Admission | None) -> None:
+        self.limiter, self.adm = limiter, adm
+        self._renewer: asyncio.Task[None] | None = None
+        if limiter is not None and adm is not None and adm.ticket is not None:
+            self._renewer = asyncio.create_task(self._renew(limiter, adm))
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return dict(self.adm.headers) if self.adm is not None else {}
+
+    async def settle(self, tokens: int) -> None:
+        if self._renewer is not None:
+            self._renewer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._renewer
+            self._renewer = None
+        if self.limiter is not None and self.adm is not None:
+            await self.limiter.settle(self.adm, tokens)
+
+    @staticmethod
+    async def _renew(limiter: RateLimiter, adm: Admission) -> None:
+        interval = limiter.config.lease_ttl_s / 3
+        while True:
+            await asyncio.sleep(interval)
+            await limiter.renew(adm)  # never raises for store errors: the lease then expires by itself
+
+
+async def admit(limiter: RateLimiter | None, principal: Principal, est_tokens: int, state: RequestState) -> Lease:
     if limiter is None:
-        return None
+        return Lease(None, None)
     try:
         adm = await limiter.admit(principal.tenant, principal.subject, principal.tier, est_tokens)
     except RateLimitUnavailable as e:
-        audit["ratelimit"] = "unavailable"
+        state.ratelimit = "unavailable"
         raise APIError(
             503,
             "rate limiting is temporarily unavailable; retry shortly",
             code="ratelimit_unavailable",
             headers={"Retry-After": str(max(1, math.ceil(e.retry_after_s)))},
         ) from None
-    audit["ratelimit"] = "allowed" if adm.allowed else f"refused:{adm.limit}:{adm.scope}"
+    state.ratelimit = "allowed" if adm.allowed else f"refused:{adm.limit}:{adm.scope}"
     if not adm.allowed:
         kind = "tokens" if adm.limit == "tokens" else "requests"  # OpenAI's error types for 429
         raise APIError(429, adm.message, code="rate_limit_exceeded", headers=adm.headers, error_type=kind)
-    return adm
-
-
-async def settle(limiter: RateLimiter | None, adm: Admission | None, tokens: int) -> None:
-    if limiter is not None and adm is not None:
-        await limiter.settle(adm, tokens)
+    return Lease(limiter, adm)

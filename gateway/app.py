@@ -14,7 +14,8 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.routing import Route
 
-from gateway import routes
+from gateway import prompt, routes
+from gateway.auth_guard import FailedAuthLimiter
 from gateway.errors import APIError, api_error_handler, http_exception_handler, unhandled_error_handler
 from gateway.metrics import Metrics
 from gateway.middleware import AuditHook, Auth, BodyLimit, RequestContext
@@ -31,12 +32,15 @@ class Deps:
     max_body_bytes: int = 1 << 20
     required_scope: str | None = None
     limiter: RateLimiter | None = None
-    default_completion_estimate: int = 256  # tokens reserved when a request sets no max_tokens
     metrics: Metrics | None = None
     admin_scope: str = "admin"
     profile_dir: Path = Path(".tianmen/profiles")
     on_complete: AuditHook | None = None
+    on_response_start: AuditHook | None = None  # awaited before the first response byte; raising → 503
     audit_precheck: Callable[[], None] | None = None
+    auth_guard: FailedAuthLimiter | None = None  # failed authentications per source IP → 429
+    cache_salt_per_subject: bool = False  # prefix cache shared by a tenant (False) or by one subject only
+    report_cached_tokens: bool = True  # usage.prompt_tokens_details.cached_tokens in responses
     startup: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
     shutdown: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
     started: int = field(default_factory=lambda: int(time.time()))
@@ -44,16 +48,18 @@ class Deps:
 
 def create_app(deps: Deps) -> Starlette:
     @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
         for start in deps.startup:
             await start()
+        await prompt.bounds(deps.engine.tokenizer)  # one pass over the vocabulary, before the first request
         try:
-            yield {"deps": deps}
+            yield
         finally:
             for stop in reversed(deps.shutdown):
                 await stop()
 
-    return Starlette(
+    # NOTE: routes read deps from app.state: scope["state"] holds the per-request RequestState instead
+    app = Starlette(
         routes=[
             Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
             Route("/v1/completions", routes.completions, methods=["POST"]),
@@ -65,9 +71,14 @@ def create_app(deps: Deps) -> Starlette:
             Route("/admin/profile", routes.profile, methods=["POST"]),
         ],
         middleware=[
-            Middleware(RequestContext, on_complete=deps.on_complete, precheck=deps.audit_precheck),
+            Middleware(
+                RequestContext,
+                on_complete=deps.on_complete,
+                precheck=deps.audit_precheck,
+                on_response_start=deps.on_response_start,
+            ),
             Middleware(BodyLimit, max_bytes=deps.max_body_bytes),
-            Middleware(Auth, verifier=deps.verifier, required_scope=deps.required_scope),
+            Middleware(Auth, verifier=deps.verifier, required_scope=deps.required_scope, guard=deps.auth_guard),
         ],
         exception_handlers={
             APIError: api_error_handler,
@@ -76,3 +87,5 @@ def create_app(deps: Deps) -> Starlette:
         },
         lifespan=lifespan,
     )
+    app.state.deps = deps
+    return app

@@ -9,6 +9,7 @@ from typing import Any
 
 from audit import AuditConfig, AuditEvent, Auditor, AuditUnavailable, generate_keypair
 from gateway.settings import Settings, SettingsError
+from gateway.state import RequestState
 
 log = logging.getLogger("tianmen.audit")
 
@@ -61,35 +62,35 @@ class AuditHook:
     def check(self) -> None:
         self.auditor.check_writable()  # raises AuditUnavailable: refuse before serving
 
-    async def __call__(self, scope: dict[str, Any], audit: dict[str, Any]) -> None:
+    async def __call__(self, scope: dict[str, Any], state: RequestState) -> None:
         headers = dict(scope.get("headers") or [])
         tls = (scope.get("extensions") or {}).get("tls") or {}
         client = scope.get("client")
         event = AuditEvent(
             request_id=scope["request_id"],
             action=ACTIONS.get(scope["path"], "http-request"),
-            status_code=audit["status"],
-            timestamp=datetime.fromtimestamp(audit["start"], timezone.utc),
-            duration_ns=int(audit.get("duration_s", 0) * 1e9),
-            user_id=audit.get("user"),
-            tenant=audit.get("tenant"),
+            status_code=state.status,
+            timestamp=datetime.fromtimestamp(state.start, timezone.utc),
+            duration_ns=int(state.duration_s * 1e9),
+            user_id=state.user,
+            tenant=state.tenant,
             source_ip=client[0] if client else None,
             tls_version=tls.get("version"),
             tls_client_subject=tls.get("client_subject"),
             http_method=scope.get("method"),
             url_path=scope.get("path"),
             user_agent=headers.get(b"user-agent", b"").decode("latin-1") or None,
-            model=audit.get("model"),
-            prompt_tokens=audit.get("prompt_tokens"),
-            completion_tokens=audit.get("completion_tokens"),
-            cached_tokens=audit.get("cached_tokens"),
-            ttft_ms=audit.get("ttft_ms"),
-            finish_reason=audit.get("finish_reason"),
-            stream=audit.get("stream"),
-            ratelimit_decision=audit.get("ratelimit"),
-            error_type=audit.get("error") or audit.get("auth_failure"),
-            content=self.auditor.content_fields(audit.get("prompt_text"), audit.get("response_text"))
-            if "prompt_text" in audit
+            model=state.model,
+            prompt_tokens=state.prompt_tokens,
+            completion_tokens=state.completion_tokens,
+            cached_tokens=state.cached_tokens,
+            ttft_ms=state.ttft_ms,
+            finish_reason=state.finish_reason,
+            stream=state.stream,
+            ratelimit_decision=state.ratelimit,
+            error_type=state.error or state.auth_failure,
+            content=self.auditor.content_fields(state.prompt_text, state.response_text)
+            if state.prompt_text is not None
             else {},
         )
         try:

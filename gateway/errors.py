@@ -9,6 +9,8 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from engine import EngineDeadError, EngineError, EngineOverloadedError, InvalidRequestError, RequestFailedError
+
 log = logging.getLogger("tianmen.gateway")
 
 _TYPES = {
@@ -58,6 +60,30 @@ def error_response(
     error_type: str | None = None,
 ) -> JSONResponse:
     return JSONResponse(error_body(status, message, param, code, error_type), status_code=status, headers=headers)
+
+
+# engine error → (status, code, Retry-After or None, message suffix); first match wins, so subclasses come first
+ENGINE_ERRORS: tuple[tuple[type[EngineError], int, str | None, int | None, str], ...] = (
+    (InvalidRequestError, 400, None, None, ""),
+    (EngineOverloadedError, 503, "overloaded", 1, "; retry shortly"),
+    (EngineDeadError, 503, "engine_dead", None, ""),
+    (RequestFailedError, 503, "request_failed", 1, "; the request may be retried"),
+    (EngineError, 503, "engine_error", None, ""),
+)
+
+
+def engine_error(e: EngineError) -> APIError:
+    """The one mapping from an engine error to an HTTP error, used before the first byte and in-band."""
+    for kind, status, code, retry_after, suffix in ENGINE_ERRORS:
+        if isinstance(e, kind):
+            headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
+            param = e.param if isinstance(e, InvalidRequestError) else None
+            return APIError(status, f"{e}{suffix}", param=param, code=code, headers=headers)
+    raise AssertionError("EngineError is the last row")  # pragma: no cover
+
+
+def error_payload(exc: APIError) -> dict[str, Any]:
+    return error_body(exc.status, exc.message, exc.param, exc.code, exc.error_type)
 
 
 async def api_error_handler(request: Request, exc: Exception) -> Response:

@@ -10,6 +10,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from gateway.state import RequestState
+
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
 ITL_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0)
@@ -92,21 +94,21 @@ class Metrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    def observe_request(self, audit: dict[str, Any]) -> None:
-        """Called once per finished request with its audit record."""
-        self.http_requests.labels(str(audit["status"])).inc()
-        if "auth_failure" in audit:
-            self.auth_failures.labels(audit["auth_failure"]).inc()
-        decision = str(audit.get("ratelimit", ""))
+    def observe_request(self, state: RequestState) -> None:
+        """Called once per finished request with its record."""
+        self.http_requests.labels(str(state.status)).inc()
+        if state.auth_failure is not None:
+            self.auth_failures.labels(state.auth_failure).inc()
+        decision = state.ratelimit or ""
         if decision.startswith("refused:"):
             self.ratelimit_refusals.labels(decision.split(":")[1]).inc()
-        model, tenant = audit.get("model"), audit.get("tenant")
-        if model is None or tenant is None or "ttft_ms" not in audit:
+        model, tenant = state.model, state.tenant
+        if model is None or tenant is None or state.ttft_ms is None:
             return
-        self.prompt_tokens.labels(model, tenant).inc(audit.get("prompt_tokens", 0))
-        self.generation_tokens.labels(model, tenant).inc(audit.get("completion_tokens", 0))
-        self.ttft.labels(model, tenant).observe(audit["ttft_ms"] / 1e3)
-        self.e2e.labels(model, tenant).observe(audit.get("duration_s", 0.0))
+        self.prompt_tokens.labels(model, tenant).inc(state.prompt_tokens or 0)
+        self.generation_tokens.labels(model, tenant).inc(state.completion_tokens or 0)
+        self.ttft.labels(model, tenant).observe(state.ttft_ms / 1e3)
+        self.e2e.labels(model, tenant).observe(state.duration_s)
         itl = self.itl.labels(model, tenant)
-        for gap in audit.get("itl_s", ()):
+        for gap in state.itl_s:
             itl.observe(gap)

@@ -3,73 +3,113 @@
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
 
+from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from gateway.auth_guard import FailedAuthLimiter
 from gateway.errors import APIError, error_response
+from gateway.state import RequestState
 from security.jwks import JWKSError
 from security.jwt import AuthError, TokenVerifier
 
 log = logging.getLogger("tianmen.gateway")
 
 PUBLIC_PATHS = frozenset({"/health", "/ready", "/openapi.json"})
-AuditHook = Callable[[Scope, dict[str, Any]], Awaitable[None]]
+StateHook = Callable[[Scope, RequestState], Awaitable[None]]
+AuditHook = StateHook  # the name server.py and audit_hook.py know
 
 
 class RequestContext:
-    """Gives each request an id and an `audit` dict, times it, captures its status, and hands the
-    finished record to `on_complete` — exactly once, whatever the outcome. `precheck` runs first:
-    if it raises, the request is refused with 503 (no request is served that cannot be audited).
-    Health probes (PUBLIC_PATHS) are not audited."""
+    """Gives each request an id and a `RequestState` (scope["state"]), times it, captures its status, and
+    hands the finished record to `on_complete` exactly once, whatever the outcome. `precheck` runs first
+    and `on_response_start` before the first response byte: if either raises, the answer is a 503
+    (no request is served that cannot be audited). Health probes (PUBLIC_PATHS) are not audited."""
 
     def __init__(
-        self, app: ASGIApp, on_complete: AuditHook | None = None, precheck: Callable[[], None] | None = None
+        self,
+        app: ASGIApp,
+        on_complete: StateHook | None = None,
+        precheck: Callable[[], None] | None = None,
+        on_response_start: StateHook | None = None,
     ) -> None:
         self.app, self.on_complete, self.precheck = app, on_complete, precheck
+        self.on_response_start = on_response_start
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         request_id = secrets.token_hex(12)
-        audit: dict[str, Any] = {"start": time.time(), "status": 500}
-        scope["request_id"], scope["audit"] = request_id, audit
+        state = RequestState(request_id)
+        scope["request_id"], scope["state"] = request_id, state
+        audited = scope["path"] not in PUBLIC_PATHS
         started = time.monotonic()
+        refused = False  # the hook refused the response: the app's later messages go nowhere
 
         async def send_wrapper(message: Message) -> None:
+            nonlocal refused
+            if refused:
+                raise _ResponseRefused  # stops the app's stream; RequestContext swallows it
             if message["type"] == "http.response.start":
-                audit["status"] = message["status"]
-                message.setdefault("headers", [])
-                message["headers"] = [*message["headers"], (b"x-request-id", request_id.encode())]
+                state.status = message["status"]
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
+                if self.on_response_start is not None and audited:
+                    try:
+                        await self.on_response_start(scope, state)
+                    except Exception as e:
+                        refused = True
+                        log.error("refusing the response to %s: no audit record (%s)", request_id, type(e).__name__)
+                        await _audit_unavailable(state)(scope, receive, _with_request_id(send, request_id))
+                        return
             await send(message)
 
         try:
-            if self.precheck is not None and scope["path"] not in PUBLIC_PATHS:
+            if self.precheck is not None and audited:
                 try:
                     self.precheck()
                 except Exception as e:
-                    audit["error"] = "audit_unavailable"
                     log.error("refusing request %s: the audit trail cannot be written (%s)", request_id, e)
-                    response = error_response(
-                        503,
-                        "the audit trail cannot be written, so no request is served; retry later",
-                        code="audit_unavailable",
-                        headers={"Retry-After": "5"},
-                    )
-                    await response(scope, receive, send_wrapper)
+                    await _audit_unavailable(state)(scope, receive, _with_request_id(send, request_id))
                     return
             await self.app(scope, receive, send_wrapper)
+        except _ResponseRefused:
+            pass
         except BaseException:
-            audit.setdefault("error", "unhandled")
+            if state.error is None:
+                state.error = "unhandled"
             raise
         finally:
-            audit["duration_s"] = time.monotonic() - started
-            if self.on_complete is not None and scope["path"] not in PUBLIC_PATHS:
-                await self.on_complete(scope, audit)
+            state.duration_s = time.monotonic() - started
+            if self.on_complete is not None and audited:
+                await self.on_complete(scope, state)
+
+
+class _ResponseRefused(Exception):
+    """Raised into the app when it sends after `on_response_start` refused its response."""
+
+
+def _audit_unavailable(state: RequestState) -> Response:
+    state.error, state.status = "audit_unavailable", 503
+    return error_response(
+        503,
+        "the audit trail cannot be written, so no request is served; retry later",
+        code="audit_unavailable",
+        headers={"Retry-After": "5"},
+    )
+
+
+def _with_request_id(send: Send, request_id: str) -> Send:
+    async def wrapped(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
+        await send(message)
+
+    return wrapped
 
 
 class BodyLimit:
@@ -103,15 +143,23 @@ class BodyLimit:
         return f"the request body is larger than the limit of {self.max_bytes} bytes"
 
     async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
-        scope["audit"]["error"] = "request_too_large"
+        scope["state"].error = "request_too_large"
         await error_response(413, self._message(), code="request_too_large")(scope, receive, send)
 
 
 class Auth:
-    """Bearer JWT → scope["principal"]; 401 (with WWW-Authenticate) or 403 short-circuit the request."""
+    """Bearer JWT → scope["principal"]; 401 (with WWW-Authenticate) or 403 short-circuit the request.
 
-    def __init__(self, app: ASGIApp, verifier: TokenVerifier, required_scope: str | None = None) -> None:
-        self.app, self.verifier, self.required_scope = app, verifier, required_scope
+    With a `guard`, a source IP past its budget of failed authentications gets 429 instead of 401."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        verifier: TokenVerifier,
+        required_scope: str | None = None,
+        guard: FailedAuthLimiter | None = None,
+    ) -> None:
+        self.app, self.verifier, self.required_scope, self.guard = app, verifier, required_scope, guard
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:
@@ -122,19 +170,18 @@ class Auth:
             if name == b"authorization":
                 scheme, _, rest = value.decode("latin-1").partition(" ")
                 token = rest.strip() if scheme.lower() == "bearer" else None
-        audit = scope["audit"]
+        state: RequestState = scope["state"]
         try:
             if not token:
                 raise AuthError("missing", "no bearer token: send 'Authorization: Bearer <JWT>'")
             principal = await self.verifier.verify(token)
         except AuthError as e:
-            audit["auth_failure"] = e.reason
-            headers = {"WWW-Authenticate": f'Bearer error="invalid_token", error_description="{e.reason}"'}
-            await error_response(401, str(e), code="invalid_token", headers=headers)(scope, receive, send)
+            state.auth_failure = e.reason
+            await self._refuse(scope, receive, send, e)
             return
         except JWKSError:
             log.warning("cannot load the JWT key set; refusing requests until it loads")
-            audit["auth_failure"] = "jwks_unavailable"
+            state.auth_failure = "jwks_unavailable"
             await error_response(
                 503,
                 "the identity provider's keys cannot be loaded; retry shortly",
@@ -142,12 +189,25 @@ class Auth:
                 headers={"Retry-After": "5"},
             )(scope, receive, send)
             return
-        audit["user"], audit["tenant"] = principal.subject, principal.tenant
+        state.user, state.tenant = principal.subject, principal.tenant
         if self.required_scope and not principal.has_scope(self.required_scope):
-            audit["auth_failure"] = "missing_scope"
+            state.auth_failure = "missing_scope"
             await error_response(403, f"this token lacks the scope {self.required_scope!r}", code="insufficient_scope")(
                 scope, receive, send
             )
             return
         scope["principal"] = principal
         await self.app(scope, receive, send)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send, e: AuthError) -> None:
+        client = scope.get("client")
+        wait = self.guard.failed(client[0] if client else "") if self.guard is not None else None
+        if wait is not None:
+            scope["state"].error = "auth_rate_limited"
+            retry = str(max(1, math.ceil(wait)))
+            message = f"too many failed authentications from this address; retry in {retry} s"
+            response = error_response(429, message, code="too_many_auth_failures", headers={"Retry-After": retry})
+        else:
+            headers = {"WWW-Authenticate": f'Bearer error="invalid_token", error_description="{e.reason}"'}
+            response = error_response(401, str(e), code="invalid_token", headers=headers)
+        await response(scope, receive, send)

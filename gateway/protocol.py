@@ -1,65 +1,115 @@
-"""OpenAI request schemas (pydantic) and their mapping onto engine SamplingParams."""
+"""OpenAI request schemas (pydantic, strict) and their mapping onto engine SamplingParams.
+
+Strict: a bool is not an int, a string is not a number, every number and string is bounded, and a
+field we do not implement is a 400 (see gateway.unsupported), never silently dropped.
+"""
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from engine import InvalidRequestError, SamplingParams
 from gateway.errors import APIError
+from gateway.unsupported import strip_unsupported
+
+INT32_MAX = 2**31 - 1
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
+MAX_SHORT = 256  # model, user, name: identifiers, not content
+MAX_TEXT = 1 << 20  # content and prompt strings (the body limit bounds them first; this bounds the schema)
+MAX_STOP, MAX_STOP_CHARS = 16, 256
+MAX_MESSAGES, MAX_PARTS = 2048, 256
+MAX_LOGIT_BIAS = 300
+MAX_PROMPT_IDS = 1 << 20
+_UNION_TAG = re.compile(r".*\[.*|(constrained-)?(str|int|float|bool|list|dict)")  # pydantic's names of branches
+_TOKEN_KEY = re.compile(r"[0-9]{1,10}")
+
+Short = Annotated[str, Field(max_length=MAX_SHORT)]
+Text = Annotated[str, Field(max_length=MAX_TEXT)]
+StopStr = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+STRICT = ConfigDict(strict=True, extra="forbid")
 
 
 class StreamOptions(BaseModel):
+    model_config = STRICT
     include_usage: bool = False
 
 
 class TextPart(BaseModel):
+    model_config = STRICT
     type: Literal["text"]
-    text: str
+    text: Text
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, part: Any) -> Any:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if isinstance(kind, str) and kind != "text":
+            raise ValueError(f"content part type {kind[:40]!r} is not supported; only 'text' is")
+        return part
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    content: Text | Annotated[list[TextPart], Field(max_length=MAX_PARTS)] | None = None
+    name: Short | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str) or self.content is None:
+            return self.content or ""
+        return "".join(p.text for p in self.content)
 
     def to_template(self) -> dict[str, Any]:
-        content = (
-            self.content
-            if isinstance(self.content, str) or self.content is None
-            else "".join(p.text for p in self.content)
-        )
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content or ""}
+        return {"role": role, "content": self.text()}
 
 
 class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    model: str
+    model_config = STRICT
+    model: Short
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     n: Annotated[int, Field(ge=1, le=16)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    stop: StopStr | Annotated[list[StopStr], Field(max_length=MAX_STOP)] | None = None
+    seed: Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
-    user: str | None = None
+    logit_bias: (
+        Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]], Field(max_length=MAX_LOGIT_BIAS)] | None
+    ) = None
+    user: Short | None = None
     # vLLM-style extensions
-    top_k: Annotated[int, Field(ge=0)] = 0
+    top_k: Annotated[int, Field(ge=0, le=INT32_MAX)] = 0
     min_p: Annotated[float, Field(ge=0, le=1)] = 0.0
-    repetition_penalty: Annotated[float, Field(gt=0)] = 1.0
+    repetition_penalty: Annotated[float, Field(gt=0, le=2)] = 1.0
     ignore_eos: bool = False
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_keys(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key in bias or {}:
+            if not _TOKEN_KEY.fullmatch(key):
+                raise ValueError(f"keys must be token ids (decimal integers), got {key[:40]!r}")
+        return bias
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    def logit_bias_ids(self) -> dict[int, float] | None:
+        return None if self.logit_bias is None else {int(k): v for k, v in self.logit_bias.items()}
+
     def sampling_params(self, max_tokens: int, logprobs: int | None, choice: int = 0) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        seed = None
+        if self.seed is not None:  # choice i gets seed + i, wrapped into the range a generator accepts
+            seed = self.seed + choice
+            seed = seed - 2**64 if seed > SEED_MAX else seed
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
@@ -70,27 +120,32 @@ class _SamplingFields(BaseModel):
                 repetition_penalty=self.repetition_penalty,
                 presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty,
-                seed=None if self.seed is None else self.seed + choice,
+                seed=seed,
                 stop=stop,
                 ignore_eos=self.ignore_eos,
                 logprobs=logprobs,
+                logit_bias=self.logit_bias_ids(),
             )
         except InvalidRequestError as e:
             raise APIError(400, str(e), param=e.param) from None
 
 
+MaxTokens = Annotated[int, Field(ge=1, le=INT32_MAX)]
+
+
 class ChatCompletionRequest(_SamplingFields):
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    max_tokens: MaxTokens | None = None
+    max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
 
-    @model_validator(mode="after")
-    def _check(self) -> ChatCompletionRequest:
-        if self.top_logprobs is not None and not self.logprobs:
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, top: int | None, info: ValidationInfo) -> int | None:
+        if top is not None and not info.data.get("logprobs"):
             raise ValueError("top_logprobs requires logprobs: true")
-        return self
+        return top
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -99,35 +154,62 @@ class ChatCompletionRequest(_SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+
+
 class CompletionRequest(_SamplingFields):
-    prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)] | Annotated[list[int], Field(min_length=1)]
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    prompt: (
+        Text
+        | Annotated[list[Text], Field(min_length=1, max_length=1)]
+        | Annotated[list[TokenId], Field(min_length=1, max_length=MAX_PROMPT_IDS)]
+    )
+    max_tokens: MaxTokens | None = 16
     logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
     echo: bool = False
-    suffix: str | None = None
+    suffix: Text | None = None
 
-    @model_validator(mode="after")
-    def _check(self) -> CompletionRequest:
-        if self.echo:
-            raise ValueError("echo is not supported")
-        if self.suffix:
-            raise ValueError("suffix is not supported")
-        return self
+    @field_validator("echo", "suffix")
+    @classmethod
+    def _unsupported(cls, value: bool | str | None, info: ValidationInfo) -> bool | str | None:
+        if value:
+            raise ValueError(f"{info.field_name} is not supported by this server")
+        return value
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
-def parse(model: type[BaseModel], body: Any) -> Any:
-    """Validate a decoded JSON body; a failure is a 400 naming the first bad field."""
+    def token_ids(self) -> list[int] | None:
+        p = self.prompt
+        return p if isinstance(p, list) and isinstance(p[0], int) else None  # type: ignore[return-value]
+
+    def text(self) -> str:
+        p = self.prompt
+        return p if isinstance(p, str) else str(p[0])
+
+
+def _most_telling(errors: list[Any]) -> Any:
+    """A union reports every branch: a broken constraint (the type matched) beats a type mismatch, deeper beats
+    shallower, so `stop: [1]` says stop.0 should be a string and 17 stop strings say there are too many."""
+    return max(errors, key=lambda x: (not x["type"].endswith("_type"), len(x["loc"])))
+
+
+def parse(model: type[_SamplingFields], body: Any) -> Any:
+    """Validate a decoded JSON body; a failure is a 400 naming the most specific bad field."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
+    body = strip_unsupported(body, chat=model is ChatCompletionRequest)
     try:
         return model.model_validate(body)
     except ValidationError as e:
-        err = e.errors()[0]
-        loc = [str(p) for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p in ("str", "list")))]
+        err = _most_telling(e.errors())
+        loc = [str(p) for p in err["loc"] if not (isinstance(p, str) and _UNION_TAG.fullmatch(p))]
         param = ".".join(loc) or None
+        if err["type"] == "extra_forbidden":
+            msg = "unknown field: this server does not implement it"
+            raise APIError(400, f"{param}: {msg}", param=param, code="unknown_parameter") from None
         msg = err["msg"].removeprefix("Value error, ")
         raise APIError(400, f"{param}: {msg}" if param else msg, param=param) from None
 

@@ -13,9 +13,11 @@ from audit import Auditor
 from engine import AsyncEngine, EngineConfig, EngineError
 from gateway.app import Deps, create_app
 from gateway.audit_hook import AuditHook, audit_config
+from gateway.auth_guard import FailedAuthLimiter
 from gateway.demo import dev_key_spec, ensure_demo_model
 from gateway.metrics import Metrics
 from gateway.settings import Settings, SettingsError
+from gateway.state import RequestState
 from gateway.tls_protocol import http_protocol_class
 from security.devpki import DevPKI, ensure_dev_pki
 from security.jwt import JWTConfig, JWTVerifier
@@ -149,9 +151,14 @@ def build_app_and_config(settings: Settings) -> tuple[uvicorn.Config, AsyncEngin
     engine = build_engine(settings)
     metrics = Metrics(engine.model_name, engine.stats, auditor.stats)
 
-    async def on_complete(scope: dict, audit: dict) -> None:
-        metrics.observe_request(audit)
-        await hook(scope, audit)
+    async def on_complete(scope: dict, state: RequestState) -> None:
+        metrics.observe_request(state)
+        await hook(scope, state)
+
+    srv = settings.server
+    guard = None
+    if srv.auth_failures_per_minute is not None:
+        guard = FailedAuthLimiter(srv.auth_failures_per_minute, srv.auth_failure_burst, srv.auth_failure_sources)
 
     deps = Deps(
         engine=engine,
@@ -159,8 +166,10 @@ def build_app_and_config(settings: Settings) -> tuple[uvicorn.Config, AsyncEngin
         max_body_bytes=settings.server.max_body_bytes,
         required_scope=settings.auth.required_scope,
         limiter=limiter,
-        default_completion_estimate=settings.ratelimit.default_completion_estimate,
         on_complete=on_complete,
+        auth_guard=guard,
+        cache_salt_per_subject=srv.prefix_cache_per_subject,
+        report_cached_tokens=srv.report_cached_tokens,
         metrics=metrics,
         admin_scope=settings.auth.admin_scope,
         profile_dir=settings.home / "profiles",

@@ -37,6 +37,12 @@ class ServerSettings:
     max_body_bytes: int = 1 << 20
     max_concurrent_streams: int = 256
     log_level: str = "info"
+    # failed authentications per source IP (in process, per replica); beyond them 429 instead of 401; None: off
+    auth_failures_per_minute: int | None = 60
+    auth_failure_burst: int = 20
+    auth_failure_sources: int = 65536  # source IPs remembered (LRU): bounds the memory a flood can take
+    prefix_cache_per_subject: bool = False  # True: only the same user shares cached prompt prefixes (else tenant)
+    report_cached_tokens: bool = True  # False: omit usage.prompt_tokens_details.cached_tokens
 
 
 @dataclass
@@ -219,6 +225,10 @@ def _validate(s: Settings) -> None:
         raise SettingsError("server.tls_cert and server.tls_key go together: set both or neither")
     if s.server.max_body_bytes < 1024:
         raise SettingsError(f"server.max_body_bytes must be >= 1024, got {s.server.max_body_bytes}")
+    if s.server.auth_failures_per_minute is not None and s.server.auth_failures_per_minute < 1:
+        raise SettingsError("server.auth_failures_per_minute must be >= 1, or none to turn the limit off")
+    if s.server.auth_failure_burst < 1 or s.server.auth_failure_sources < 1:
+        raise SettingsError("server.auth_failure_burst and server.auth_failure_sources must be >= 1")
     if s.auth.jwks_file is not None and s.auth.jwks_url is not None:
         raise SettingsError("auth.jwks_file and auth.jwks_url are exclusive: set one")
     if s.audit.content_policy not in ("none", "sm3", "full"):

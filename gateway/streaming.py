@@ -21,13 +21,16 @@ def finish_reason(reason: str | None) -> str | None:
     return None if reason is None else ("length" if reason == "length" else "stop")
 
 
-def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    return {
+def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None) -> dict[str, Any]:
+    """`cached_tokens` None: no prompt_tokens_details (a colleague could probe the prefix cache with it)."""
+    body: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+    if cached_tokens is not None:
+        body["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return body
 
 
 @dataclass
@@ -42,8 +45,16 @@ class Choice:
 class ResponseBuilder:
     """Accumulates the deltas of n choices and renders chunks or the final body for one endpoint."""
 
-    def __init__(self, chat: bool, req_id: str, model: str, n: int, token_text: Callable[[int], str]) -> None:
-        self.chat, self.id, self.model = chat, req_id, model
+    def __init__(
+        self,
+        chat: bool,
+        req_id: str,
+        model: str,
+        n: int,
+        token_text: Callable[[int], str],
+        report_cached: bool = True,
+    ) -> None:
+        self.chat, self.id, self.model, self.report_cached = chat, req_id, model, report_cached
         self.created = int(time.time())
         self.choices = [Choice() for _ in range(n)]
         self.token_text = token_text
@@ -61,9 +72,13 @@ class ResponseBuilder:
 
     def usage(self) -> dict[str, Any]:
         usages = [c.usage for c in self.choices if c.usage is not None]
+        cached = self.cached_tokens() if self.report_cached else None
         if not usages:
-            return usage_body(0, 0, 0)
-        return usage_body(usages[0].prompt_tokens, sum(u.completion_tokens for u in usages), usages[0].cached_tokens)
+            return usage_body(0, 0, cached)
+        return usage_body(usages[0].prompt_tokens, sum(u.completion_tokens for u in usages), cached)
+
+    def cached_tokens(self) -> int:
+        return next((c.usage.cached_tokens for c in self.choices if c.usage is not None), 0)
 
     # ---- logprobs ----------------------------------------------------------------------------------
     def _chat_logprobs(self, lps: list[Logprob]) -> dict[str, Any]:

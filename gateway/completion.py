@@ -1,0 +1,193 @@
+"""One admitted completion through the engine: the first delta (so engine errors keep their status), then
+the JSON body or the SSE stream, the per-request record, and the lease settled when the call really ends."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from engine import EngineError, RequestOutput, SamplingParams
+from gateway.admission import Lease
+from gateway.errors import engine_error, error_body, error_payload
+from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.state import RequestState
+from gateway.streaming import DONE, ResponseBuilder, sse
+
+log = logging.getLogger("tianmen.gateway")
+
+
+def cache_salt(tenant: str, subject: str, per_subject: bool) -> str:
+    """The prefix-cache partition: the tenant, or (per_subject) the tenant and subject joined unambiguously."""
+    return json.dumps([tenant, subject], ensure_ascii=True) if per_subject else tenant
+
+
+async def run(
+    request: Request,
+    body: ChatCompletionRequest | CompletionRequest,
+    prompt: list[int],
+    params: list[SamplingParams],
+    lease: Lease,
+) -> Response:
+    deps, state = request.app.state.deps, request.scope["state"]
+    engine = deps.engine
+    chat = isinstance(body, ChatCompletionRequest)
+    want_lp = body.num_logprobs() is not None
+    req_id = ("chatcmpl-" if chat else "cmpl-") + request.scope["request_id"]
+    builder = ResponseBuilder(
+        chat, req_id, engine.model_name, body.n, engine.tokenizer.token_text, report_cached=deps.report_cached_tokens
+    )
+    principal = request.scope["principal"]
+    salt = cache_salt(principal.tenant, principal.subject, deps.cache_salt_per_subject)
+    started = time.monotonic()
+    stream = _generate(engine, prompt, params, req_id, salt)
+    first = await _first(stream)
+    state.ttft_ms = (time.monotonic() - started) * 1e3
+    gaps = state.itl_s
+    last_token_at: dict[int, float] = {}
+    headers = lease.headers
+
+    def tick(i: int, out: RequestOutput) -> None:  # inter-token latency, per choice
+        if out.new_token_ids:
+            now = time.monotonic()
+            if i in last_token_at:
+                gaps.append(now - last_token_at[i])
+            last_token_at[i] = now
+
+    if body.stream:
+
+        async def events() -> AsyncIterator[bytes]:
+            finished = False
+            try:
+                item: tuple[int, RequestOutput] | None = first
+                while item is not None:
+                    i, out = item
+                    builder.add(i, out)
+                    tick(i, out)
+                    if out.new_text or out.finished or not builder.choices[i].started or out.logprobs:
+                        yield builder.chunk(i, out, want_lp, body.include_usage)
+                    try:
+                        item = await anext(stream, None)
+                    except Exception as e:  # headers are gone: report in-band, as OpenAI does
+                        yield sse(_in_band(e, state))
+                        return
+                finished = True
+                if body.include_usage:
+                    yield builder.usage_chunk()
+                yield DONE
+            finally:
+                _record(state, builder, None if finished or state.error else "client_disconnected")
+                await stream.aclose()
+                await lease.settle(state.total_tokens)
+
+        state.settled_by_stream = True
+        headers["Cache-Control"] = "no-cache"
+        return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+
+    async def collect() -> None:
+        item: tuple[int, RequestOutput] | None = first
+        while item is not None:
+            builder.add(*item)
+            tick(*item)
+            try:
+                item = await anext(stream, None)
+            except EngineError as e:
+                state.error = type(e).__name__
+                raise engine_error(e) from None
+
+    try:
+        completed = await _until_disconnect(request, collect())
+    finally:
+        await stream.aclose()
+        _record(state, builder, None)
+    if not completed:
+        state.finish_reason = "client_disconnected"
+        return Response(status_code=499)  # nobody is listening any more; recorded for the audit trail
+    return JSONResponse(builder.body(want_lp), headers=headers)
+
+
+def _in_band(e: Exception, state: RequestState) -> dict[str, Any]:
+    state.error = type(e).__name__
+    if isinstance(e, EngineError):
+        return error_payload(engine_error(e))
+    log.error("request %s failed mid-stream: %s", state.request_id, type(e).__name__, exc_info=e)
+    return error_body(500, "internal error; the request id in x-request-id identifies it in the logs")
+
+
+def _record(state: RequestState, builder: ResponseBuilder, override: str | None) -> None:
+    usage = builder.usage()
+    state.completion_tokens = usage["completion_tokens"]
+    state.total_tokens = usage["total_tokens"]
+    state.cached_tokens = builder.cached_tokens()
+    state.finish_reason = override or ",".join(sorted({c.finish_reason or "none" for c in builder.choices}))
+    state.response_text = "".join(c.text for c in builder.choices)
+
+
+async def _generate(
+    engine: Any, prompt: list[int], params: list[SamplingParams], req_id: str, salt: str
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """All n choices' deltas, tagged with their index; leaving early aborts every choice."""
+    if len(params) == 1:
+        async for out in engine.generate(prompt, params[0], req_id, cache_salt=salt):
+            yield 0, out
+        return
+    q: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
+
+    async def pump(i: int, p: SamplingParams) -> None:
+        try:
+            async for out in engine.generate(prompt, p, f"{req_id}-{i}", cache_salt=salt):
+                q.put_nowait((i, out))
+        except Exception as e:
+            q.put_nowait((i, e))
+
+    tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(params)]
+    try:
+        remaining = len(params)
+        while remaining:
+            i, item = await q.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item.finished:
+                remaining -= 1
+            yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _first(stream: AsyncIterator[tuple[int, RequestOutput]]) -> tuple[int, RequestOutput]:
+    """Wait for the first delta so admission errors still become proper status codes."""
+    try:
+        return await anext(stream)
+    except EngineError as e:
+        raise engine_error(e) from None
+
+
+async def _until_disconnect(request: Request, work: Any) -> bool:
+    """Run `work`; False if the client hung up first (then `work` is cancelled, which aborts the request)."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task.done():
+        task.result()
+        return True
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return False

@@ -1,0 +1,79 @@
+"""OpenAI fields this server does not implement: a 400 that says so, unless the value asks for nothing.
+
+`null` (and the few values that mean "off", like store=false) is accepted, because SDKs echo them back;
+anything else would be silently ignored, so it is refused. Unknown fields are refused by the schema.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gateway.errors import APIError
+
+# field -> the values that ask for nothing (None always does)
+_COMMON: dict[str, tuple[Any, ...]] = {
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "parallel_tool_calls": (),
+    "functions": ([],),
+    "function_call": ("none",),
+    "response_format": ({"type": "text"},),
+    "audio": (),
+    "modalities": (["text"],),
+    "prediction": (),
+    "web_search_options": (),
+    "store": (False,),
+    "metadata": ({},),
+    "service_tier": ("auto", "default"),
+    "reasoning_effort": (),
+    "verbosity": (),
+    "prompt_cache_key": (),
+    "safety_identifier": (),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+}
+CHAT_ONLY: dict[str, tuple[Any, ...]] = {}
+COMPLETION_ONLY: dict[str, tuple[Any, ...]] = {"best_of": (1,)}
+# fields of a message that the client SDKs send back with an earlier answer
+MESSAGE: dict[str, tuple[Any, ...]] = {
+    "tool_calls": ([],),
+    "function_call": (),
+    "tool_call_id": (),
+    "audio": (),
+    "refusal": (),
+    "annotations": ([],),
+    "reasoning_content": (),
+}
+
+
+def strip_unsupported(body: dict[str, Any], chat: bool) -> dict[str, Any]:
+    """`body` without the unsupported fields that ask for nothing; APIError(400) for one that asks for something."""
+    table = _COMMON | (CHAT_ONLY if chat else COMPLETION_ONLY)
+    out = _strip(body, table, "")
+    messages = out.get("messages")
+    if chat and isinstance(messages, list):
+        out["messages"] = [
+            _strip(m, MESSAGE, f"messages.{i}.") if isinstance(m, dict) else m for i, m in enumerate(messages)
+        ]
+    return out
+
+
+def _strip(obj: dict[str, Any], table: dict[str, tuple[Any, ...]], prefix: str) -> dict[str, Any]:
+    out = {}
+    for key, value in obj.items():
+        if key not in table:
+            out[key] = value
+        elif value is not None and not any(_same(value, v) for v in table[key]):
+            raise APIError(
+                400,
+                f"{prefix}{key} is not supported by this server",
+                param=f"{prefix}{key}",
+                code="unsupported_parameter",
+            )
+    return out
+
+
+def _same(a: Any, b: Any) -> bool:
+    return type(a) is type(b) and a == b  # strict: 0 is not False
