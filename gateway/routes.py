@@ -9,7 +9,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from engine import (
@@ -84,7 +84,12 @@ async def openapi(request: Request) -> Response:
 
 
 async def _read_json(request: Request) -> Any:
-    body = await request.body()
+    try:
+        body = await request.body()
+    except ClientDisconnect:  # gone before the body was in (or cut by the shutdown): nobody to answer, no trace
+        raise APIError(
+            400, "the connection closed before the request body was complete", code="client_disconnected"
+        ) from None
     if not body:
         raise APIError(400, "the request body is empty; send a JSON object")
     try:
