@@ -102,7 +102,7 @@ async def open_tls(port: int, ctx: ssl.SSLContext) -> tuple[asyncio.StreamReader
 
 async def closed_by_server(reader: asyncio.StreamReader) -> bool:
     try:
-        return await asyncio.wait_for(reader.read(), 30) == b""
+        return await asyncio.wait_for(reader.read(), 20) == b""
     except (ConnectionError, ssl.SSLError):
         return True
 
