@@ -6,7 +6,7 @@ import asyncio
 import json
 from typing import Any
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from gateway import admission, completion, json_body, prompt
@@ -56,7 +56,7 @@ async def profile(request: Request) -> Response:
     """Record the next N engine steps with torch.profiler into a Chrome trace (admin scope)."""
     deps = request.app.state.deps
     _require_admin(request)
-    body = json_body.decode(await request.body())
+    body = json_body.decode(await _body(request))
     steps = body.get("steps") if isinstance(body, dict) else None
     if not isinstance(steps, int) or not 1 <= steps <= 10_000:
         raise APIError(400, "steps must be an integer in [1, 10000]", param="steps")
@@ -76,6 +76,15 @@ async def openapi(request: Request) -> Response:
     return JSONResponse(openapi_schema())
 
 
+async def _body(request: Request) -> bytes:
+    try:
+        return await request.body()
+    except ClientDisconnect:  # gone before the body was in (or cut by the shutdown): nobody to answer, no trace
+        raise APIError(
+            400, "the connection closed before the request body was complete", code="client_disconnected"
+        ) from None
+
+
 def _check_model(engine: Any, principal: Principal, model: str) -> None:
     if model != engine.model_name:
         raise APIError(404, f"the model {model!r} does not exist", param="model", code="model_not_found")
@@ -90,7 +99,7 @@ async def _complete(request: Request, chat: bool) -> Response:
         raise APIError(503, "the engine is not ready; retry shortly", headers={"Retry-After": "5"})
     principal: Principal = request.scope["principal"]
     state: RequestState = request.scope["state"]
-    raw = await request.body()
+    raw = await _body(request)
     body = await asyncio.to_thread(_parse, ChatCompletionRequest if chat else CompletionRequest, raw)
     state.model, state.stream = body.model, body.stream
     _check_model(engine, principal, body.model)

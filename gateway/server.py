@@ -14,11 +14,12 @@ from engine import AsyncEngine, EngineConfig, EngineError
 from gateway.app import Deps, create_app
 from gateway.audit_hook import AuditHook, audit_config
 from gateway.auth_guard import FailedAuthLimiter
+from gateway.connections import ConnectionLimits, guarded_protocol_class
 from gateway.demo import dev_key_spec, ensure_demo_model
+from gateway.lifecycle import Server, note_shutdown
 from gateway.metrics import Metrics
 from gateway.settings import Settings, SettingsError
 from gateway.state import RequestState
-from gateway.tls_protocol import http_protocol_class
 from security.devpki import DevPKI, ensure_dev_pki
 from security.jwt import JWTConfig, JWTVerifier
 from security.keys import KeyProviderError, provider_from_spec
@@ -128,17 +129,11 @@ def needs_dev_pki(settings: Settings) -> bool:
     return not settings.auth.external or settings.server.tls_cert is None
 
 
-class Server(uvicorn.Server):
-    """uvicorn's server, calling `on_ready` once the socket listens."""
-
-    def __init__(self, config: uvicorn.Config, on_ready: Callable[[], None] | None) -> None:
-        super().__init__(config)
-        self.on_ready = on_ready
-
-    async def startup(self, sockets: list | None = None) -> None:  # type: ignore[override]
-        await super().startup(sockets)
-        if self.started and self.on_ready is not None:
-            self.on_ready()
+def connection_limits(settings: Settings) -> ConnectionLimits:
+    s = settings.server
+    return ConnectionLimits(
+        max_connections=s.max_connections, header_timeout_s=s.header_timeout_s, shutdown_grace_s=s.shutdown_grace_s
+    )
 
 
 def build_app_and_config(settings: Settings) -> tuple[uvicorn.Config, AsyncEngine]:
@@ -152,6 +147,7 @@ def build_app_and_config(settings: Settings) -> tuple[uvicorn.Config, AsyncEngin
     metrics = Metrics(engine.model_name, engine.stats, auditor.stats)
 
     async def on_complete(scope: dict, state: RequestState) -> None:
+        note_shutdown(scope, state)
         metrics.observe_request(state)
         await hook(scope, state)
 
@@ -181,7 +177,8 @@ def build_app_and_config(settings: Settings) -> tuple[uvicorn.Config, AsyncEngin
         create_app(deps),
         host=settings.server.host,
         port=settings.server.port,
-        http=http_protocol_class(),
+        http=guarded_protocol_class(),
+        timeout_keep_alive=settings.server.keepalive_timeout_s,  # type: ignore[arg-type]
         ws="none",
         lifespan="on",
         log_level=settings.server.log_level,
@@ -201,4 +198,4 @@ def serve(settings: Settings, on_ready: Callable[[], None] | None = None) -> Non
             "never use this outside a development machine"
         )
     config, _ = build_app_and_config(settings)
-    Server(config, on_ready).run()
+    Server(config, on_ready, connection_limits(settings)).run()

@@ -43,6 +43,10 @@ class ServerSettings:
     auth_failure_sources: int = 65536  # source IPs remembered (LRU): bounds the memory a flood can take
     prefix_cache_per_subject: bool = False  # True: only the same user shares cached prompt prefixes (else tenant)
     report_cached_tokens: bool = True  # False: omit usage.prompt_tokens_details.cached_tokens
+    header_timeout_s: float = 10.0  # accept (or a keep-alive request's first byte) to complete headers, TLS included
+    keepalive_timeout_s: float = 5.0  # an idle keep-alive connection is closed after this
+    max_connections: int = 1000  # open connections, handshaking ones included; beyond it new ones are closed at once
+    shutdown_grace_s: float = 30.0  # SIGTERM: in-flight requests get this long, then they are cut
 
 
 @dataclass
@@ -229,6 +233,13 @@ def _validate(s: Settings) -> None:
         raise SettingsError("server.auth_failures_per_minute must be >= 1, or none to turn the limit off")
     if s.server.auth_failure_burst < 1 or s.server.auth_failure_sources < 1:
         raise SettingsError("server.auth_failure_burst and server.auth_failure_sources must be >= 1")
+    for name in ("header_timeout_s", "keepalive_timeout_s"):
+        if not getattr(s.server, name) > 0:
+            raise SettingsError(f"server.{name} must be > 0, got {getattr(s.server, name)}")
+    if s.server.max_connections < 1:
+        raise SettingsError(f"server.max_connections must be >= 1, got {s.server.max_connections}")
+    if s.server.shutdown_grace_s < 0:
+        raise SettingsError(f"server.shutdown_grace_s must be >= 0, got {s.server.shutdown_grace_s}")
     if s.auth.jwks_file is not None and s.auth.jwks_url is not None:
         raise SettingsError("auth.jwks_file and auth.jwks_url are exclusive: set one")
     if s.audit.content_policy not in ("none", "sm3", "full"):

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from gateway.server import Server, build_app_and_config
+from gateway.server import Server, build_app_and_config, connection_limits
 from gateway.settings import Settings, load_settings
 from security.devpki import DevPKI, ensure_dev_pki, mint_token
 
@@ -49,7 +49,7 @@ def run_gateway(home: Path, model: Path | None, env: dict[str, str] | None = Non
     environ.update(env or {})
     settings = load_settings(environ=environ)
     config, engine = build_app_and_config(settings)
-    server = Server(config, None)
+    server = Server(config, None, connection_limits(settings))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     for _ in range(600):
