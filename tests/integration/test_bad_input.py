@@ -96,6 +96,7 @@ CASES: list[tuple[str, str, dict[str, Any], str | None]] = [  # (case, endpoint,
     ("seed-below-int64", "chat", chat(seed=-(2**63) - 1), "seed"),
     ("seed-10^30", "chat", chat(seed=10**30), "seed"),
     ("top_k-2^63", "chat", chat(top_k=2**63), "top_k"),
+    ("top_k-past-vocab", "chat", chat(top_k=2**31 - 1), "top_k"),  # the engine: at most the vocabulary
     ("top_k-negative", "chat", chat(top_k=-1), "top_k"),
     ("top_logprobs-overflow", "chat", chat(logprobs=True, top_logprobs=2**64), "top_logprobs"),
     ("top_logprobs-21", "chat", chat(logprobs=True, top_logprobs=21), "top_logprobs"),
@@ -280,7 +281,7 @@ def test_bad_fields(
     [
         {"tools": None, "tool_choice": "none", "store": False, "response_format": {"type": "text"}},
         {"seed": 2**64 - 1, "n": 2},  # the largest seed, and seed + 1 for the second choice wraps
-        {"seed": -(2**63), "top_k": 2**31 - 1, "logit_bias": {"0": -100, "1": 100}},
+        {"seed": -(2**63), "top_k": 400, "logit_bias": {"0": -100, "1": 100}},  # top_k = the tiny model's vocabulary
         {"messages": [{"role": "assistant", "content": "hi", "refusal": None, "tool_calls": None}, *MSG]},
     ],
 )
