@@ -17,7 +17,7 @@ from starlette.routing import Route
 from gateway import routes
 from gateway.errors import APIError, api_error_handler, http_exception_handler, unhandled_error_handler
 from gateway.metrics import Metrics
-from gateway.middleware import AuditHook, Auth, BodyLimit, RequestContext
+from gateway.middleware import AuditHook, Auth, BodyLimit, RequestContext, StateHook
 from security.jwt import TokenVerifier
 from security.ratelimit import RateLimiter
 
@@ -36,6 +36,7 @@ class Deps:
     admin_scope: str = "admin"
     profile_dir: Path = Path(".tianmen/profiles")
     on_complete: AuditHook | None = None
+    on_response_start: StateHook | None = None  # awaited before the first byte; AuditUnavailable -> 503
     audit_precheck: Callable[[], None] | None = None
     startup: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
     shutdown: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
@@ -65,7 +66,12 @@ def create_app(deps: Deps) -> Starlette:
             Route("/admin/profile", routes.profile, methods=["POST"]),
         ],
         middleware=[
-            Middleware(RequestContext, on_complete=deps.on_complete, precheck=deps.audit_precheck),
+            Middleware(
+                RequestContext,
+                on_complete=deps.on_complete,
+                precheck=deps.audit_precheck,
+                on_response_start=deps.on_response_start,
+            ),
             Middleware(BodyLimit, max_bytes=deps.max_body_bytes),
             Middleware(Auth, verifier=deps.verifier, required_scope=deps.required_scope),
         ],

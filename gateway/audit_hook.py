@@ -1,14 +1,16 @@
-"""Request → audit event: the one place the gateway turns a finished call into an ECS record."""
+"""Request → audit records: the one place the gateway turns a call into ECS records, durable before its first byte."""
 
 from __future__ import annotations
 
 import logging
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from audit import AuditConfig, AuditEvent, Auditor, AuditUnavailable, generate_keypair
 from gateway.settings import Settings, SettingsError
+from gateway.state import RequestState
 
 log = logging.getLogger("tianmen.audit")
 
@@ -43,6 +45,9 @@ def audit_config(settings: Settings) -> AuditConfig:
             max_spool_bytes=a.max_spool_bytes,
             segment_bytes=max(4096, min(16 << 20, a.max_spool_bytes // 8)),
             writer_id=a.writer_id,
+            ship_batch_bytes=a.ship_batch_bytes,
+            quarantine_max_bytes=a.quarantine_max_bytes,
+            recover_scan_bytes=a.recover_scan_bytes,
         )
     except (AssertionError, OSError, ValueError) as e:
         raise SettingsError(f"audit: {e}") from None
@@ -53,7 +58,10 @@ def _secret(path: Path | None) -> str | None:
 
 
 class AuditHook:
-    """RequestContext's `on_complete`: one event per request, whatever its outcome."""
+    """No served request without a durable record. `opened` runs at response start, before the first
+    byte: a non-streamed response's complete event is known then and written; a streamed one gets an
+    opening record, and `__call__` (the end of the request) writes its closing record. A request that
+    never started a response (the client left first) is written at the end."""
 
     def __init__(self, auditor: Auditor) -> None:
         self.auditor = auditor
@@ -61,38 +69,53 @@ class AuditHook:
     def check(self) -> None:
         self.auditor.check_writable()  # raises AuditUnavailable: refuse before serving
 
-    async def __call__(self, scope: dict[str, Any], audit: dict[str, Any]) -> None:
+    async def opened(self, scope: dict[str, Any], state: RequestState) -> None:
+        """Returns once the record is fsynced in the spool; raises AuditUnavailable (answer 503)."""
+        phase = "open" if state.streaming else "complete"
+        if phase == "complete":
+            state.duration_s = time.time() - state.start
+        await self.auditor.emit(self.event(scope, state, phase).to_dict())
+        state.audit_record = phase
+
+    async def __call__(self, scope: dict[str, Any], state: RequestState) -> None:
+        if state.audit_record == "complete":
+            return
+        phase = "close" if state.audit_record == "open" else "complete"
+        try:
+            await self.auditor.emit(self.event(scope, state, phase).to_dict())
+        except AuditUnavailable:
+            log.error("audit %s record for request %s could not be written", phase, state.request_id)
+
+    def event(self, scope: dict[str, Any], state: RequestState, phase: str) -> AuditEvent:
         headers = dict(scope.get("headers") or [])
         tls = (scope.get("extensions") or {}).get("tls") or {}
         client = scope.get("client")
-        event = AuditEvent(
-            request_id=scope["request_id"],
+        return AuditEvent(
+            request_id=state.request_id,
             action=ACTIONS.get(scope["path"], "http-request"),
-            status_code=audit["status"],
-            timestamp=datetime.fromtimestamp(audit["start"], timezone.utc),
-            duration_ns=int(audit.get("duration_s", 0) * 1e9),
-            user_id=audit.get("user"),
-            tenant=audit.get("tenant"),
+            status_code=state.status,
+            outcome="unknown" if phase == "open" else None,  # a stream's outcome is known at its end
+            timestamp=datetime.fromtimestamp(state.start, timezone.utc),
+            duration_ns=None if phase == "open" else int(state.duration_s * 1e9),
+            user_id=state.user,
+            tenant=state.tenant,
             source_ip=client[0] if client else None,
             tls_version=tls.get("version"),
             tls_client_subject=tls.get("client_subject"),
             http_method=scope.get("method"),
             url_path=scope.get("path"),
             user_agent=headers.get(b"user-agent", b"").decode("latin-1") or None,
-            model=audit.get("model"),
-            prompt_tokens=audit.get("prompt_tokens"),
-            completion_tokens=audit.get("completion_tokens"),
-            cached_tokens=audit.get("cached_tokens"),
-            ttft_ms=audit.get("ttft_ms"),
-            finish_reason=audit.get("finish_reason"),
-            stream=audit.get("stream"),
-            ratelimit_decision=audit.get("ratelimit"),
-            error_type=audit.get("error") or audit.get("auth_failure"),
-            content=self.auditor.content_fields(audit.get("prompt_text"), audit.get("response_text"))
-            if "prompt_text" in audit
+            model=state.model,
+            prompt_tokens=state.prompt_tokens,
+            completion_tokens=state.completion_tokens,
+            cached_tokens=state.cached_tokens,
+            ttft_ms=state.ttft_ms,
+            finish_reason=state.finish_reason,
+            stream=state.stream,
+            ratelimit_decision=state.ratelimit,
+            error_type=state.error or state.auth_failure,
+            phase=phase,
+            content=self.auditor.content_fields(state.prompt_text, None if phase == "open" else state.response_text)
+            if state.prompt_text is not None
             else {},
         )
-        try:
-            await self.auditor.emit(event.to_dict())
-        except AuditUnavailable:
-            log.error("audit event for request %s could not be written", scope["request_id"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 import time
@@ -10,7 +11,9 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from audit import AuditUnavailable
 from gateway.errors import APIError, error_response
+from gateway.state import RequestState
 from security.jwks import JWKSError
 from security.jwt import AuthError, TokenVerifier
 
@@ -18,6 +21,8 @@ log = logging.getLogger("tianmen.gateway")
 
 PUBLIC_PATHS = frozenset({"/health", "/ready", "/openapi.json"})
 AuditHook = Callable[[Scope, dict[str, Any]], Awaitable[None]]
+StateHook = Callable[[Scope, RequestState], Awaitable[None]]
+_STATE_FIELDS = frozenset(f.name for f in dataclasses.fields(RequestState))
 
 
 class RequestContext:
@@ -27,9 +32,14 @@ class RequestContext:
     Health probes (PUBLIC_PATHS) are not audited."""
 
     def __init__(
-        self, app: ASGIApp, on_complete: AuditHook | None = None, precheck: Callable[[], None] | None = None
+        self,
+        app: ASGIApp,
+        on_complete: AuditHook | None = None,
+        precheck: Callable[[], None] | None = None,
+        on_response_start: StateHook | None = None,
     ) -> None:
         self.app, self.on_complete, self.precheck = app, on_complete, precheck
+        self.on_response_start = on_response_start
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -37,39 +47,77 @@ class RequestContext:
             return
         request_id = secrets.token_hex(12)
         audit: dict[str, Any] = {"start": time.time(), "status": 500}
+        state = RequestState(request_id, start=audit["start"])
         scope["request_id"], scope["audit"] = request_id, audit
+        scope["request_state"] = state  # NOTE: not scope["state"]: Starlette keeps the lifespan state there
         started = time.monotonic()
+        audited = scope["path"] not in PUBLIC_PATHS
+        refused = False  # the 503 below went out instead of the app's response
+
+        async def refuse(reason: object) -> None:
+            nonlocal refused
+            refused = True
+            audit["error"] = "audit_unavailable"
+            log.error("refusing request %s: the audit trail cannot be written (%s)", request_id, reason)
+            response = error_response(
+                503,
+                "the audit trail cannot be written, so no request is served; retry later",
+                code="audit_unavailable",
+                headers={"Retry-After": "5", "x-request-id": request_id},
+            )
+            audit["status"] = 503
+            await response(scope, receive, send)
 
         async def send_wrapper(message: Message) -> None:
+            if refused:
+                raise _Refused
             if message["type"] == "http.response.start":
                 audit["status"] = message["status"]
                 message.setdefault("headers", [])
                 message["headers"] = [*message["headers"], (b"x-request-id", request_id.encode())]
+                if self.on_response_start is not None and audited:
+                    state.streaming = any(
+                        k == b"content-type" and v.startswith(b"text/event-stream") for k, v in message["headers"]
+                    )
+                    _sync(audit, state)
+                    try:
+                        await self.on_response_start(scope, state)  # the record is durable before the first byte
+                    except AuditUnavailable as e:
+                        await refuse(e)
+                        raise _Refused from None
             await send(message)
 
         try:
-            if self.precheck is not None and scope["path"] not in PUBLIC_PATHS:
+            if self.precheck is not None and audited:
                 try:
                     self.precheck()
                 except Exception as e:
-                    audit["error"] = "audit_unavailable"
-                    log.error("refusing request %s: the audit trail cannot be written (%s)", request_id, e)
-                    response = error_response(
-                        503,
-                        "the audit trail cannot be written, so no request is served; retry later",
-                        code="audit_unavailable",
-                        headers={"Retry-After": "5"},
-                    )
-                    await response(scope, receive, send_wrapper)
+                    await refuse(e)
                     return
             await self.app(scope, receive, send_wrapper)
+        except Exception:
+            if not refused:  # after a refusal, what the app raises is only the aborted response
+                audit.setdefault("error", "unhandled")
+                raise
         except BaseException:
             audit.setdefault("error", "unhandled")
             raise
         finally:
             audit["duration_s"] = time.monotonic() - started
-            if self.on_complete is not None and scope["path"] not in PUBLIC_PATHS:
+            _sync(audit, state)
+            if self.on_complete is not None and audited:
                 await self.on_complete(scope, audit)
+
+
+class _Refused(Exception):
+    """Aborts the app's response after the audit 503 went out in its place."""
+
+
+def _sync(audit: dict[str, Any], state: RequestState) -> None:
+    # NOTE: a bridge until every layer writes RequestState itself (the gateway-edge change)
+    for key, value in audit.items():
+        if key in _STATE_FIELDS:
+            setattr(state, key, value)
 
 
 class BodyLimit:

@@ -151,7 +151,7 @@ def build_app_and_config(settings: Settings) -> tuple[uvicorn.Config, AsyncEngin
 
     async def on_complete(scope: dict, audit: dict) -> None:
         metrics.observe_request(audit)
-        await hook(scope, audit)
+        await hook(scope, scope["request_state"])
 
     deps = Deps(
         engine=engine,
@@ -161,6 +161,7 @@ def build_app_and_config(settings: Settings) -> tuple[uvicorn.Config, AsyncEngin
         limiter=limiter,
         default_completion_estimate=settings.ratelimit.default_completion_estimate,
         on_complete=on_complete,
+        on_response_start=hook.opened,
         metrics=metrics,
         admin_scope=settings.auth.admin_scope,
         profile_dir=settings.home / "profiles",

@@ -120,6 +120,9 @@ class AuditSettings:
     fsync_interval_ms: float = 50.0
     max_spool_bytes: int = 1 << 30
     writer_id: str | None = None
+    ship_batch_bytes: int = 8 << 20  # one bulk request's body at most; larger batches are split
+    quarantine_max_bytes: int = 64 << 20  # events Elasticsearch refuses for good (spool_dir/quarantine*.jsonl)
+    recover_scan_bytes: int = 64 << 20  # at start, the spool tail searched for streams a crash left open
 
 
 @dataclass

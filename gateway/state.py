@@ -36,3 +36,6 @@ class RequestState:
     ratelimit: str | None = None
     error: str | None = None
     settled_by_stream: bool = False
+    # audit (gateway.audit_hook): a streamed response gets an opening and a closing record
+    streaming: bool = False  # the response is text/event-stream; set before on_response_start
+    audit_record: str | None = None  # "complete" | "open": what on_response_start made durable

@@ -43,7 +43,13 @@ def events(es: EsServer, request_ids: list[str]) -> dict[str, list[dict]]:
     found: dict[str, list[dict]] = {}
     for _ in range(100):  # the shipper bulk-indexes asynchronously
         client.indices.refresh(index="tianmen-audit-*")
-        hits = client.search(index="tianmen-audit-*", size=1000, query={"terms": {"event.id": request_ids}})
+        query = {
+            "bool": {
+                "filter": [{"terms": {"event.id": request_ids}}],
+                "must_not": [{"term": {"tianmen.phase": "open"}}],
+            }
+        }
+        hits = client.search(index="tianmen-audit-*", size=1000, query=query)  # Kibana's one-event-per-request view
         found = {}
         for h in hits["hits"]["hits"]:
             found.setdefault(h["_source"]["event"]["id"], []).append(h["_source"])
@@ -96,7 +102,15 @@ def test_one_event_per_request_whatever_the_outcome(gw: RunningGateway, es: EsSe
         413,
     ]
     assert all(ev[k]["event"]["outcome"] == "failure" for k in ("bad", "noauth", "nomodel", "big"))
-    assert ev["cut"]["tianmen"]["finish_reason"] == "client_disconnected"
+    assert ev["cut"]["tianmen"]["finish_reason"] == "client_disconnected" and ev["cut"]["tianmen"]["phase"] == "close"
+    assert all(ev[k]["tianmen"]["phase"] == "complete" for k in ("ok", "bad", "noauth", "nomodel", "big"))
+    client = Elasticsearch(es.url)  # the stream's opening record, written before its first byte
+    opening = client.get(
+        index=f"tianmen-audit-{ev['cut']['@timestamp'][:10].replace('-', '.')}", id=ids["cut"] + "~open"
+    )
+    client.close()
+    assert opening["_source"]["tianmen"]["phase"] == "open" and opening["_source"]["event"]["outcome"] == "unknown"
+    assert opening["_source"]["tianmen"]["chain"]["seq"] < ev["cut"]["tianmen"]["chain"]["seq"]
 
 
 def test_cli_search_and_verify(gw: RunningGateway, es: EsServer, capsys: pytest.CaptureFixture[str]) -> None:

@@ -32,7 +32,7 @@ def test_explicit_settings_allow_an_idp_without_issuer_or_audience(tmp_path: Pat
     )
     s = load_settings(f, environ={})
     assert s.auth.issuer is None and s.auth.audience is None and s.auth.external
-    with pytest.raises(SettingsError, match="auth.audience is required"):
+    with pytest.raises(SettingsError, match=r"auth\.audience is required"):
         load_settings(f, environ={"TIANMEN_AUTH_ALLOW_MISSING_AUDIENCE": "false"})
     assert load_settings(environ={**JWKS, "TIANMEN_AUTH_ISSUER": "i", "TIANMEN_AUTH_AUDIENCE": "a"}).auth.external
 
