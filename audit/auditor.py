@@ -142,7 +142,7 @@ class Auditor:
         """Gauges for metrics: spool bytes, unshipped events, last ship time, failures."""
         out: dict[str, Any] = {"running": self._running, "writer": self.writer_id, "elasticsearch": False}
         out |= {"unshipped_events": 0, "shipped_events": 0, "last_ship_time": None, "ship_failures": 0}
-        out |= {"ship_rejected": 0, "ship_error": None, "ilm": None}
+        out |= {"ship_rejected": 0, "quarantine_bytes": 0, "ship_error": None, "ilm": None}
         if self._spool is not None:
             out |= self._spool.stats()
         if self._writer is not None:

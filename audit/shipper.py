@@ -99,6 +99,7 @@ class Shipper:
             "last_ship_time": self.last_ship_time,
             "ship_failures": self.failures,
             "ship_rejected": self.rejected,
+            "quarantine_bytes": self.quarantine.size(),
             "ship_error": self.last_error,
             "ilm": self.ilm,
         }
