@@ -156,7 +156,8 @@ class JWTVerifier:
         self._jwks = jwks
         self._allowed = frozenset(config.algorithms) | ({"HS256"} if config.hs256_secret else set())
         required = ["exp", "sub"] + (["iss"] if config.issuer else []) + (["aud"] if config.audience else [])
-        # NOTE: sub/jti types are checked here, not by PyJWT: older versions do not check them at all
+        # NOTE: claim types are checked in _principal, not by PyJWT: its checks differ between versions
+        # (older ones accept a numeric sub), and its errors say nothing of the claim; jti is unused
         self._options: dict[str, Any] = {
             "require": required,
             "enforce_minimum_key_length": True,
@@ -244,7 +245,6 @@ class JWTVerifier:
         tier = self._string(claims, cfg.tier_claim) if cfg.tier_claim in claims else None
         if not tenant:
             raise AuthError("missing_claim", f"token lacks required claim {cfg.tenant_claim!r}")
-        assert subject is not None
         return Principal(
             subject=subject,
             tenant=tenant,

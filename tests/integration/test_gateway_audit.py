@@ -147,3 +147,24 @@ def test_full_spool_refuses_with_503(tmp_path: Path) -> None:
                     break
         assert statuses[0] == 200 and statuses[-1] == 503, statuses
         assert r.json()["error"]["code"] == "audit_unavailable" and "retry-after" in r.headers
+
+
+def test_a_token_claim_of_the_wrong_type_is_a_401_through_the_gateway(gw: RunningGateway, es: EsServer) -> None:
+    import time
+
+    import jwt
+    from cryptography.hazmat.primitives import serialization
+
+    key = serialization.load_pem_private_key(gw.pki.jwt_key.read_bytes(), password=None)
+    now = int(time.time())
+    claims = {"iss": "tianmen-dev", "aud": "tianmen", "sub": 4711, "tenant": "bank", "iat": now, "exp": now + 60}
+    token = jwt.PyJWS().encode(json.dumps(claims).encode(), key, "EdDSA", {"kid": gw.pki.kid})  # type: ignore[arg-type]
+    with httpx.Client(base_url=gw.url, verify=client_ssl_context(gw.pki.ca_cert), timeout=60) as c:
+        r = c.post(
+            "/v1/chat/completions", json={"model": gw.model, **CHAT}, headers={"Authorization": f"Bearer {token}"}
+        )
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_token"
+    assert r.json()["error"]["message"] == "token claim 'sub' must be a string, not a number"
+    assert 'error_description="invalid_claim"' in r.headers["www-authenticate"]
+    (event,) = events(es, [r.headers["x-request-id"]])[r.headers["x-request-id"]]
+    assert event["error"]["type"] == "invalid_claim" and event["http"]["response"]["status_code"] == 401
