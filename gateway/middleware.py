@@ -82,8 +82,8 @@ class RequestContext:
                     _sync(audit, state)
                     try:
                         await self.on_response_start(scope, state)  # the record is durable before the first byte
-                    except AuditUnavailable as e:
-                        await refuse(e)
+                    except Exception as e:  # AuditUnavailable, or a bug: either way the record is not there
+                        await refuse(e if isinstance(e, AuditUnavailable) else f"{type(e).__name__}: {e}")
                         raise _Refused from None
             await send(message)
 
