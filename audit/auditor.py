@@ -15,6 +15,7 @@ from audit.chain import Chain
 from audit.config import AuditConfig, default_writer_id
 from audit.errors import AuditUnavailable
 from audit.events import content_fields, format_timestamp
+from audit.recovery import interrupted_record, unclosed_streams
 from audit.shipper import Shipper
 from audit.signer import Sm2Signer
 from audit.spool import Spool
@@ -30,11 +31,11 @@ class AuditSink(Protocol):
 
 
 class Auditor:
-    """`check_writable()` before serving a request, `await emit(event)` once it is done.
+    """`check_writable()` before serving a request, `await emit(event)` before its first byte.
 
     Both raise `AuditUnavailable` when the event cannot be made durable (answer 503). `emit`
-    returns once the chained event is fsynced in the local spool; shipping to Elasticsearch
-    happens afterwards in the background. Don't mutate `event` after handing it over."""
+    returns once the chained event is fsynced in the local spool (group commit); shipping follows in
+    the background. At start, streams the last run left open get an `interrupted` closing record."""
 
     def __init__(
         self,
@@ -73,6 +74,11 @@ class Auditor:
             spool.close()
             raise
         self._chain = Chain.resume(writer_id, spool.last_record)
+        try:
+            unclosed = await asyncio.to_thread(unclosed_streams, cfg.spool_dir, cfg.recover_scan_bytes)
+        except OSError as e:
+            log.warning("cannot scan the audit spool for interrupted streams: %s", e)
+            unclosed = []
         if signer is None:
             log.warning("no SM2 key configured: the audit chain gets no signed checkpoints")
         self._shipper = Shipper(cfg, spool, self._es_client) if shipping else None
@@ -92,6 +98,9 @@ class Auditor:
             await self._shipper.start()
         self._running = True
         log.info("audit trail: writer %s at seq %d, spool %s", writer_id, self._chain.last_seq, cfg.spool_dir)
+        if unclosed:
+            log.warning("closing %d stream(s) the previous run left open as interrupted", len(unclosed))
+            await asyncio.gather(*(self._writer.submit(interrupted_record(r)) for r in unclosed))
 
     async def stop(self) -> None:
         """Write and sign what is queued, ship what the drain timeout allows, release the spool."""
@@ -133,7 +142,7 @@ class Auditor:
         """Gauges for metrics: spool bytes, unshipped events, last ship time, failures."""
         out: dict[str, Any] = {"running": self._running, "writer": self.writer_id, "elasticsearch": False}
         out |= {"unshipped_events": 0, "shipped_events": 0, "last_ship_time": None, "ship_failures": 0}
-        out |= {"ship_rejected": 0, "ship_error": None, "ilm": None}
+        out |= {"ship_rejected": 0, "quarantine_bytes": 0, "ship_error": None, "ilm": None}
         if self._spool is not None:
             out |= self._spool.stats()
         if self._writer is not None:

@@ -37,6 +37,9 @@ class AuditConfig:
     writer_id: str | None = None  # None: the id stored in the spool, else "<hostname>-<pid>"
     max_pending_events: int = 100_000
     ship_batch_size: int = 500
+    ship_batch_bytes: int = 8 << 20  # a bulk request's body; a larger batch is split (ES refuses > 100 MB)
+    quarantine_max_bytes: int = 64 << 20  # events Elasticsearch refuses for good, kept beside the spool
+    recover_scan_bytes: int = 64 << 20  # at start, the spool's tail searched for streams a crash left open
     ship_commit_delay_s: float = 5.0  # acked events are re-sent after a connection error within this window
     ship_backoff_max_s: float = 30.0
     ship_drain_timeout_s: float = 5.0
@@ -54,6 +57,7 @@ class AuditConfig:
         assert self.index_prefix and self.index_prefix == self.index_prefix.lower(), "index_prefix: lowercase"
         assert self.retention_days >= 1 and self.checkpoint_every >= 1 and self.checkpoint_interval_s > 0
         assert self.fsync_interval_ms >= 0 and self.max_pending_events >= 1 and self.ship_batch_size >= 1
+        assert self.ship_batch_bytes >= 1024 and self.quarantine_max_bytes >= 4096 and self.recover_scan_bytes >= 0
         assert 4096 <= self.segment_bytes <= self.max_spool_bytes, "segment_bytes: at least 4 KiB, at most the spool"
         assert self.writer_id is None or (self.writer_id and "\n" not in self.writer_id)
 

@@ -7,10 +7,15 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
+from audit.bounds import FIELD_LIMITS, bound_fields
 from audit.config import ContentPolicy
 from audit.digest import sm3_text
 
 CHECKPOINT_ACTION = "audit-checkpoint"
+QUARANTINE_ACTION = "audit-quarantined"  # a stub shipped in place of an event Elasticsearch refused
+# tianmen.phase: one request is one "complete" record, or (a streamed response) an "open" record at its
+# first byte and a "close" record at its end; "interrupted" closes an open record a crash left behind
+PHASES = ("complete", "open", "close", "interrupted")
 
 
 @dataclass(slots=True)
@@ -42,9 +47,13 @@ class AuditEvent:
     stream: bool | None = None
     ratelimit_decision: str | None = None  # "allowed" | "limited" | "unavailable"
     error_type: str | None = None  # "invalid_token", "rate_limited", "client_disconnected", ...
+    phase: str = "complete"
     content: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
+        """The ECS document; client-controlled strings are cut to `audit.bounds.FIELD_LIMITS`."""
+        assert self.phase in PHASES, f"phase: one of {PHASES}"
+        v, cut = bound_fields({name: getattr(self, name) for name in FIELD_LIMITS})
         outcome = self.outcome or _outcome(self.status_code)
         doc: dict[str, Any] = {
             "@timestamp": format_timestamp(self.timestamp or datetime.now(timezone.utc)),
@@ -55,28 +64,31 @@ class AuditEvent:
                 "outcome": outcome,
                 "duration": self.duration_ns,
             },
-            "user": {"id": self.user_id},
-            "organization": {"id": self.tenant},
-            "source": {"ip": self.source_ip},
-            "tls": {"version": self.tls_version, "version_protocol": "tls" if self.tls_version else None},
-            "http": {"request": {"method": self.http_method}, "response": {"status_code": self.status_code}},
-            "url": {"path": self.url_path},
-            "user_agent": {"original": self.user_agent},
-            "error": {"type": self.error_type},
+            "user": {"id": v["user_id"]},
+            "organization": {"id": v["tenant"]},
+            "source": {"ip": v["source_ip"]},
+            "tls": {"version": v["tls_version"], "version_protocol": "tls" if v["tls_version"] else None},
+            "http": {"request": {"method": v["http_method"]}, "response": {"status_code": self.status_code}},
+            "url": {"path": v["url_path"]},
+            "user_agent": {"original": v["user_agent"]},
+            "error": {"type": v["error_type"]},
             "tianmen": {
-                "model": self.model,
+                "model": v["model"],
                 "prompt_tokens": self.prompt_tokens,
                 "completion_tokens": self.completion_tokens,
                 "cached_tokens": self.cached_tokens,
                 "ttft_ms": _finite(self.ttft_ms),
-                "finish_reason": self.finish_reason,
+                "finish_reason": v["finish_reason"],
                 "stream": self.stream,
-                "ratelimit": {"decision": self.ratelimit_decision},
+                "ratelimit": {"decision": v["ratelimit_decision"]},
+                "phase": self.phase,
                 **self.content,
             },
         }
-        if self.tls_client_subject is not None:
-            doc["tls"]["client"] = {"subject": self.tls_client_subject}
+        if cut:
+            doc["tianmen"]["truncated"] = [t.to_dict() for t in cut]
+        if v["tls_client_subject"] is not None:
+            doc["tls"]["client"] = {"subject": v["tls_client_subject"]}
         return _prune(doc)
 
 

@@ -36,8 +36,8 @@ class SearchQuery:
         return {k: v for k, v in pairs.items() if v is not None}
 
     def matches(self, event: Mapping[str, Any]) -> bool:
-        if _get(event, "event.action") == CHECKPOINT_ACTION:
-            return False
+        if _get(event, "event.action") == CHECKPOINT_ACTION or _get(event, "tianmen.phase") == "open":
+            return False  # one event per request: a stream's closing (or interrupted) record stands for it
         if any(_get(event, field) != value for field, value in self.terms().items()):
             return False
         return self.since is None or _timestamp(event) >= self.since
@@ -53,7 +53,8 @@ async def search(
     since: str | datetime | None = None,
     limit: int = 100,
 ) -> list[dict[str, Any]]:
-    """Newest first, at most `limit`; `since` is "30m", "1h", "7d", "2w" or an ISO time. No checkpoints."""
+    """Newest first, at most `limit`; `since` is "30m", "1h", "7d", "2w" or an ISO time. No checkpoints,
+    no opening records of streams (their closing record has everything)."""
     assert limit >= 1
     start = parse_since(since) if isinstance(since, str) else since
     query = SearchQuery(user=user, tenant=tenant, outcome=outcome, model=model, since=start, limit=limit)

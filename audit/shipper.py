@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import random
 import time
 from collections import deque
@@ -18,6 +17,7 @@ from elasticsearch import ApiError, AsyncElasticsearch
 from audit.chain import chain_fields
 from audit.config import AuditConfig
 from audit.es import index_name, install_index_setup, make_client
+from audit.quarantine import PERMANENT_STATUSES, Quarantine, quarantine_stub
 from audit.spool import Position, Spool
 
 log = logging.getLogger("tianmen.audit")
@@ -41,6 +41,7 @@ class Shipper:
 
     def __init__(self, config: AuditConfig, spool: Spool, client: AsyncElasticsearch | None = None) -> None:
         self.config, self.spool = config, spool
+        self.quarantine = Quarantine(spool.directory, config.quarantine_max_bytes)
         self._client, self._own_client = client, client is None
         self._read_pos = spool.committed
         self._acked: deque[tuple[float, Position, int]] = deque()
@@ -98,6 +99,7 @@ class Shipper:
             "last_ship_time": self.last_ship_time,
             "ship_failures": self.failures,
             "ship_rejected": self.rejected,
+            "quarantine_bytes": self.quarantine.size(),
             "ship_error": self.last_error,
             "ilm": self.ilm,
         }
@@ -141,27 +143,24 @@ class Shipper:
                 backoff = min(backoff * 2, self.config.ship_backoff_max_s)
 
     async def ship_once(self) -> int:
-        """Ship one batch from the read position; the number of records acknowledged."""
+        """Ship one batch from the read position; the number of records acknowledged.
+
+        The batch is cut into bulk requests of at most `ship_batch_bytes`, and a request refused as too
+        large (413) is halved; an event refused for good (400/413) is quarantined, never retried."""
         lines, end = await asyncio.to_thread(self.spool.read, self._read_pos, self.config.ship_batch_size)
         if not lines:
             self._read_pos = end
             return 0
-        docs: list[dict[str, Any]] = []
+        docs: list[tuple[dict[str, Any], int]] = []
         for line in lines:
             try:
-                docs.append(_parse(line))
+                docs.append((_parse(line), len(line)))
             except ValueError as e:  # a damaged spool line: keep it aside, ship the rest
                 self.rejected += 1
                 raw = {"raw": line.decode("utf-8", "replace")}
-                await asyncio.to_thread(self._store_rejected, [(raw, {"error": str(e)})])
-        ops: list[dict[str, Any]] = []
-        for doc in docs:
-            index = index_name(self.config.index_prefix, str(doc.get("@timestamp", "")))
-            ops += [{"create": {"_index": index, "_id": _id(doc)}}, doc]
-        if ops:
-            resp = (await self.client.bulk(operations=ops)).body
-            if resp.get("errors"):
-                await self._handle_item_errors(docs, ops, resp["items"])
+                await asyncio.to_thread(self.quarantine.store, [(raw, 0, {"type": "unparseable", "reason": str(e)})])
+        for chunk in _chunks(docs, self.config.ship_batch_bytes):
+            await self._ship_chunk([doc for doc, _ in chunk])
         self._read_pos = end
         self._acked.append((time.monotonic(), end, len(lines)))
         self._acked_records += len(lines)
@@ -169,11 +168,33 @@ class Shipper:
         self.last_ship_time = time.time()
         return len(lines)
 
+    async def _ship_chunk(self, docs: list[dict[str, Any]]) -> None:
+        ops: list[dict[str, Any]] = []
+        for doc in docs:
+            ops += [{"create": {"_index": self._index(doc), "_id": _id(doc)}}, doc]
+        try:
+            resp = (await self.client.bulk(operations=ops)).body
+        except ApiError as e:
+            if e.meta.status != 413:
+                raise
+            if len(docs) == 1:
+                await self._quarantine([(docs[0], 413, {"type": "request_too_large", "reason": "HTTP 413"})])
+                return
+            half = len(docs) // 2
+            await self._ship_chunk(docs[:half])
+            await self._ship_chunk(docs[half:])
+            return
+        if resp.get("errors"):
+            await self._handle_item_errors(docs, ops, resp["items"])
+
+    def _index(self, doc: dict[str, Any]) -> str:
+        return index_name(self.config.index_prefix, str(doc.get("@timestamp", "")))
+
     async def _handle_item_errors(
         self, docs: list[dict[str, Any]], ops: list[dict[str, Any]], items: list[dict[str, Any]]
     ) -> None:
         conflicts: list[tuple[dict[str, Any], str, str]] = []
-        rejected: list[tuple[dict[str, Any], dict[str, Any]]] = []
+        refused: list[tuple[dict[str, Any], int, object]] = []
         for doc, action, item in zip(docs, ops[::2], items):
             result = item.get("create", {})
             status = result.get("status", 500)
@@ -181,15 +202,37 @@ class Shipper:
                 continue
             if status == 409:
                 conflicts.append((doc, action["create"]["_index"], action["create"]["_id"]))
-            elif status == 429 or status >= 500:
-                raise RetryBatch(f"bulk item {status}: {result.get('error')}")
-            else:
-                rejected.append((doc, result))
+            elif status in PERMANENT_STATUSES:
+                refused.append((doc, status, result.get("error")))
+            else:  # 429, 5xx, and 401/403/404 (the cluster's setup, not the event): try again later
+                raise RetryBatch(f"bulk item {status}: {_error_type(result.get('error'))}")
         if conflicts:
             await self._resolve_conflicts(conflicts)
-        if rejected:
-            self.rejected += len(rejected)
-            await asyncio.to_thread(self._store_rejected, rejected)
+        if refused:
+            await self._quarantine(refused)
+
+    async def _quarantine(self, refused: list[tuple[dict[str, Any], int, object]]) -> None:
+        """Keep the originals locally (fsynced), then index a stub under each one's id."""
+        self.rejected += len(refused)
+        await asyncio.to_thread(self.quarantine.store, refused)
+        ops: list[dict[str, Any]] = []
+        for doc, status, error in refused:
+            # NOTE: only the error's type is logged: its reason may quote field values (content)
+            log.error(
+                "Elasticsearch refused audit event %s (HTTP %d, %s); quarantined in %s",
+                _id(doc),
+                status,
+                _error_type(error),
+                self.quarantine.path.name,
+            )
+            ops += [{"create": {"_index": self._index(doc), "_id": _id(doc)}}, quarantine_stub(doc, status, error)]
+        resp = (await self.client.bulk(operations=ops)).body
+        for item in resp.get("items", []) if resp.get("errors") else []:
+            status = item.get("create", {}).get("status", 500)
+            if status == 429 or status >= 500:
+                raise RetryBatch(f"bulk item {status} for a quarantine stub")
+            if status not in (200, 201, 409):
+                log.error("Elasticsearch refused a quarantine stub too (HTTP %d): the trail shows a gap", status)
 
     async def _resolve_conflicts(self, conflicts: list[tuple[dict[str, Any], str, str]]) -> None:
         got = await self.client.mget(
@@ -211,18 +254,6 @@ class Shipper:
                 status = item.get("create", {}).get("status", 500)
                 if status not in (200, 201, 409):
                     raise RetryBatch(f"bulk item {status} for a reused event id")
-
-    def _store_rejected(self, rejected: list[tuple[dict[str, Any], dict[str, Any]]]) -> None:
-        with open(self.spool.directory / "rejected.jsonl", "ab") as f:
-            for doc, result in rejected:
-                # NOTE: the error's reason may quote field values (content); it goes to the file, not the log
-                error = result.get("error")
-                kind = error.get("type") if isinstance(error, dict) else error
-                log.error("Elasticsearch rejected audit event %s (%s); kept in rejected.jsonl", _id(doc), kind)
-                entry = {"status": result.get("status"), "error": result.get("error"), "record": doc}
-                f.write(json.dumps(entry).encode() + b"\n")
-            f.flush()
-            os.fsync(f.fileno())
 
     def _rewind(self) -> None:
         self._read_pos = self.spool.committed
@@ -246,6 +277,24 @@ class Shipper:
         return min(IDLE_POLL_S, max(0.01, due))
 
 
+def _chunks(docs: list[tuple[dict[str, Any], int]], max_bytes: int) -> list[list[tuple[dict[str, Any], int]]]:
+    """Consecutive runs of at most `max_bytes` (each document alone when it is larger)."""
+    out: list[list[tuple[dict[str, Any], int]]] = []
+    size = 0
+    for doc, n in docs:
+        if not out or size + n > max_bytes:
+            out.append([])
+            size = 0
+        out[-1].append((doc, n))
+        size += n
+    return out
+
+
+def _error_type(error: object) -> str:
+    kind = error.get("type") if isinstance(error, dict) else error
+    return str(kind)[:100]
+
+
 def _parse(line: bytes) -> dict[str, Any]:
     doc = json.loads(line)
     if not isinstance(doc, dict):
@@ -254,9 +303,10 @@ def _parse(line: bytes) -> dict[str, Any]:
 
 
 def _id(doc: dict[str, Any]) -> str:
+    """The event id; a stream's open record is `<id>~open` (its close, later, takes the event id)."""
     event_id = (doc.get("event") or {}).get("id")
     if event_id:
-        return str(event_id)
+        return f"{event_id}~open" if (doc.get("tianmen") or {}).get("phase") == "open" else str(event_id)
     chain = chain_fields(doc) or {}
     return f"{chain.get('writer')}-{chain.get('seq')}"
 

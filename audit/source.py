@@ -70,7 +70,12 @@ class ElasticsearchSource:
             filters.append({"range": {"@timestamp": {"gte": query.since.isoformat()}}})
         resp = await self.client.search(
             index=self.index_pattern,
-            query={"bool": {"filter": filters, "must_not": [{"term": {"event.action": CHECKPOINT_ACTION}}]}},
+            query={
+                "bool": {
+                    "filter": filters,
+                    "must_not": [{"term": {"event.action": CHECKPOINT_ACTION}}, {"term": {"tianmen.phase": "open"}}],
+                }
+            },
             sort=[{"@timestamp": {"order": "desc"}}],
             size=query.limit,
             ignore_unavailable=True,

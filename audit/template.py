@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-TEMPLATE_VERSION = 1
+TEMPLATE_VERSION = 2
 TEMPLATE_NAME = "tianmen-audit"
 POLICY_NAME = "tianmen-audit-retention"
 
@@ -40,6 +40,9 @@ MAPPINGS: dict[str, Any] = {
             stream={"type": "boolean"},
             content_policy=_K,
             ratelimit=_obj(decision=_K),
+            phase=_K,
+            truncated=_obj(field=_K, bytes=_L),
+            quarantine=_obj(status=_L, error=_K),
             prompt=_obj(sm3=_K, text={"type": "text"}),
             response=_obj(sm3=_K, text={"type": "text"}),
             chain=_obj(writer=_K, seq=_L, prev=_K, hash=_K),

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from audit.chain import GENESIS, chain_fields, checkpoint_message, event_hash
-from audit.events import CHECKPOINT_ACTION
+from audit.events import CHECKPOINT_ACTION, QUARANTINE_ACTION
 from audit.signer import Sm2Verifier
 
 if TYPE_CHECKING:
@@ -26,6 +26,19 @@ class Problem:
 
     def __str__(self) -> str:
         return f"writer {self.writer} seq {self.seq} event {self.event_id}: {self.reason}"
+
+
+@dataclass(slots=True)
+class Noted:
+    """A record that is no tampering but needs a look: an interrupted request, a quarantined event."""
+
+    writer: str
+    seq: int
+    event_id: str | None
+    reason: str
+
+    def __str__(self) -> str:
+        return f"event {self.event_id} (writer {self.writer} seq {self.seq}): {self.reason}"
 
 
 @dataclass(slots=True)
@@ -49,6 +62,10 @@ class VerifyReport:
     num_problems: int
     records: int
     signatures_checked: bool
+    interrupted: list[Noted] = field(default_factory=list)  # opened, never closed: the gateway died mid-response
+    num_interrupted: int = 0
+    quarantined: list[Noted] = field(default_factory=list)  # refused by Elasticsearch: a stub in its place
+    num_quarantined: int = 0
 
     @property
     def ok(self) -> bool:
@@ -75,6 +92,12 @@ class ChainVerifier:
     _problems: list[Problem] = field(default_factory=list)
     _num_problems: int = 0
     _records: int = 0
+    _open: dict[str, tuple[str, int]] = field(default_factory=dict)  # event id -> its open record
+    _closed_first: dict[str, str] = field(default_factory=dict)  # a close seen before its open (another writer)
+    _interrupted: list[Noted] = field(default_factory=list)
+    _num_interrupted: int = 0
+    _quarantined: list[Noted] = field(default_factory=list)
+    _num_quarantined: int = 0
 
     def __post_init__(self) -> None:
         for key in self.public_keys:
@@ -95,7 +118,15 @@ class ChainVerifier:
             self._problem(writer, seq, event_id, reason)
 
         link = self._links.get(writer)
-        if event_hash(record) != stored:
+        action = (record.get("event") or {}).get("action")
+        phase = (record.get("tianmen") or {}).get("phase")
+        if action == QUARANTINE_ACTION:  # the original is not here to hash; the links around it still check
+            q = (record.get("tianmen") or {}).get("quarantine") or {}
+            self._num_quarantined += 1
+            if len(self._quarantined) < MAX_PROBLEMS:
+                why = f"refused by Elasticsearch (HTTP {q.get('status')}: {q.get('error')}), kept in quarantine"
+                self._quarantined.append(Noted(writer, seq, event_id, why))
+        elif event_hash(record) != stored:
             bad("hash mismatch: the event was changed after it was written")
         if link is None:
             link = self._links[writer] = _Link(WriterSummary(writer, first_seq=seq, last_seq=seq - 1), GENESIS)
@@ -109,11 +140,14 @@ class ChainVerifier:
             bad(f"events with seq {last + 1}..{seq - 1} are missing before this one")
         elif seq > link.summary.first_seq and prev != link.last_hash:
             bad(f"prev does not match the hash of seq {last}: that event or this link was altered")
-        if doc_id is not None and doc_id not in (event_id, f"{event_id}~{writer}~{seq}"):
+        base = f"{event_id}~open" if phase == "open" else event_id
+        if doc_id is not None and doc_id not in (base, f"{base}~{writer}~{seq}"):
             bad(f"document _id {doc_id!r} does not match event.id: documents were swapped or replaced")
         link.summary.last_seq, link.last_hash = seq, stored
         link.summary.events += 1
-        if (record.get("event") or {}).get("action") == CHECKPOINT_ACTION:
+        if isinstance(event_id, str) and phase in ("open", "close", "interrupted"):
+            self._track(event_id, phase, writer, seq)
+        if action == CHECKPOINT_ACTION:
             link.summary.checkpoints += 1
             self._check_checkpoint(record, link.summary, seq, prev, bad)
 
@@ -134,6 +168,27 @@ class ChainVerifier:
         else:
             summary.last_signed_seq = seq
 
+    def _track(self, event_id: str, phase: str, writer: str, seq: int) -> None:
+        """Pair each stream's open record with its close; an open left alone (or closed as interrupted
+        by the next run) is an interrupted request, not tampering."""
+        if phase == "open":
+            closing = self._closed_first.pop(event_id, None)
+            if closing is None:
+                self._open[event_id] = (writer, seq)
+            elif closing == "interrupted":
+                self._note_interrupted(writer, seq, event_id, "closed as interrupted when the gateway restarted")
+            return
+        opened = self._open.pop(event_id, None)
+        if opened is None:
+            self._closed_first[event_id] = phase
+        elif phase == "interrupted":
+            self._note_interrupted(*opened, event_id, "closed as interrupted when the gateway restarted")
+
+    def _note_interrupted(self, writer: str, seq: int, event_id: str, reason: str) -> None:
+        self._num_interrupted += 1
+        if len(self._interrupted) < MAX_PROBLEMS:
+            self._interrupted.append(Noted(writer, seq, event_id, reason))
+
     def _problem(self, writer: str | None, seq: int | None, event_id: str | None, reason: str) -> None:
         self._num_problems += 1
         if len(self._problems) < MAX_PROBLEMS:
@@ -141,7 +196,20 @@ class ChainVerifier:
 
     def report(self) -> VerifyReport:
         writers = sorted((link.summary for link in self._links.values()), key=lambda s: s.writer)
-        return VerifyReport(writers, self._problems, self._num_problems, self._records, bool(self._keys))
+        for event_id, (writer, seq) in self._open.items():
+            self._note_interrupted(writer, seq, event_id, "opened, never closed: the gateway stopped mid-response")
+        self._open.clear()
+        return VerifyReport(
+            writers,
+            self._problems,
+            self._num_problems,
+            self._records,
+            bool(self._keys),
+            self._interrupted,
+            self._num_interrupted,
+            self._quarantined,
+            self._num_quarantined,
+        )
 
 
 async def verify(source: AuditSource, *, public_keys: Iterable[str] = ()) -> VerifyReport:
@@ -163,6 +231,15 @@ def format_report(report: VerifyReport) -> str:
         lines += [f"  {p}" for p in report.problems[1:20]]
         if report.num_problems > 20:
             lines.append(f"  ... and {report.num_problems - 20} more")
+    for what, notes, n, why in (
+        ("interrupted request(s)", report.interrupted, report.num_interrupted, "the response was cut off"),
+        ("quarantined event(s)", report.quarantined, report.num_quarantined, "see quarantine.jsonl in the spool"),
+    ):
+        if n:
+            lines.append(f"{n} {what} (not tampering: {why}):")
+            lines += [f"  {note}" for note in notes[:20]]
+            if n > 20:
+                lines.append(f"  ... and {n - 20} more")
     if not report.signatures_checked:
         lines.append("warning: no SM2 public key given, checkpoint signatures were not checked")
     for s in report.writers:

@@ -18,7 +18,7 @@ from gateway import prompt, routes
 from gateway.auth_guard import FailedAuthLimiter
 from gateway.errors import APIError, api_error_handler, http_exception_handler, unhandled_error_handler
 from gateway.metrics import Metrics
-from gateway.middleware import AuditHook, Auth, BodyLimit, RequestContext
+from gateway.middleware import Auth, BodyLimit, RequestContext, StateHook
 from security.jwt import TokenVerifier
 from security.ratelimit import RateLimiter
 
@@ -35,8 +35,8 @@ class Deps:
     metrics: Metrics | None = None
     admin_scope: str = "admin"
     profile_dir: Path = Path(".tianmen/profiles")
-    on_complete: AuditHook | None = None
-    on_response_start: AuditHook | None = None  # awaited before the first response byte; raising → 503
+    on_complete: StateHook | None = None
+    on_response_start: StateHook | None = None  # awaited before the first response byte; raising → 503
     audit_precheck: Callable[[], None] | None = None
     auth_guard: FailedAuthLimiter | None = None  # failed authentications per source IP → 429
     cache_salt_per_subject: bool = False  # prefix cache shared by a tenant (False) or by one subject only
@@ -58,7 +58,8 @@ def create_app(deps: Deps) -> Starlette:
             for stop in reversed(deps.shutdown):
                 await stop()
 
-    # NOTE: routes read deps from app.state: scope["state"] holds the per-request RequestState instead
+    # NOTE: routes read deps from app.state (scope["state"] is Starlette's lifespan state; a request's own is
+    # scope["request_state"])
     app = Starlette(
         routes=[
             Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),

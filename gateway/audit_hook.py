@@ -1,8 +1,9 @@
-"""Request → audit event: the one place the gateway turns a finished call into an ECS record."""
+"""Request → audit records: the one place the gateway turns a call into ECS records, durable before its first byte."""
 
 from __future__ import annotations
 
 import logging
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,9 @@ def audit_config(settings: Settings) -> AuditConfig:
             max_spool_bytes=a.max_spool_bytes,
             segment_bytes=max(4096, min(16 << 20, a.max_spool_bytes // 8)),
             writer_id=a.writer_id,
+            ship_batch_bytes=a.ship_batch_bytes,
+            quarantine_max_bytes=a.quarantine_max_bytes,
+            recover_scan_bytes=a.recover_scan_bytes,
         )
     except (AssertionError, OSError, ValueError) as e:
         raise SettingsError(f"audit: {e}") from None
@@ -54,7 +58,10 @@ def _secret(path: Path | None) -> str | None:
 
 
 class AuditHook:
-    """RequestContext's `on_complete`: one event per request, whatever its outcome."""
+    """No served request without a durable record. `opened` runs at response start, before the first
+    byte: a non-streamed response's complete event is known then and written; a streamed one gets an
+    opening record, and `__call__` (the end of the request) writes its closing record. A request that
+    never started a response (the client left first) is written at the end."""
 
     def __init__(self, auditor: Auditor) -> None:
         self.auditor = auditor
@@ -62,16 +69,34 @@ class AuditHook:
     def check(self) -> None:
         self.auditor.check_writable()  # raises AuditUnavailable: refuse before serving
 
+    async def opened(self, scope: dict[str, Any], state: RequestState) -> None:
+        """Returns once the record is fsynced in the spool; raises AuditUnavailable (answer 503)."""
+        phase = "open" if state.streaming else "complete"
+        if phase == "complete":
+            state.duration_s = time.time() - state.start
+        await self.auditor.emit(self.event(scope, state, phase).to_dict())
+        state.audit_record = phase
+
     async def __call__(self, scope: dict[str, Any], state: RequestState) -> None:
+        if state.audit_record == "complete":
+            return
+        phase = "close" if state.audit_record == "open" else "complete"
+        try:
+            await self.auditor.emit(self.event(scope, state, phase).to_dict())
+        except AuditUnavailable:
+            log.error("audit %s record for request %s could not be written", phase, state.request_id)
+
+    def event(self, scope: dict[str, Any], state: RequestState, phase: str) -> AuditEvent:
         headers = dict(scope.get("headers") or [])
         tls = (scope.get("extensions") or {}).get("tls") or {}
         client = scope.get("client")
-        event = AuditEvent(
-            request_id=scope["request_id"],
+        return AuditEvent(
+            request_id=state.request_id,
             action=ACTIONS.get(scope["path"], "http-request"),
             status_code=state.status,
+            outcome="unknown" if phase == "open" else None,  # a stream's outcome is known at its end
             timestamp=datetime.fromtimestamp(state.start, timezone.utc),
-            duration_ns=int(state.duration_s * 1e9),
+            duration_ns=None if phase == "open" else int(state.duration_s * 1e9),
             user_id=state.user,
             tenant=state.tenant,
             source_ip=client[0] if client else None,
@@ -89,11 +114,8 @@ class AuditHook:
             stream=state.stream,
             ratelimit_decision=state.ratelimit,
             error_type=state.error or state.auth_failure,
-            content=self.auditor.content_fields(state.prompt_text, state.response_text)
+            phase=phase,
+            content=self.auditor.content_fields(state.prompt_text, None if phase == "open" else state.response_text)
             if state.prompt_text is not None
             else {},
         )
-        try:
-            await self.auditor.emit(event.to_dict())
-        except AuditUnavailable:
-            log.error("audit event for request %s could not be written", scope["request_id"])

@@ -36,7 +36,7 @@ async def run(
     params: list[SamplingParams],
     lease: Lease,
 ) -> Response:
-    deps, state = request.app.state.deps, request.scope["state"]
+    deps, state = request.app.state.deps, request.scope["request_state"]
     engine = deps.engine
     chat = isinstance(body, ChatCompletionRequest)
     want_lp = body.num_logprobs() is not None

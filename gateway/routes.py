@@ -98,7 +98,7 @@ async def _complete(request: Request, chat: bool) -> Response:
     if not engine.ready:
         raise APIError(503, "the engine is not ready; retry shortly", headers={"Retry-After": "5"})
     principal: Principal = request.scope["principal"]
-    state: RequestState = request.scope["state"]
+    state: RequestState = request.scope["request_state"]
     raw = await _body(request)
     body = await asyncio.to_thread(_parse, ChatCompletionRequest if chat else CompletionRequest, raw)
     state.model, state.stream = body.model, body.stream

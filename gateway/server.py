@@ -166,6 +166,7 @@ def build_app_and_config(settings: Settings) -> tuple[uvicorn.Config, AsyncEngin
         auth_guard=guard,
         cache_salt_per_subject=srv.prefix_cache_per_subject,
         report_cached_tokens=srv.report_cached_tokens,
+        on_response_start=hook.opened,
         metrics=metrics,
         admin_scope=settings.auth.admin_scope,
         profile_dir=settings.home / "profiles",

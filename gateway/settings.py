@@ -64,6 +64,10 @@ class AuthSettings:
     default_tenant: str | None = None
     required_scope: str | None = None  # e.g. "inference": a token without it gets 403
     admin_scope: str = "admin"
+    # external mode needs issuer and audience (a token of another IdP or app is refused); only an IdP that
+    # issues tokens without them may switch the check off, explicitly
+    allow_missing_issuer: bool = False
+    allow_missing_audience: bool = False
 
     @property
     def external(self) -> bool:
@@ -126,6 +130,9 @@ class AuditSettings:
     fsync_interval_ms: float = 50.0
     max_spool_bytes: int = 1 << 30
     writer_id: str | None = None
+    ship_batch_bytes: int = 8 << 20  # one bulk request's body at most; larger batches are split
+    quarantine_max_bytes: int = 64 << 20  # events Elasticsearch refuses for good (spool_dir/quarantine*.jsonl)
+    recover_scan_bytes: int = 64 << 20  # at start, the spool tail searched for streams a crash left open
 
 
 @dataclass
@@ -242,6 +249,14 @@ def _validate(s: Settings) -> None:
         raise SettingsError(f"server.shutdown_grace_s must be >= 0, got {s.server.shutdown_grace_s}")
     if s.auth.jwks_file is not None and s.auth.jwks_url is not None:
         raise SettingsError("auth.jwks_file and auth.jwks_url are exclusive: set one")
+    if s.auth.external:
+        for name in ("issuer", "audience"):
+            if getattr(s.auth, name) is None and not getattr(s.auth, f"allow_missing_{name}"):
+                raise SettingsError(
+                    f"auth.{name} is required with an external key set (auth.jwks_file / auth.jwks_url / "
+                    f"auth.hs256_secret_file): set it to your identity provider's {name}, or set "
+                    f"auth.allow_missing_{name} = true if it issues tokens without one"
+                )
     if s.audit.content_policy not in ("none", "sm3", "full"):
         raise SettingsError(f"audit.content_policy must be none, sm3 or full, got {s.audit.content_policy!r}")
     if s.ratelimit.on_redis_error not in ("closed", "open"):

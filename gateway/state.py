@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 @dataclass(slots=True)
 class RequestState:
-    """Set once per request by RequestContext in `scope["state"]`; each layer fills in its own fields.
+    """Set once per request by RequestContext in `scope["request_state"]`; each layer fills in its own fields.
 
     Replaces the old `scope["audit"]` dict: a misspelt field is an AttributeError, not a silent None."""
 
@@ -36,3 +36,6 @@ class RequestState:
     ratelimit: str | None = None
     error: str | None = None
     settled_by_stream: bool = False
+    # audit (gateway.audit_hook): a streamed response gets an opening and a closing record
+    streaming: bool = False  # the response is text/event-stream; set before on_response_start
+    audit_record: str | None = None  # "complete" | "open": what on_response_start made durable

@@ -31,6 +31,7 @@ Reason = Literal[
     "alg_not_allowed",
     "too_large",
     "missing_claim",
+    "invalid_claim",
 ]
 _MESSAGES: dict[Reason, str] = {
     "missing": "no bearer token",
@@ -44,6 +45,7 @@ _MESSAGES: dict[Reason, str] = {
     "alg_not_allowed": "token algorithm is not allowed",
     "too_large": "token is too large",
     "missing_claim": "token lacks a required claim",
+    "invalid_claim": "a token claim has the wrong type or size",
 }
 
 
@@ -83,6 +85,8 @@ class JWTConfig:
     models_claim: str = "models"
     tier_claim: str = "tier"
     default_tenant: str | None = None  # None: a token without a tenant claim is refused
+    max_claim_bytes: int = 256  # sub, tenant, tier and each scope/model name (UTF-8)
+    max_claim_names: int = 256  # names in the scope or models claim
     min_refresh_interval_s: float = 30.0
     jwks_max_age_s: float = 300.0
 
@@ -113,6 +117,8 @@ class JWTConfig:
             raise ValueError("JWTConfig.max_token_bytes must be between 1 and 65536")
         if not all((self.tenant_claim, self.scope_claim, self.models_claim, self.tier_claim)):
             raise ValueError("JWTConfig claim names must be non-empty")
+        if not (1 <= self.max_claim_bytes <= 4096 and 1 <= self.max_claim_names <= 4096):
+            raise ValueError("JWTConfig.max_claim_bytes and max_claim_names must be between 1 and 4096")
         if self.default_tenant == "":
             raise ValueError("JWTConfig.default_tenant must be None or non-empty")
         if not (1.0 <= self.min_refresh_interval_s <= self.jwks_max_age_s):
@@ -150,7 +156,14 @@ class JWTVerifier:
         self._jwks = jwks
         self._allowed = frozenset(config.algorithms) | ({"HS256"} if config.hs256_secret else set())
         required = ["exp", "sub"] + (["iss"] if config.issuer else []) + (["aud"] if config.audience else [])
-        self._options: dict[str, Any] = {"require": required, "enforce_minimum_key_length": True}
+        # NOTE: claim types are checked in _principal, not by PyJWT: its checks differ between versions
+        # (older ones accept a numeric sub), and its errors say nothing of the claim; jti is unused
+        self._options: dict[str, Any] = {
+            "require": required,
+            "enforce_minimum_key_length": True,
+            "verify_sub": False,
+            "verify_jti": False,
+        }
 
     async def verify(self, token: str) -> Principal:
         alg, kid = self._read_header(token)
@@ -227,32 +240,60 @@ class JWTVerifier:
 
     def _principal(self, claims: dict[str, Any]) -> Principal:
         cfg = self.config
-        subject = claims["sub"]  # required, and a string: PyJWT checks both
-        tenant = claims.get(cfg.tenant_claim)
-        tenant = cfg.default_tenant if tenant is None else tenant
-        tier = claims.get(cfg.tier_claim)
-        if not subject:
-            raise AuthError("missing_claim", "token lacks required claim 'sub'")
+        subject = self._string(claims, "sub")
+        tenant = self._string(claims, cfg.tenant_claim) if cfg.tenant_claim in claims else cfg.default_tenant
+        tier = self._string(claims, cfg.tier_claim) if cfg.tier_claim in claims else None
         if not tenant:
             raise AuthError("missing_claim", f"token lacks required claim {cfg.tenant_claim!r}")
-        if not isinstance(tenant, str) or not (tier is None or isinstance(tier, str)):
-            raise AuthError("malformed", "tenant and tier claims must be strings")
-        models = claims.get(cfg.models_claim)
         return Principal(
             subject=subject,
             tenant=tenant,
-            scopes=_names(claims.get(cfg.scope_claim), cfg.scope_claim),
-            models=None if models is None else _names(models, cfg.models_claim),
+            scopes=self._names(claims, cfg.scope_claim) or frozenset(),
+            models=self._names(claims, cfg.models_claim),
             tier=tier,
         )
 
+    def _string(self, claims: dict[str, Any], claim: str) -> str:
+        """A present claim that must be a non-empty string of at most max_claim_bytes."""
+        value = claims[claim]
+        if not isinstance(value, str):
+            raise AuthError("invalid_claim", f"token claim {claim!r} must be a string, not {_json_type(value)}")
+        if not value:
+            raise AuthError("missing_claim", f"token lacks required claim {claim!r}")
+        if len(value.encode("utf-8", "surrogatepass")) > self.config.max_claim_bytes:
+            raise AuthError(
+                "invalid_claim", f"token claim {claim!r} is longer than {self.config.max_claim_bytes} bytes"
+            )
+        return value
 
-def _names(value: object, claim: str) -> frozenset[str]:
-    """A claim holding names: a space-separated string or a list of strings."""
+    def _names(self, claims: dict[str, Any], claim: str) -> frozenset[str] | None:
+        """A claim holding names: a space-separated string or a list of strings; None when absent."""
+        if claim not in claims:
+            return None
+        value = claims[claim]
+        if isinstance(value, str):
+            names = value.split()
+        elif isinstance(value, list) and all(isinstance(v, str) for v in value):
+            names = value
+        else:
+            raise AuthError("invalid_claim", f"token claim {claim!r} must be a string or a list of strings")
+        limit = self.config.max_claim_bytes
+        if len(names) > self.config.max_claim_names or any(
+            len(n.encode("utf-8", "surrogatepass")) > limit for n in names
+        ):
+            raise AuthError("invalid_claim", f"token claim {claim!r} has too many or too long names")
+        return frozenset(names)
+
+
+def _json_type(value: object) -> str:
     if value is None:
-        return frozenset()
-    if isinstance(value, str):
-        return frozenset(value.split())
-    if isinstance(value, list) and all(isinstance(v, str) for v in value):
-        return frozenset(value)
-    raise AuthError("malformed", f"claim {claim!r} must be a string or a list of strings")
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, dict):
+        return "an object"
+    return type(value).__name__

@@ -9,6 +9,7 @@ from urllib.parse import urlsplit
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from security.ratelimit_lua import ADMIT_LUA, SETTLE_LUA
@@ -144,15 +145,21 @@ class RedisStore:
         self._settle = client.register_script(SETTLE_LUA)
 
     @classmethod
-    def from_url(cls, url: str, *, max_connections: int = 64, timeout_s: float = 2.0) -> RedisStore:
-        # NOTE: no retries: a retried EVALSHA after a timeout could consume twice; outages are the caller's policy
+    def from_url(
+        cls, url: str, *, max_connections: int = 64, timeout_s: float = 2.0, health_check_interval_s: int = 1
+    ) -> RedisStore:
+        # NOTE: after Redis restarts, every pooled connection is dead. A connection idle for longer than the
+        # health-check interval is PINGed before use, and a connection error (a dead socket: the command never
+        # reached the new server) is retried once on a fresh connection, so the first request after a restart
+        # succeeds. Timeouts are never retried: the script may have run, and a retry could consume twice.
         pool = BlockingConnectionPool.from_url(
             url,
             max_connections=max_connections,
             timeout=timeout_s,
             socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s,
-            retry=Retry(NoBackoff(), 0),
+            health_check_interval=health_check_interval_s,
+            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
         )
         parts = urlsplit(url)
         where = f"Redis at {parts.hostname}:{parts.port or 6379}" if parts.hostname else f"Redis at {parts.path}"

@@ -15,7 +15,7 @@ from elasticsearch import AsyncElasticsearch
 from audit.auditor import Auditor
 from audit.config import AuditConfig
 from audit.es import make_client
-from audit.events import CHECKPOINT_ACTION, AuditEvent
+from audit.events import CHECKPOINT_ACTION, QUARANTINE_ACTION, AuditEvent
 from audit.signer import public_key_of
 from audit.source import ElasticsearchSource
 from audit.template import TEMPLATE_NAME
@@ -227,7 +227,7 @@ async def test_a_reused_event_id_is_kept_not_dropped(
     assert report.ok, report.problems
 
 
-async def test_a_document_the_server_refuses_is_set_aside_and_shipping_goes_on(
+async def test_a_document_the_server_refuses_is_quarantined_and_the_trail_still_verifies(
     tmp_path: Path, es_server: EsServer, es: AsyncElasticsearch
 ) -> None:
     auditor = Auditor(config(tmp_path, es_server.url))
@@ -238,8 +238,11 @@ async def test_a_document_the_server_refuses_is_set_aside_and_shipping_goes_on(
     await wait_until(lambda: auditor.stats()["unshipped_events"] == 0, "shipping")
     assert auditor.stats()["ship_rejected"] == 1
     await auditor.stop()
-    assert sorted(h["_id"] for h in requests_only(await all_docs(es))) == ["req-0001", "req-0003"]
-    (rejected,) = (tmp_path / "spool" / "rejected.jsonl").read_text().splitlines()
-    assert json.loads(rejected)["record"]["event"]["id"] == "req-0002"
+    hits = {h["_id"]: h["_source"] for h in requests_only(await all_docs(es))}
+    assert sorted(hits) == ["req-0001", "req-0002", "req-0003"]
+    assert hits["req-0002"]["event"]["action"] == QUARANTINE_ACTION  # a stub with the chain fields
+    (entry,) = (tmp_path / "spool" / "quarantine.jsonl").read_text().splitlines()
+    assert json.loads(entry)["record"]["event"]["id"] == "req-0002" and json.loads(entry)["status"] == 400
     report = await verify(ElasticsearchSource(es, "tianmen-audit-*"))
-    assert report.first_bad is not None and report.first_bad.event_id == "req-0003"  # the hole shows
+    assert report.ok, report.problems  # no hole: verify knows the event is quarantined
+    assert [q.event_id for q in report.quarantined] == ["req-0002"]

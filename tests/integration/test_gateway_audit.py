@@ -43,7 +43,13 @@ def events(es: EsServer, request_ids: list[str]) -> dict[str, list[dict]]:
     found: dict[str, list[dict]] = {}
     for _ in range(100):  # the shipper bulk-indexes asynchronously
         client.indices.refresh(index="tianmen-audit-*")
-        hits = client.search(index="tianmen-audit-*", size=1000, query={"terms": {"event.id": request_ids}})
+        query = {
+            "bool": {
+                "filter": [{"terms": {"event.id": request_ids}}],
+                "must_not": [{"term": {"tianmen.phase": "open"}}],
+            }
+        }
+        hits = client.search(index="tianmen-audit-*", size=1000, query=query)  # Kibana's one-event-per-request view
         found = {}
         for h in hits["hits"]["hits"]:
             found.setdefault(h["_source"]["event"]["id"], []).append(h["_source"])
@@ -96,7 +102,15 @@ def test_one_event_per_request_whatever_the_outcome(gw: RunningGateway, es: EsSe
         413,
     ]
     assert all(ev[k]["event"]["outcome"] == "failure" for k in ("bad", "noauth", "nomodel", "big"))
-    assert ev["cut"]["tianmen"]["finish_reason"] == "client_disconnected"
+    assert ev["cut"]["tianmen"]["finish_reason"] == "client_disconnected" and ev["cut"]["tianmen"]["phase"] == "close"
+    assert all(ev[k]["tianmen"]["phase"] == "complete" for k in ("ok", "bad", "noauth", "nomodel", "big"))
+    client = Elasticsearch(es.url)  # the stream's opening record, written before its first byte
+    opening = client.get(
+        index=f"tianmen-audit-{ev['cut']['@timestamp'][:10].replace('-', '.')}", id=ids["cut"] + "~open"
+    )
+    client.close()
+    assert opening["_source"]["tianmen"]["phase"] == "open" and opening["_source"]["event"]["outcome"] == "unknown"
+    assert opening["_source"]["tianmen"]["chain"]["seq"] < ev["cut"]["tianmen"]["chain"]["seq"]
 
 
 def test_cli_search_and_verify(gw: RunningGateway, es: EsServer, capsys: pytest.CaptureFixture[str]) -> None:
@@ -133,3 +147,24 @@ def test_full_spool_refuses_with_503(tmp_path: Path) -> None:
                     break
         assert statuses[0] == 200 and statuses[-1] == 503, statuses
         assert r.json()["error"]["code"] == "audit_unavailable" and "retry-after" in r.headers
+
+
+def test_a_token_claim_of_the_wrong_type_is_a_401_through_the_gateway(gw: RunningGateway, es: EsServer) -> None:
+    import time
+
+    import jwt
+    from cryptography.hazmat.primitives import serialization
+
+    key = serialization.load_pem_private_key(gw.pki.jwt_key.read_bytes(), password=None)
+    now = int(time.time())
+    claims = {"iss": "tianmen-dev", "aud": "tianmen", "sub": 4711, "tenant": "bank", "iat": now, "exp": now + 60}
+    token = jwt.PyJWS().encode(json.dumps(claims).encode(), key, "EdDSA", {"kid": gw.pki.kid})  # type: ignore[arg-type]
+    with httpx.Client(base_url=gw.url, verify=client_ssl_context(gw.pki.ca_cert), timeout=60) as c:
+        r = c.post(
+            "/v1/chat/completions", json={"model": gw.model, **CHAT}, headers={"Authorization": f"Bearer {token}"}
+        )
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_token"
+    assert r.json()["error"]["message"] == "token claim 'sub' must be a string, not a number"
+    assert 'error_description="invalid_claim"' in r.headers["www-authenticate"]
+    (event,) = events(es, [r.headers["x-request-id"]])[r.headers["x-request-id"]]
+    assert event["error"]["type"] == "invalid_claim" and event["http"]["response"]["status_code"] == 401

@@ -1,10 +1,13 @@
 """Outages and restarts through the real gateway: Elasticsearch killed under load, gateway restarted with a
-backlog, mTLS with the client subject in the audit trail, and no secrets or prompts in the logs."""
+backlog, Redis killed under load and back, mTLS with the client subject in the audit trail, and no secrets or
+prompts in the logs."""
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -14,6 +17,7 @@ from elasticsearch import Elasticsearch
 from security.tls import client_ssl_context
 from tests.es_server import EsServer
 from tests.gateway_server import RunningGateway, run_gateway
+from tests.redis_server import RedisServer
 from tests.tiny_model import build_tiny_chat_model
 
 SECRET_PROMPT = "my-very-secret-prompt-4711"
@@ -131,3 +135,57 @@ def test_no_token_key_or_prompt_in_logs(model: Path, tmp_path: Path, caplog: pyt
     assert caplog.records  # something was logged at debug level
     assert token not in text and token.split(".")[2] not in text and SECRET_PROMPT not in text
     assert key.splitlines()[1] not in text
+
+
+def test_redis_killed_under_load_503s_then_recovers_at_once(model: Path, tmp_path: Path) -> None:
+    env = {"TIANMEN_RATELIMIT_REQUESTS_PER_MINUTE": "100000", "TIANMEN_RATELIMIT_TOKENS_PER_MINUTE": "none"}
+    with (
+        RedisServer() as redis,
+        run_gateway(tmp_path / "home", model, {**env, "TIANMEN_RATELIMIT_REDIS_URL": redis.url}) as gw,
+    ):
+        token = gw.token(sub="load")
+        results: list[tuple[float, float, int, dict | None]] = []  # (sent, answered, status, 503 body)
+        stop = threading.Event()
+
+        def client() -> None:
+            with httpx.Client(base_url=gw.url, verify=client_ssl_context(gw.pki.ca_cert), timeout=60) as c:
+                while not stop.is_set():
+                    sent = time.monotonic()
+                    r = c.post(
+                        "/v1/chat/completions",
+                        json={"model": gw.model, **CHAT},
+                        headers={"Authorization": f"Bearer {token}"},
+                    )
+                    results.append((sent, time.monotonic(), r.status_code, r.json() if r.status_code == 503 else None))
+
+        workers = [threading.Thread(target=client) for _ in range(4)]  # a bounded load: 4 requests at a time
+        for w in workers:
+            w.start()
+        try:
+            _wait_for(lambda: sum(r[2] == 200 for r in results) >= 8)
+            redis.kill()
+            killed = time.monotonic()
+            _wait_for(lambda: sum(r[0] > killed and r[2] == 503 for r in results) >= 4)
+            redis.start()  # same port, empty
+            back = time.monotonic()
+            _wait_for(lambda: sum(r[0] > back + 1.0 for r in results) >= 8)
+        finally:
+            stop.set()
+            for w in workers:
+                w.join(60)
+    assert {r[2] for r in results} <= {200, 503}
+    down = [r for r in results if r[0] > killed and r[1] < back]
+    assert down and all(r[2] == 503 for r in down), "a request was served while Redis was down"
+    for _, _, status, body in results:
+        if status == 503:
+            assert body is not None and body["error"]["code"] == "ratelimit_unavailable"
+            assert "rate limiting is temporarily unavailable" in body["error"]["message"]
+    late = [r[2] for r in results if r[0] > back + 1.0]
+    assert late and all(s == 200 for s in late), f"503s a second after Redis came back: {late}"
+
+
+def _wait_for(cond: Callable[[], bool], timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "the load did not get there in time"
+        time.sleep(0.05)

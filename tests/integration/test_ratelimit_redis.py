@@ -279,3 +279,20 @@ async def test_redis_killed_fail_open_then_back(
     client = Redis.from_url(server.url)
     assert await client.exists(f"{prefix}{{acme}}:s:b:req") == 1  # decided by Redis again
     await client.aclose()
+
+
+async def test_first_calls_after_a_restart_succeed_on_a_pool_of_dead_connections(
+    make: Make, server: RedisServer
+) -> None:
+    # every pooled connection (16 opened by concurrent calls) is dead after the restart; none may fail a call
+    rl = make(config(server.url, "p:", RateLimitTier(requests_per_minute=10_000, max_concurrent=None), redis_retry_s=0))
+    assert all(a.allowed for a in await asyncio.gather(*(rl.admit("acme", f"s{i}", None, 0) for i in range(16))))
+    server.kill()
+    server.start()
+    for _ in range(3):  # idle connections (PINGed) and just-used ones (retried once) alike
+        results = await asyncio.gather(*(rl.admit("acme", f"s{i}", None, 0) for i in range(16)))
+        assert all(a.allowed for a in results)
+    await asyncio.sleep(1.2)  # past the health-check interval: the next use PINGs first
+    server.kill()
+    server.start()
+    assert all(a.allowed for a in await asyncio.gather(*(rl.admit("acme", f"s{i}", None, 0) for i in range(16))))

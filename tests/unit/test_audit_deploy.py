@@ -28,6 +28,7 @@ def test_deploy_files_are_what_the_shipper_installs() -> None:
 def test_template_maps_every_field_an_event_can_carry() -> None:
     from audit.chain import Chain
     from audit.events import AuditEvent, content_fields
+    from audit.quarantine import quarantine_stub
     from audit.signer import Sm2Signer
 
     full = AuditEvent(
@@ -52,10 +53,14 @@ def test_template_maps_every_field_an_event_can_carry() -> None:
         stream=True,
         ratelimit_decision="allowed",
         error_type="none",
+        phase="close",
         content=content_fields("full", "p", "r"),
     ).to_dict()
+    cut = AuditEvent(request_id="r", action="chat", model="m" * 300).to_dict()
+    assert cut["tianmen"]["truncated"]
     chain = Chain("w")
     record = chain.link(full)
+    stub = quarantine_stub(chain.link(cut), 400, {"type": "mapper_parsing_exception"})
     checkpoint = chain.checkpoint(Sm2Signer(f"{11:064x}"), datetime.now(timezone.utc))
 
     def leaves(d: dict[str, Any], prefix: str = "") -> set[str]:
@@ -64,7 +69,8 @@ def test_template_maps_every_field_an_event_can_carry() -> None:
             out |= leaves(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k}
         return out
 
-    assert leaves(record) | leaves(checkpoint) <= FIELDS
+    assert leaves(record) | leaves(checkpoint) | leaves(stub) <= FIELDS
+    assert {f"tianmen.truncated.{k}" for k in cut["tianmen"]["truncated"][0]} <= FIELDS  # a list of objects
 
 
 def test_saved_objects_parse_and_every_reference_resolves() -> None:
@@ -104,3 +110,12 @@ def test_data_view_matches_the_template_and_every_field_exists() -> None:
             used |= set(re.findall(r"([\w@.]+)\s*:", json.loads(meta)["query"]["query"]))
     assert used - FIELDS == set()
     assert {"event.outcome", "error.type", "organization.id", "tianmen.model", "user.id", "event.duration"} <= used
+
+
+def test_kibana_shows_one_event_per_request() -> None:
+    # a stream writes an opening record at its first byte and a closing one at its end: only the latter counts
+    for o in saved_objects():
+        meta = o["attributes"].get("kibanaSavedObjectMeta", {}).get("searchSourceJSON")
+        if meta and o["type"] in ("search", "visualization"):
+            query = json.loads(meta)["query"]["query"]
+            assert 'NOT tianmen.phase : "open"' in query and 'NOT event.action : "audit-checkpoint"' in query, o["id"]

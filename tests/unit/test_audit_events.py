@@ -45,7 +45,7 @@ def test_event_uses_ecs_names_and_drops_unset_fields() -> None:
         "url": {"path": "/v1/chat/completions"},
         "user_agent": {"original": "curl/8"},
         "error": {"type": "rate_limited"},
-        "tianmen": {"model": "qwen", "prompt_tokens": 12, "ratelimit": {"decision": "limited"}},
+        "tianmen": {"model": "qwen", "prompt_tokens": 12, "ratelimit": {"decision": "limited"}, "phase": "complete"},
     }
 
 

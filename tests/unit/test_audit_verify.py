@@ -154,3 +154,45 @@ def test_record_without_chain_fields_is_a_problem() -> None:
     v.feed(None, {"_unparseable": "seg-000000000001.jsonl:3"})
     report = v.report()
     assert [p.reason for p in report.problems] == ["no chain fields", "unparseable record at seg-000000000001.jsonl:3"]
+
+
+def linked(writer: str, *events: tuple[str, str]) -> list[tuple[str, dict[str, Any]]]:
+    """(Elasticsearch _id the shipper gives it, record) for each (event id, phase)."""
+    from audit.chain import Chain
+
+    chain = Chain(writer)
+    out = []
+    for rid, phase in events:
+        record = chain.link(AuditEvent(rid, "chat-completion", status_code=200, phase=phase).to_dict())
+        out.append((f"{rid}~open" if phase == "open" else rid, record))
+    return out
+
+
+def test_an_open_record_without_its_close_is_interrupted_not_tampering() -> None:
+    v = ChainVerifier()
+    for doc_id, record in linked("gw-1", ("a", "open"), ("b", "open"), ("a", "close"), ("c", "complete")):
+        v.feed(doc_id, record)
+    report = v.report()
+    assert report.ok and [(n.event_id, n.seq) for n in report.interrupted] == [("b", 1)]
+    text = format_report(report)
+    assert text.startswith("OK") and "1 interrupted request(s) (not tampering" in text and "event b" in text
+
+
+def test_a_close_by_another_writer_may_come_before_its_open() -> None:
+    # Elasticsearch sorts by writer: a restart under a new writer id closes an old writer's open record
+    v = ChainVerifier()
+    for doc_id, record in [
+        *linked("gw-2", ("a", "interrupted"), ("b", "close")),
+        *linked("gw-1", ("a", "open"), ("b", "open")),
+    ]:
+        v.feed(doc_id, record)
+    report = v.report()
+    assert report.ok and [n.event_id for n in report.interrupted] == ["a"]
+    assert "closed as interrupted" in report.interrupted[0].reason
+
+
+def test_an_opening_record_under_the_plain_event_id_is_a_swap() -> None:
+    v = ChainVerifier()
+    ((_, record),) = linked("gw-1", ("a", "open"))
+    v.feed("a", record)  # the opening record is `a~open`; `a` is its closing record's
+    assert not v.report().ok and "does not match event.id" in str(v.report().first_bad)

@@ -132,7 +132,7 @@ def test_audit_hook_sees_every_outcome() -> None:
     seen: list[RequestState] = []
 
     async def hook(scope: Any, state: RequestState) -> None:
-        assert scope["state"] is state
+        assert scope["request_state"] is state
         seen.append(state)
 
     c, _ = client(on_complete=hook)

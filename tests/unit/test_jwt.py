@@ -175,7 +175,7 @@ REFUSALS: list[tuple[str, Callable[[Keys], str], str]] = [
     ("missing exp", lambda k: sign(k, exp=None), "missing_claim"),
     ("missing sub", lambda k: sign(k, sub=None), "missing_claim"),
     ("missing tenant", lambda k: sign(k, tenant=None), "missing_claim"),
-    ("scope not names", lambda k: sign(k, scope={"a": 1}), "malformed"),
+    ("scope not names", lambda k: sign(k, scope={"a": 1}), "invalid_claim"),
     ("empty", lambda k: "", "missing"),
     ("garbage", lambda k: "not-a-jwt", "malformed"),
     ("three garbage segments", lambda k: "a.b.c", "malformed"),
@@ -193,6 +193,64 @@ async def test_refusals(verifier: JWTVerifier, keys: Keys, make: Callable[[Keys]
     assert err.value.reason == reason
     if token:
         assert token not in str(err.value)
+
+
+def sign_payload(keys: Keys, payload: dict[str, Any]) -> str:
+    """Signed as raw JSON, so that PyJWT's encoder cannot refuse (or fix) a claim of the wrong type."""
+    return jwt.PyJWS().encode(json.dumps(payload).encode(), keys.ed, "EdDSA", {"kid": "ed"})
+
+
+WRONG_TYPES: list[tuple[str, Any]] = [
+    ("number", 42),
+    ("float", 1.5),
+    ("list", ["alice"]),
+    ("object", {"id": "alice"}),
+    ("bool", True),
+    ("null", None),
+    ("huge", "x" * 2000),
+]
+
+
+@pytest.mark.parametrize("claim", ["sub", "tenant", "tier"])
+@pytest.mark.parametrize(("kind", "value"), WRONG_TYPES, ids=[w[0] for w in WRONG_TYPES])
+async def test_string_claims_of_the_wrong_type_are_refused(
+    verifier: JWTVerifier, keys: Keys, claim: str, kind: str, value: Any
+) -> None:
+    with pytest.raises(AuthError) as err:
+        await verifier.verify(sign_payload(keys, claims() | {claim: value}))
+    assert err.value.reason in ("invalid_claim", "missing_claim")  # sub: null reads as absent (PyJWT's check)
+    assert repr(claim) in str(err.value)
+
+
+@pytest.mark.parametrize("claim", ["scope", "models"])
+@pytest.mark.parametrize(
+    ("kind", "value"),
+    [
+        *WRONG_TYPES[:2],
+        ("object", {"a": 1}),
+        ("bool", False),
+        ("null", None),
+        ("list of numbers", [1, 2]),
+        ("huge name", ["x" * 2000]),
+        ("too many names", [f"m{i}" for i in range(300)]),
+    ],
+)
+async def test_name_claims_of_the_wrong_type_are_refused(
+    verifier: JWTVerifier, keys: Keys, claim: str, kind: str, value: Any
+) -> None:
+    with pytest.raises(AuthError) as err:
+        await verifier.verify(sign_payload(keys, claims() | {claim: value}))
+    assert err.value.reason == "invalid_claim"
+    assert repr(claim) in str(err.value)
+
+
+async def test_claim_types_are_checked_without_pyjwt_help(verifier: JWTVerifier, keys: Keys) -> None:
+    # PyJWT's own sub check is off: the message is ours, naming the claim and the type
+    with pytest.raises(AuthError, match="'sub' must be a string, not a number") as err:
+        await verifier.verify(sign_payload(keys, claims(sub=7)))
+    assert err.value.reason == "invalid_claim"
+    ok = await verifier.verify(sign_payload(keys, claims(models=["m"], tier="gold")))
+    assert ok.models == frozenset({"m"}) and ok.tier == "gold"
 
 
 async def test_default_tenant_fills_a_missing_tenant_claim(jwks_file: Path, keys: Keys) -> None:
@@ -277,6 +335,7 @@ def test_jwks_skips_weak_symmetric_and_encryption_keys(tmp_path: Path, keys: Key
         ({"jwks_url": "http://idp.example/jwks"}, "https"),
         ({"jwks_file": Path("j"), "leeway_s": 61}, "leeway"),
         ({"jwks_file": Path("j"), "max_token_bytes": 0}, "max_token_bytes"),
+        ({"jwks_file": Path("j"), "max_claim_bytes": 0}, "max_claim_bytes"),
     ],
 )
 def test_config_rejects_unsafe_settings(kwargs: dict[str, Any], match: str) -> None:

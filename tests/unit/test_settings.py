@@ -47,7 +47,9 @@ def test_bad_settings_name_the_setting(tmp_path: Path, toml: str, env: dict[str,
 
 def test_token_cli_refuses_with_external_jwks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     f = tmp_path / "t.toml"
-    f.write_text(f'home = "{tmp_path}"\n[auth]\njwks_url = "https://idp.example.com/jwks.json"\n')
+    f.write_text(
+        f'home = "{tmp_path}"\n[auth]\njwks_url = "https://idp.example.com/jwks.json"\nissuer = "i"\naudience = "a"\n'
+    )
     assert cli_main(["token", "--config", str(f), "--sub", "a", "--tenant", "t"]) == 2
     assert "external key set" in capsys.readouterr().err
 
