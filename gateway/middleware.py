@@ -114,17 +114,6 @@ def _with_request_id(send: Send, request_id: str) -> Send:
     return wrapped
 
 
-class _Refused(Exception):
-    """Aborts the app's response after the audit 503 went out in its place."""
-
-
-def _sync(audit: dict[str, Any], state: RequestState) -> None:
-    # NOTE: a bridge until every layer writes RequestState itself (the gateway-edge change)
-    for key, value in audit.items():
-        if key in _STATE_FIELDS:
-            setattr(state, key, value)
-
-
 class BodyLimit:
     """413 for a body over `max_bytes`: declared (content-length) or counted as it streams in."""
 
