@@ -146,6 +146,10 @@ def build_app_and_config(settings: Settings) -> tuple[uvicorn.Config, AsyncEngin
     engine = build_engine(settings)
     metrics = Metrics(engine.model_name, engine.stats, auditor.stats)
 
+    async def on_response_start(scope: dict, state: RequestState) -> None:
+        note_shutdown(scope, state)  # a complete record is written here, before the response's first byte
+        await hook.opened(scope, state)
+
     async def on_complete(scope: dict, state: RequestState) -> None:
         note_shutdown(scope, state)
         metrics.observe_request(state)
@@ -166,7 +170,7 @@ def build_app_and_config(settings: Settings) -> tuple[uvicorn.Config, AsyncEngin
         auth_guard=guard,
         cache_salt_per_subject=srv.prefix_cache_per_subject,
         report_cached_tokens=srv.report_cached_tokens,
-        on_response_start=hook.opened,
+        on_response_start=on_response_start,
         metrics=metrics,
         admin_scope=settings.auth.admin_scope,
         profile_dir=settings.home / "profiles",
