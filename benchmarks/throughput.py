@@ -99,7 +99,7 @@ VLLM_VERSION = ["?"]
 
 def vllm_preloads(python: str) -> str:
     """tcmalloc and the vLLM venv's Intel OpenMP, where both are installed; '' otherwise."""
-    venv_lib = Path(python).resolve().parent.parent / "lib"
+    venv_lib = Path(python).absolute().parent.parent / "lib"  # not resolve(): a venv python links to the base one
     iomp = next(iter(venv_lib.glob("libiomp5.so")), None)
     tcmalloc = next(
         (p for d in ("/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib") for p in Path(d).glob("libtcmalloc.so*")),
