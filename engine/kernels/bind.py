@@ -17,11 +17,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from engine.kernels import bf16mm, cbuild, wbf16
+from engine.kernels import amxmm, bf16mm, cbuild, wbf16
 from engine.kernels.gemm import Act, FusedSiluPath, GemmPath, KernelPath, OneDNNPath, TorchPath
 from engine.kernels.kernel_set import CpuKernels
 from engine.kernels.select import (
     CLASSES,
+    CacheFlush,
     GemmPlan,
     GemmSelector,
     PlanCache,
@@ -35,7 +36,10 @@ from engine.layers.mlp import GatedMLP
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name(n) for n in ("gemm.py", "select.py", "bf16mm.c", "wbf16.c")]
+_SOURCES = [
+    Path(__file__).with_name(n)
+    for n in ("gemm.py", "select.py", "op_choice.py", "bf16mm.c", "wbf16.c", "amxmm.c", "pointwise.c", "decode_attn.c")
+]
 
 
 @dataclass(slots=True)
@@ -56,6 +60,8 @@ def gemm_paths(dtype: torch.dtype, batch_hint: int, use_kernels: bool, bf16_weig
         return paths
     if dtype == torch.bfloat16 and (k := bf16mm.kernel()) is not None:
         paths += [KernelPath("bf16mm", k, dtype), FusedSiluPath(bf16mm.SiluMulBF16MM(k))]
+    if dtype == torch.bfloat16 and (a := amxmm.kernel()) is not None:
+        paths.append(KernelPath("amxmm", a, dtype))
     if dtype == torch.float32 and bf16_weights and (w := wbf16.kernel()) is not None:
         paths.append(KernelPath("wbf16", w, dtype))
     return paths
@@ -81,7 +87,7 @@ def make_selector(
         )
     except cbuild.BuildError as e:
         log.warning("GEMM timings will not be cached: %s", e)
-    return GemmSelector(paths, dtype, cache, timer, max_layouts)
+    return GemmSelector(paths, dtype, cache, timer, max_layouts, flush=CacheFlush())
 
 
 def bind_cpu_kernels(

@@ -30,9 +30,38 @@ log = logging.getLogger(__name__)
 ROWS = (1, 8, 32, 128, 512)  # the rows timed for each class; a call with r rows takes the first class >= r
 CLASSES = ("1", "<=8", "<=32", "<=128", "prefill")
 MAX_SAMPLES = 8  # weights of one shape timed together: several layers' worth streams from memory as in the model
+COLD_ROWS = 32  # classes up to this many rows are timed with cold caches (CacheFlush): they stream weights
 MIN_ROUNDS, MAX_ROUNDS, ROUND_BUDGET_S = 3, 15, 0.1  # per class: rounds of every candidate, more while cheap
 MARGIN = 1.03  # a path must be this much faster than the one it displaces: timings on a VM are noisy
 Timer = Callable[[Callable[[], object]], float]
+
+
+def last_level_cache_bytes() -> int:
+    """The CPU's largest cache (Linux sysfs); 64 MiB where it cannot be read."""
+    sizes = []
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = f.read_text().strip().upper() if f.exists() else ""
+        unit = {"K": 1 << 10, "M": 1 << 20}.get(text[-1:], 1)
+        digits = text.rstrip("KM")
+        if digits.isdigit():
+            sizes.append(int(digits) * unit)
+    return max(sizes, default=64 << 20)
+
+
+class CacheFlush:
+    """Evicts the weights from every cache level before a timed call: in the model, a decode step streams all of
+    its weights from memory, so a small-batch GEMM timed hot in cache would rank the paths wrongly."""
+
+    def __init__(self, nbytes: int | None = None) -> None:
+        self.nbytes = min(nbytes or 2 * last_level_cache_bytes(), 1 << 30)
+        self.buffer: torch.Tensor | None = (
+            None  # allocated at the first flush: a start with every shape cached has none
+        )
+
+    def __call__(self) -> None:
+        if self.buffer is None:
+            self.buffer = torch.zeros(self.nbytes // 4, dtype=torch.int32)
+        self.buffer.add_(1)  # reads and writes every line: what was cached before is gone
 
 
 def call_seconds(fn: Callable[[], object]) -> float:
@@ -122,11 +151,12 @@ class GemmSelector:
         max_layouts: int = 2,
         baseline: str = "onednn",
         measure: bool = True,
+        flush: Callable[[], None] | None = None,
     ) -> None:
         """`measure=False`: no timing, the first of `paths` that takes a weight runs it (a forced path)."""
         assert paths and max_layouts >= 1
         self.paths = {p.name: p for p in paths}
-        self.measure = measure
+        self.measure, self.flush = measure, flush
         self.dtype, self.cache, self.timer, self.max_layouts = dtype, cache, timer, max_layouts
         self.baseline = baseline if baseline in self.paths else next(iter(self.paths))
 
@@ -164,6 +194,7 @@ class GemmSelector:
         runs = {name: [path.prepare(w, b, act) for w, b in samples[:MAX_SAMPLES]] for name, path in paths.items()}
         us = {name: [math.inf] * len(ROWS) for name in paths}
         weight, bias = samples[0]
+        classes: list[tuple[int, torch.Tensor]] = []
         for i, rows in enumerate(ROWS):
             if i and max_rows is not None and ROWS[i - 1] >= max_rows:
                 break
@@ -173,12 +204,17 @@ class GemmSelector:
                             name, tuple(weight.shape), rows)  # fmt: skip
                 del runs[name]
                 us[name] = [math.inf] * len(ROWS)
+            classes.append((i, x))
+        for _, x in classes:  # warm-up, all of it before any timing: first touches, oneDNN's primitive cache
+            for prepared in runs.values():
+                _over(prepared, x)()
+        for i, x in classes:
             steps = {name: _over(prepared, x) for name, prepared in runs.items()}
-            for step in steps.values():
-                step()  # warm-up: first-touch of buffers, oneDNN's primitive cache
             spent, rounds = 0.0, 0
             while rounds < MIN_ROUNDS or (spent < ROUND_BUDGET_S and rounds < MAX_ROUNDS):
                 for name, step in steps.items():
+                    if self.flush is not None and x.shape[0] <= COLD_ROWS:
+                        self.flush()
                     dt = self.timer(step)
                     spent += dt
                     us[name][i] = min(us[name][i], dt / len(runs[name]) * 1e6)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.kernels import bf16mm
+from engine.kernels import amxmm, bf16mm
 from engine.layers.linear import Linear
 from engine.layers.mlp import GatedMLP
 from tests.parity.conftest import make_core, mixed_prompts, run_core, same_length_prompts, step_logits
@@ -67,6 +67,8 @@ def test_prefill_logits_are_as_close_to_float32_as_transformers_bf16(bf16_dir: P
 CONFIGS = {"selected": {}, "torch-only": {"cpu_kernels": False}, "torch-gemm": {"gemm_path": "torch"}}
 if bf16mm.supported():
     CONFIGS["bf16mm"] = {"gemm_path": "bf16mm"}
+if amxmm.supported():
+    CONFIGS["amxmm"] = {"gemm_path": "amxmm"}
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))

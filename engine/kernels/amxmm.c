@@ -1,0 +1,161 @@
+// y[M][N] = x[M][K] . W^T (+ b), all bf16, fp32 accumulation, on Intel AMX tiles (Sapphire Rapids and later).
+// For the small batches of decode: oneDNN's AMX GEMM is fast at prefill sizes but, at 1-32 rows, measured 3x
+// off the weights' streaming rate on a 2-core Xeon (docs/PERFORMANCE.md). The engine times this kernel against
+// oneDNN per weight shape and batch size and runs it only where it wins (engine/kernels/select.py).
+//
+// Tiles (palette 1): 0-3 accumulate a 32 x 32 fp32 block (rows 0-15 / 16-31 x cols 0-15 / 16-31), 4-5 hold two
+// 16-row slices of x (32 k each), 6-7 two 16-column slices of the weight in AMX's pair layout. Each weight tile
+// is loaded once per 32 rows of x and used twice.
+//
+// Packed layout: [ceil(N/32)][K/32][2][16][32] bf16: per 32-column block and 32-k step, two tiles; in tile t
+// row r holds k = 2r, 2r+1 of the 16 columns 16t..16t+15 side by side (c*2 + j = column c, k 2r + j).
+// K must be a multiple of 32 (amxmm.py checks); missing columns are packed as zeros and never stored.
+#if !defined(__AMX_TILE__) || !defined(__AMX_BF16__) || !defined(__AVX512BF16__)
+#error "this kernel needs AMX-BF16 and AVX512-BF16 (-march=native on a CPU without them: oneDNN is used instead)"
+#endif
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+#define TILE_ELEMS 512  // 16 rows x 32 bf16
+
+typedef struct {
+    uint8_t palette_id;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) tile_config;
+
+// Linux hands out AMX state only to a process that asks for it (once; torch's oneDNN asks too).
+int amxmm_init(void) { return (int)syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); }
+
+// rows_lo / rows_hi: rows of x in the block's first and second 16-row slice (0 when the slice is empty).
+static void configure(int rows_lo, int rows_hi) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    const int rows[8] = {rows_lo, rows_lo, rows_hi, rows_hi, rows_lo, rows_hi, 16, 16};
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = (uint8_t)(rows[t] ? rows[t] : 1);
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+static inline uint16_t to_bf16(float f) {  // round to nearest even, as VCVTNEPS2BF16 does
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1)) >> 16);
+}
+
+// c: [32][32] fp32 of the block; rows [m0, m0 + mr) and columns [n0, n0 + nn) of y get c + bias, in bf16.
+static void store(const float *c, int64_t m0, int mr, int64_t n0, int64_t nn, int64_t N, const float *bias,
+                  uint16_t *y) {
+    for (int r = 0; r < mr; r++) {
+        const float *cr = c + r * 32;
+        uint16_t *yr = y + (m0 + r) * N + n0;
+        if (nn == 32) {
+            const __m512 lo = _mm512_add_ps(_mm512_loadu_ps(cr), _mm512_loadu_ps(bias));
+            const __m512 hi = _mm512_add_ps(_mm512_loadu_ps(cr + 16), _mm512_loadu_ps(bias + 16));
+            _mm512_storeu_si512((void *)yr, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        } else {
+            for (int64_t j = 0; j < nn; j++) yr[j] = to_bf16(cr[j] + bias[j]);
+        }
+    }
+}
+
+static void block_rows(int64_t m0, int mr, int64_t K, const uint16_t *x, const uint16_t *wb, float *c) {
+    const int64_t ksteps = K / 32, stride = K * 2;
+    const uint16_t *xa = x + m0 * K, *xb = xa + 16 * K;
+    _tile_zero(0);
+    _tile_zero(1);
+    if (mr > 16) {
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t ks = 0; ks < ksteps; ks++) {
+            const uint16_t *wk = wb + ks * 2 * TILE_ELEMS;
+            _tile_loadd(4, xa + ks * 32, stride);
+            _tile_loadd(5, xb + ks * 32, stride);
+            _tile_loadd(6, wk, 64);
+            _tile_loadd(7, wk + TILE_ELEMS, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+        _tile_stored(2, c + 16 * 32, 128);
+        _tile_stored(3, c + 16 * 32 + 16, 128);
+    } else {
+        for (int64_t ks = 0; ks < ksteps; ks++) {
+            const uint16_t *wk = wb + ks * 2 * TILE_ELEMS;
+            _tile_loadd(4, xa + ks * 32, stride);
+            _tile_loadd(6, wk, 64);
+            _tile_loadd(7, wk + TILE_ELEMS, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+        }
+    }
+    _tile_stored(0, c, 128);
+    _tile_stored(1, c + 16, 128);
+}
+
+// Threads split the 32-column blocks, so each streams only its share of the weights; within a block the rows of
+// x go by in 32-row steps while the block's weights (K x 64 bytes) stay in L1/L2.
+void amxmm_linear(int64_t M, int64_t N, int64_t K, const uint16_t *x, const uint16_t *w, const uint16_t *b,
+                  uint16_t *y, int nthreads) {
+    const int64_t nblocks = (N + 31) / 32, ksteps = K / 32;
+    const int64_t full = M / 32, tail = M % 32;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float c[32 * 32] __attribute__((aligned(64)));
+        float bias[32];
+        int configured = -1;  // the tail's config differs from a full block's
+#pragma omp for schedule(static)
+        for (int64_t nb = 0; nb < nblocks; nb++) {
+            const int64_t n0 = nb * 32, nn = N - n0 < 32 ? N - n0 : 32;
+            for (int64_t j = 0; j < 32; j++) {
+                float v = 0.0f;
+                if (b && j < nn) {
+                    const uint32_t u = (uint32_t)b[n0 + j] << 16;
+                    memcpy(&v, &u, 4);
+                }
+                bias[j] = v;
+            }
+            const uint16_t *wb = w + nb * ksteps * 2 * TILE_ELEMS;
+            for (int64_t mb = 0; mb <= full; mb++) {
+                const int mr = mb < full ? 32 : (int)tail;
+                if (mr == 0) break;
+                if (configured != mr) {
+                    configure(mr < 16 ? mr : 16, mr > 16 ? mr - 16 : 0);
+                    configured = mr;
+                }
+                block_rows(mb * 32, mr, K, x, wb, c);
+                store(c, mb * 32, mr, n0, nn, N, bias, y);
+            }
+        }
+        _tile_release();
+    }
+}
+
+void amxmm_pack(int64_t N, int64_t K, const uint16_t *w, uint16_t *packed, int nthreads) {
+    const int64_t nblocks = (N + 31) / 32, ksteps = K / 32;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t nb = 0; nb < nblocks; nb++) {
+        for (int64_t ks = 0; ks < ksteps; ks++) {
+            uint16_t *dst = packed + (nb * ksteps + ks) * 2 * TILE_ELEMS;
+            for (int t = 0; t < 2; t++)
+                for (int r = 0; r < 16; r++)
+                    for (int col = 0; col < 16; col++)
+                        for (int j = 0; j < 2; j++) {
+                            const int64_t n = nb * 32 + t * 16 + col, k = ks * 32 + 2 * r + j;
+                            dst[t * TILE_ELEMS + r * 32 + col * 2 + j] = n < N ? w[n * K + k] : 0;
+                        }
+        }
+    }
+}

@@ -1,0 +1,87 @@
+"""bfloat16 linear layers on Intel AMX tiles (engine/kernels/amxmm.c), for the small batches of decode.
+
+A candidate like any other: engine.kernels.select times it against oneDNN (which uses AMX too, and wins at
+prefill sizes) per weight shape and batch size, and keeps it only where it is faster.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from pathlib import Path
+
+import torch
+
+from engine.kernels.cbuild import BuildError, Once, SelfCheckError, build
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("amxmm.c")
+NB, KB = 32, 32  # columns per packed block; k per tile step (K must be a multiple)
+
+_i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+
+
+class AMXMM:
+    """The compiled kernel: pack a bf16 weight once, then run bf16 linear layers over it."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib
+        lib.amxmm_linear.argtypes = [_i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _int]
+        lib.amxmm_pack.argtypes = [_i64, _i64, _ptr, _ptr, _int]
+        lib.amxmm_linear.restype = lib.amxmm_pack.restype = None
+        lib.amxmm_init.restype = ctypes.c_int
+        if lib.amxmm_init() != 0:
+            raise BuildError("the kernel cannot use AMX: Linux refused the tile state (arch_prctl)")
+
+    @classmethod
+    def build(cls) -> AMXMM:
+        return cls(build(SOURCE, ("-march=native", "-mamx-tile", "-mamx-bf16")))
+
+    def accepts(self, weight: torch.Tensor) -> bool:
+        return weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.shape[1] % KB == 0
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """[N, K] bf16 weight → the kernel's tile layout (1-D)."""
+        w = weight.detach().contiguous()
+        n, k = w.shape
+        packed = torch.empty(-(-n // NB) * NB * k, dtype=torch.bfloat16)
+        self.lib.amxmm_pack(n, k, w.data_ptr(), packed.data_ptr(), torch.get_num_threads())
+        return packed
+
+    def linear(self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [..., K] bf16 → x W^T + b, [..., N] bf16."""
+        k = x.shape[-1]
+        x2 = x.reshape(-1, k).to(torch.bfloat16).contiguous()
+        y = torch.empty(x2.shape[0], n, dtype=torch.bfloat16)
+        b = bias.to(torch.bfloat16).contiguous() if bias is not None else None  # held until the call returns
+        self.lib.amxmm_linear(
+            x2.shape[0], n, k, x2.data_ptr(), packed.data_ptr(), b.data_ptr() if b is not None else None,
+            y.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        return y.view(*x.shape[:-1], n)
+
+
+def supported() -> bool:
+    """AMX tiles: the only reason to try building the kernel (whether it is used is measured)."""
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(probe and probe())
+
+
+def self_check(kernel: AMXMM) -> None:
+    """Against float32 math rounded to bf16 on awkward shapes (row tails of each kind, a column tail, bias)."""
+    g = torch.Generator().manual_seed(0)
+    for m, n, k in ((1, 70, 32), (7, 32, 64), (17, 45, 96), (40, 64, 32), (64, 33, 64)):
+        w, x, b = (torch.randn(*s, generator=g).bfloat16() for s in ((n, k), (m, k), (n,)))
+        got = kernel.linear(x, kernel.pack(w), n, b).float()
+        want = torch.addmm(b.float(), x.float(), w.float().t())
+        if not torch.allclose(got, want, rtol=1e-2, atol=1e-2):
+            raise SelfCheckError(f"self-check failed at {m}x{n}x{k}: max error {(got - want).abs().max().item():.3g}")
+
+
+_once = Once(AMXMM.build, log, "the AMX GEMM is not a candidate (oneDNN's AMX path still is)", check=self_check)
+
+
+def kernel() -> AMXMM | None:
+    """The process-wide kernel for this CPU; None without AMX, or (logged once) where it can't be built."""
+    return _once() if supported() else None

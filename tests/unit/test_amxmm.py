@@ -1,0 +1,65 @@
+"""The AMX GEMM (engine.kernels.amxmm), compiled here with gcc, against float32 math rounded to bf16.
+
+It is a candidate only on CPUs with AMX tiles (Sapphire Rapids and later), so these tests run where the CPU
+has them; elsewhere the selection never sees it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.kernels import amxmm
+from engine.kernels.amxmm import AMXMM
+
+pytestmark = pytest.mark.skipif(not amxmm.supported(), reason="this CPU has no AMX tiles")
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory: pytest.TempPathFactory) -> AMXMM:
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TIANMEN_KERNEL_CACHE", str(tmp_path_factory.mktemp("kernels")))
+    try:
+        return AMXMM.build()
+    finally:
+        mp.undo()
+
+
+def _bf16(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).bfloat16()
+
+
+# rows: one, a partial 16-row tile, exactly 16, 16 + a few (the second tile partial), 32, past one 32-row block
+@pytest.mark.parametrize("m", [1, 5, 16, 19, 32, 45, 100])
+@pytest.mark.parametrize(("n", "k"), [(32, 32), (70, 64), (130, 96), (48, 896)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_is_float32_math_rounded_to_bf16(kernel: AMXMM, m: int, n: int, k: int, bias: bool) -> None:
+    w, x = _bf16(n, k, seed=1), _bf16(m, k, seed=2)
+    b = _bf16(n, seed=3) if bias else None
+    got = kernel.linear(x, kernel.pack(w), n, b)
+    want32 = x.float() @ w.float().t() + (b.float() if b is not None else 0)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    # products are exact in fp32; only the order of fp32 sums differs: within one bf16 step of float32's value
+    step = want32.abs().clamp_min(2**-20) * 2**-7
+    assert ((got.float() - want32).abs() <= step).all()
+
+
+def test_3d_and_strided_inputs(kernel: AMXMM) -> None:
+    w = _bf16(64, 64, seed=4)
+    x = _bf16(3, 7, 128, seed=5)[..., ::2]  # [B, T, K] with a stride: the kernel sees a contiguous copy
+    got = kernel.linear(x, kernel.pack(w), 64, None)
+    torch.testing.assert_close(got.float(), (x.float() @ w.float().t()), rtol=1e-2, atol=1e-2)
+
+
+def test_it_takes_only_k_in_whole_tiles(kernel: AMXMM) -> None:
+    assert kernel.accepts(torch.empty(8, 64, dtype=torch.bfloat16))
+    assert not kernel.accepts(torch.empty(8, 48, dtype=torch.bfloat16))  # K % 32 != 0: oneDNN takes it
+    assert not kernel.accepts(torch.empty(8, 64, dtype=torch.float32))
+
+
+def test_nan_and_inf_propagate_like_float32(kernel: AMXMM) -> None:
+    w, x = _bf16(32, 32, seed=6), _bf16(2, 32, seed=7)
+    x[0, 3] = float("nan")
+    x[1, 5] = float("inf")
+    got = kernel.linear(x, kernel.pack(w), 32, None).float()
+    want = x.float() @ w.float().t()
+    assert torch.isnan(got[0]).all() and torch.equal(torch.isnan(got[1]), torch.isnan(want[1]))
