@@ -93,8 +93,29 @@ class OneDNNPath:
     def prepare(self, weight: torch.Tensor, bias: torch.Tensor | None, act: Act | None) -> Run:
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(self.dtype), self.batch_hint)
         b = bias.to(self.dtype) if bias is not None else None
-        linear = torch.ops.mkldnn._linear_pointwise
-        return _then(lambda x: linear(x, packed, b, "none", [], ""), act)
+        linear, (n, k) = torch.ops.mkldnn._linear_pointwise, weight.shape
+
+        def run(x: torch.Tensor) -> torch.Tensor:
+            rows = x.numel() // k
+            padded = bucket_rows(rows)
+            if padded == rows:
+                return linear(x, packed, b, "none", [], "")
+            xp = x.new_empty(padded, k)  # NOTE: oneDNN compiles a kernel for every new row count (5-15 ms)
+            xp[:rows].copy_(x.reshape(rows, k))
+            xp[rows:].zero_()
+            return linear(xp, packed, b, "none", [], "")[:rows].view(*x.shape[:-1], n)
+
+        return _then(run, act)
+
+
+def bucket_rows(rows: int) -> int:
+    """Row counts past a decode batch, rounded up to one of four sizes per power of two (at most 25% padding):
+    oneDNN's first call at a new shape spends milliseconds compiling, and prefill chunks and MoE experts see a
+    new row count at nearly every call."""
+    if rows <= 32:
+        return rows
+    step = 1 << (rows.bit_length() - 3)
+    return -(-rows // step) * step
 
 
 class KernelPath:

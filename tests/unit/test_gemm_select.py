@@ -193,3 +193,23 @@ def test_a_forced_path_runs_wherever_it_applies_untimed() -> None:
     selector = make_selector(paths, torch.float32, forced="torch", timer=clock.timer)  # type: ignore[arg-type]
     assert selector.choose("s", _samples(), None).per_class == ["torch"] * len(ROWS)
     assert clock.calls == 0
+
+
+def test_onednn_rows_are_bucketed_and_the_answer_is_unchanged() -> None:
+    """Past a decode batch, oneDNN sees one of a few row counts (it compiles a kernel per new shape); the padding
+    rows never reach the caller."""
+    from engine.kernels.gemm import bucket_rows
+
+    assert [bucket_rows(r) for r in (1, 7, 32)] == [1, 7, 32]
+    for rows in (33, 47, 65, 100, 129, 257, 1000, 4097):
+        b = bucket_rows(rows)
+        assert rows <= b <= rows * 1.25 and b % (1 << (rows.bit_length() - 3)) == 0
+    assert len({bucket_rows(r) for r in range(33, 4097)}) <= 4 * 7
+    path = OneDNNPath(torch.float32, 8)
+    if not path.available:
+        pytest.skip("oneDNN prepacking is not available in this torch build")
+    w, b = torch.randn(24, 16), torch.randn(24)
+    run = path.prepare(w, b, None)
+    for shape in ((45, 16), (3, 15, 16)):
+        x = torch.randn(*shape)
+        torch.testing.assert_close(run(x), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
