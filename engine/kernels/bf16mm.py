@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from engine.kernels.cbuild import Once, SelfCheckError, build
+from engine.kernels.cbuild import Once, build
+from engine.kernels.gemm import check_bf16_gemm
 
 log = logging.getLogger(__name__)
 
@@ -106,15 +107,8 @@ def supported() -> bool:
 
 
 def self_check(kernel: BF16MM) -> None:
-    """Compare against float32 math rounded to bf16 on awkward shapes (odd K, row and column tails, bias, more
-    rows than one pass takes); raise if it differs by more than bf16 rounding."""
-    g = torch.Generator().manual_seed(0)
-    for m, n, k in ((1, 70, 33), (7, 130, 64), (13, 64, 5), (200, 65, 9)):
-        w, x, b = (torch.randn(*s, generator=g).bfloat16() for s in ((n, k), (m, k), (n,)))
-        got = kernel.linear(x, kernel.pack(w), n, b).float()
-        want = torch.addmm(b.float(), x.float(), w.float().t())
-        if not torch.allclose(got, want, rtol=1e-2, atol=1e-2):
-            raise SelfCheckError(f"self-check failed at {m}x{n}x{k}: max error {(got - want).abs().max().item():.3g}")
+    """Awkward shapes: odd K, row and column tails, more rows than one pass takes."""
+    check_bf16_gemm(kernel, ((1, 70, 33), (7, 130, 64), (13, 64, 5), (200, 65, 9)))
 
 
 _once = Once(BF16MM.build, log, "bfloat16 linear layers will use oneDNN (slower at small batches)", check=self_check)

@@ -12,6 +12,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from engine.kernels.cbuild import SelfCheckError
+
 log = logging.getLogger(__name__)
 
 Act = Callable[[torch.Tensor], torch.Tensor]  # a gated MLP's act(gate) * up over [..., 2I] → [..., I]
@@ -148,3 +150,15 @@ class FusedSiluPath:
     def prepare(self, weight: torch.Tensor, bias: torch.Tensor | None, act: Act | None) -> Run:
         packed, n, kernel = self.kernel.pack(weight), weight.shape[0], self.kernel
         return lambda x: kernel.linear(x, packed, n, bias)
+
+
+def check_bf16_gemm(kernel: GemmKernel, shapes: tuple[tuple[int, int, int], ...]) -> None:
+    """A bf16 kernel against float32 math rounded to bf16 on (m, n, k) `shapes`, with a bias; SelfCheckError
+    if it differs by more than bf16 rounding."""
+    g = torch.Generator().manual_seed(0)
+    for m, n, k in shapes:
+        w, x, b = (torch.randn(*s, generator=g).bfloat16() for s in ((n, k), (m, k), (n,)))
+        got = kernel.linear(x, kernel.pack(w), n, b).float()
+        want = torch.addmm(b.float(), x.float(), w.float().t())
+        if not torch.allclose(got, want, rtol=1e-2, atol=1e-2):
+            raise SelfCheckError(f"self-check failed at {m}x{n}x{k}: max error {(got - want).abs().max().item():.3g}")
