@@ -32,6 +32,7 @@ CLASSES = ("1", "<=8", "<=32", "<=128", "prefill")
 MAX_SAMPLES = 8  # weights of one shape timed together: several layers' worth streams from memory as in the model
 COLD_ROWS = 32  # classes up to this many rows are timed with cold caches (CacheFlush): they stream weights
 MIN_ROUNDS, MAX_ROUNDS, ROUND_BUDGET_S = 3, 15, 0.1  # per class: rounds of every candidate, more while cheap
+PRUNE = 2.0  # past MIN_ROUNDS, paths slower than this many times the best stop being timed for the class
 MARGIN = 1.03  # a path must be this much faster than the one it displaces: timings on a VM are noisy
 Timer = Callable[[Callable[[], object]], float]
 
@@ -53,7 +54,7 @@ class CacheFlush:
     its weights from memory, so a small-batch GEMM timed hot in cache would rank the paths wrongly."""
 
     def __init__(self, nbytes: int | None = None) -> None:
-        self.nbytes = min(nbytes or 2 * last_level_cache_bytes(), 1 << 30)
+        self.nbytes = min(nbytes or last_level_cache_bytes() * 3 // 2, 1 << 30)
         self.buffer: torch.Tensor | None = (
             None  # allocated at the first flush: a start with every shape cached has none
         )
@@ -62,6 +63,16 @@ class CacheFlush:
         if self.buffer is None:
             self.buffer = torch.zeros(self.nbytes // 4, dtype=torch.int32)
         self.buffer.add_(1)  # reads and writes every line: what was cached before is gone
+
+
+def machine_busy() -> bool:
+    """More runnable work than cores besides our own threads (1-minute load average): timings then say more
+    about the neighbours than about the paths."""
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        return False
+    return load > (os.cpu_count() or 1) + 1
 
 
 def call_seconds(fn: Callable[[], object]) -> float:
@@ -98,15 +109,19 @@ class ShapeChoice:
         return sorted(set(self.per_class))
 
     def describe(self) -> str:
-        cells = [f"{c} {p} {self.us[p][i]:.0f}us" for i, (c, p) in enumerate(zip(CLASSES, self.per_class))]
-        return " | ".join(cells)
+        def cell(i: int, c: str, p: str) -> str:
+            v = self.us[p][i]
+            return f"{c} {p} {v:.0f}us" if math.isfinite(v) else f"{c} {p}"
+
+        return " | ".join(cell(i, c, p) for i, (c, p) in enumerate(zip(CLASSES, self.per_class)))
 
 
 class PlanCache:
     """The measured table, one JSON file per (CPU, torch, threads, kernel sources) key."""
 
-    def __init__(self, directory: Path, key: str) -> None:
+    def __init__(self, directory: Path, key: str, busy: Callable[[], bool] | None = None) -> None:
         self.path = directory / f"gemm-plan-{key}.json"
+        self.busy = busy or machine_busy
         try:
             self.table: dict[str, dict] = json.loads(self.path.read_text())
         except (OSError, ValueError):
@@ -121,6 +136,10 @@ class PlanCache:
 
     def put(self, shape: str, choice: ShapeChoice) -> None:
         self.table[shape] = asdict(choice)
+        if self.busy():
+            log.warning("other work kept this machine busy while %s was timed: the choice is used now but not "
+                        "cached, and is timed again at the next start", shape)  # fmt: skip
+            return
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         try:
             tmp.write_text(json.dumps(self.table, indent=1))
@@ -219,6 +238,9 @@ class GemmSelector:
                     spent += dt
                     us[name][i] = min(us[name][i], dt / len(runs[name]) * 1e6)
                 rounds += 1
+                if rounds >= MIN_ROUNDS:  # a path still far behind after them gets no more rounds for the class
+                    best = min(us[n][i] for n in steps)
+                    steps = {n: step for n, step in steps.items() if us[n][i] <= PRUNE * best}
         return us
 
     def _decide(self, us: dict[str, list[float]]) -> ShapeChoice:

@@ -16,6 +16,10 @@ from engine.kernels.select import CLASSES, ROWS, GemmPlan, GemmSelector, PlanCac
 from engine.layers.mlp import GatedMLP
 
 
+def quiet() -> bool:  # the machine is never busy for these tests
+    return False
+
+
 class FakeClock:
     """A timer whose time passes only when a fake path runs: each call costs cost(name, rows) seconds."""
 
@@ -126,26 +130,28 @@ def test_the_table_is_cached_and_a_new_cpu_or_kernel_source_measures_again(tmp_p
     key = cache_key("cpu A", [src])
     clock = FakeClock()
     paths = (FakePath("onednn", clock, lambda r: 10.0), FakePath("ours", clock, lambda r: 1.0))
-    first = _selector(*paths, clock=clock, cache=PlanCache(tmp_path, key)).choose("s", _samples(), None)
+    first = _selector(*paths, clock=clock, cache=PlanCache(tmp_path, key, quiet)).choose("s", _samples(), None)
     timed = clock.calls
     assert timed > 0
-    again = _selector(*paths, clock=clock, cache=PlanCache(tmp_path, key)).choose("s", _samples(), None)
+    again = _selector(*paths, clock=clock, cache=PlanCache(tmp_path, key, quiet)).choose("s", _samples(), None)
     assert clock.calls == timed and again == first  # read from disk: nothing timed
     assert cache_key("cpu B", [src]) != key
     src.write_text("int f(void) { return 2; }")
     assert cache_key("cpu A", [src]) != key
-    _selector(*paths, clock=clock, cache=PlanCache(tmp_path, cache_key("cpu A", [src]))).choose("s", _samples(), None)
+    _selector(*paths, clock=clock, cache=PlanCache(tmp_path, cache_key("cpu A", [src]), quiet)).choose(
+        "s", _samples(), None
+    )
     assert clock.calls > timed
 
 
 def test_a_cached_choice_naming_a_missing_path_is_measured_again(tmp_path: Path) -> None:
     clock = FakeClock()
-    cache = PlanCache(tmp_path, "k")
+    cache = PlanCache(tmp_path, "k", quiet)
     _selector(FakePath("onednn", clock, lambda r: 10.0), FakePath("gone", clock, lambda r: 1.0), clock=clock,
               cache=cache).choose("s", _samples(), None)  # fmt: skip
-    choice = _selector(FakePath("onednn", clock, lambda r: 10.0), clock=clock, cache=PlanCache(tmp_path, "k")).choose(
-        "s", _samples(), None
-    )
+    choice = _selector(
+        FakePath("onednn", clock, lambda r: 10.0), clock=clock, cache=PlanCache(tmp_path, "k", quiet)
+    ).choose("s", _samples(), None)
     assert choice.per_class == ["onednn"] * len(ROWS)
 
 
@@ -213,3 +219,10 @@ def test_onednn_rows_are_bucketed_and_the_answer_is_unchanged() -> None:
     for shape in ((45, 16), (3, 15, 16)):
         x = torch.randn(*shape)
         torch.testing.assert_close(run(x), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_timings_taken_on_a_busy_machine_are_not_cached(tmp_path: Path) -> None:
+    clock = FakeClock()
+    paths = (FakePath("onednn", clock, lambda r: 10.0), FakePath("ours", clock, lambda r: 1.0))
+    _selector(*paths, clock=clock, cache=PlanCache(tmp_path, "k", lambda: True)).choose("s", _samples(), None)
+    assert PlanCache(tmp_path, "k", quiet).get("s") is None

@@ -14,6 +14,10 @@ from engine.kernels.select import PlanCache
 from engine.layers.attention import PagedAttention
 
 
+def quiet() -> bool:  # the machine is never busy for these tests
+    return False
+
+
 def _timer(slow: Callable[[], object]) -> Callable[[Callable[[], object]], float]:
     """A fake timer: `slow` takes 1 s, anything else 1 ms."""
     return lambda fn: 1.0 if fn is slow else 1e-3
@@ -21,10 +25,10 @@ def _timer(slow: Callable[[], object]) -> Callable[[Callable[[], object]], float
 
 def test_the_faster_side_wins_and_the_answer_is_cached(tmp_path: Path) -> None:
     ours, theirs = (lambda: None), (lambda: None)
-    cache = PlanCache(tmp_path, "k")
+    cache = PlanCache(tmp_path, "k", quiet)
     assert faster("op x", ours, theirs, _timer(theirs), cache)
     assert not faster("op y", ours, theirs, _timer(ours), cache)
-    again = PlanCache(tmp_path, "k")
+    again = PlanCache(tmp_path, "k", quiet)
     assert faster("op x", ours, theirs, _timer(ours), again)  # cached: the new timer is not asked
     assert not faster("op y", ours, theirs, _timer(theirs), again)
 
