@@ -91,7 +91,7 @@ class EngineSettings:
     keep_freed_memory: bool = True
     compact_weights: bool = True
     cpu_kernels: bool = True
-    gemm_path: str = "auto"  # auto: measured per weight shape on this CPU; onednn | torch | bf16mm | wbf16 forces one
+    gemm_path: str = "auto"  # auto: measured per weight shape on this CPU; onednn|torch|bf16mm|amxmm|wbf16 forces one
     gemm_layouts: int = 2  # at most this many packed copies of one weight
     seed: int = 0
     # sealed models: file:PATH | env:VAR | pkcs11:module=...;token=...;key=...;pin-file=...
