@@ -48,6 +48,8 @@ SHAPES: dict[str, dict] = {
         "num_experts_per_tok": 4,
         "n_shared_experts": 2,
         "topk_method": "greedy",
+        "n_group": 1,  # one group of all experts: greedy routing as before, and vLLM's router needs the fields
+        "topk_group": 1,
         "norm_topk_prob": False,
         "routed_scaling_factor": 1.0,
         "vocab_size": 102400,
@@ -141,10 +143,12 @@ def _deepseek_tensors(c: dict, gen: torch.Generator) -> dict[str, torch.Tensor]:
 def checkpoint(shape: str) -> Path:
     """The directory of a random checkpoint with `shape`'s config (built on first use)."""
     path = CACHE / shape
+    config = SHAPES[shape]
     if (path / "model.safetensors").exists():
+        if json.loads((path / "config.json").read_text()) != config:  # config-only edits: the weights still fit
+            (path / "config.json").write_text(json.dumps(config, indent=2))
         return path
     path.mkdir(parents=True, exist_ok=True)
-    config = SHAPES[shape]
     gen = torch.Generator().manual_seed(0)
     tensors = (_deepseek_tensors if config["model_type"] == "deepseek_v2" else _llama_tensors)(config, gen)
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
