@@ -33,13 +33,35 @@ def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int | 
     return body
 
 
+def merge(outs: list[RequestOutput]) -> RequestOutput:
+    """Deltas of one choice that are ready together, as one: one chunk, one JSON encode, one write."""
+    if len(outs) == 1:
+        return outs[0]
+    last = outs[-1]
+    logprobs = [lp for o in outs for lp in o.logprobs or []]
+    return RequestOutput(
+        last.req_id,
+        [t for o in outs for t in o.new_token_ids],
+        "".join(o.new_text for o in outs),
+        last.finish_reason,
+        next((o.usage for o in reversed(outs) if o.usage is not None), None),
+        logprobs or None,
+        last.stop_reason,
+    )
+
+
 @dataclass
 class Choice:
-    text: str = ""
+    parts: list[str] = field(default_factory=list)  # the text so far, joined once at the end: O(1) per delta
+    length: int = 0  # characters so far
     finish_reason: str | None = None
     usage: Usage | None = None
     logprobs: list[Logprob] = field(default_factory=list)
     started: bool = False
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
 
 
 class ResponseBuilder:
@@ -62,7 +84,9 @@ class ResponseBuilder:
 
     def add(self, index: int, out: RequestOutput) -> Choice:
         c = self.choices[index]
-        c.text += out.new_text
+        if out.new_text:
+            c.parts.append(out.new_text)
+            c.length += len(out.new_text)
         c.logprobs.extend(out.logprobs or [])
         if out.usage is not None:
             c.usage = out.usage
@@ -134,7 +158,7 @@ class ResponseBuilder:
     # ---- stream ------------------------------------------------------------------------------------------
     def chunk(self, index: int, out: RequestOutput, want_logprobs: bool, include_usage: bool) -> bytes:
         c = self.choices[index]
-        before = len(c.text) - len(out.new_text)
+        before = c.length - len(out.new_text)
         lps = out.logprobs or []
         if self.chat:
             delta: dict[str, Any] = {"content": out.new_text} if out.new_text or not c.started else {}
