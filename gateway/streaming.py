@@ -13,8 +13,12 @@ from engine import Logprob, RequestOutput, Usage
 DONE = b"data: [DONE]\n\n"
 
 
+def _dumps(obj: dict[str, Any]) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
 def sse(obj: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + _dumps(obj).encode() + b"\n\n"
 
 
 def finish_reason(reason: str | None) -> str | None:
@@ -81,6 +85,14 @@ class ResponseBuilder:
         self.choices = [Choice() for _ in range(n)]
         self.token_text = token_text
         self.object = "chat.completion" if chat else "text_completion"
+        fixed = {
+            "id": req_id,
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": self.created,
+            "model": model,
+            "system_fingerprint": None,
+        }
+        self._chunk_head = b"data: " + _dumps(fixed)[:-1].encode() + b',"choices":['
 
     def add(self, index: int, out: RequestOutput) -> Choice:
         c = self.choices[index]
@@ -170,7 +182,6 @@ class ResponseBuilder:
                 "logprobs": self._chat_logprobs(lps) if want_logprobs and lps else None,
                 "finish_reason": c.finish_reason if out.finished else None,
             }
-            obj = "chat.completion.chunk"
         else:
             choice = {
                 "index": index,
@@ -178,19 +189,9 @@ class ResponseBuilder:
                 "logprobs": self._text_logprobs(lps, before) if want_logprobs and lps else None,
                 "finish_reason": c.finish_reason if out.finished else None,
             }
-            obj = "text_completion"
         c.started = True
-        chunk: dict[str, Any] = {
-            "id": self.id,
-            "object": obj,
-            "created": self.created,
-            "model": self.model,
-            "system_fingerprint": None,
-            "choices": [choice],
-        }
-        if include_usage:
-            chunk["usage"] = None
-        return sse(chunk)
+        # the chunk's fixed fields are encoded once per response; this encodes only the choice
+        return self._chunk_head + _dumps(choice).encode() + (b'],"usage":null}\n\n' if include_usage else b"]}\n\n")
 
     def usage_chunk(self) -> bytes:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
