@@ -182,15 +182,21 @@ class AsyncEngine:
             collector = self._collectors.get(req_id)
             if collector is None:
                 continue  # the caller has left; its abort is on the way
-            if isinstance(item, EngineOutput):
-                delta, ending = self._loop.processor.process_one(item)
-                if ending is not None:
-                    endings.append(ending)
-                if delta is None:
-                    continue  # ended here already (a stop string): the tokens past it are never sent
-                item = RequestFailedError(_failed(req_id)) if delta.finish_reason == "error" else delta
-            else:
+            try:
+                if isinstance(item, EngineOutput):
+                    delta, ending = self._loop.processor.process_one(item)
+                    if ending is not None:
+                        endings.append(ending)
+                    if delta is None:
+                        continue  # ended here already (a stop string): the tokens past it are never sent
+                    item = RequestFailedError(_failed(req_id)) if delta.finish_reason == "error" else delta
+                else:
+                    self._loop.processor.drop(req_id)
+            except Exception as e:  # NOTE: a raise here would lose the rest of the batch: the others' tokens
+                log.error("request %s failed in output processing (%s)", req_id, type(e).__name__)
                 self._loop.processor.drop(req_id)
+                endings.append((req_id, "error", None))
+                item = RequestFailedError(_failed(req_id))
             collector[1].put_nowait(item)
         if endings:
             self._send("finish", endings)

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from engine import LLM, AsyncEngine, EngineConfig, RequestOutput, SamplingParams
+from engine import LLM, AsyncEngine, EngineConfig, RequestFailedError, RequestOutput, SamplingParams
 from engine.core import EngineCore
+from engine.output_processor import Ending, OutputProcessor
 from engine.outputs import EngineOutput
 from engine.tokenizer import Tokenizer
 from tests.tiny_model import build_tiny_chat_model
@@ -119,5 +120,33 @@ async def test_stop_strings_found_off_the_step_thread_end_the_request_exactly(mo
         stats = engine.stats()  # the engine was told and let the request go long before max_tokens
         assert stats["kv_blocks_used"] == 0 and stats["num_running"] == 0 and stats["generation_tokens_total"] < 400
         assert text(await collect(engine, PROMPTS[0], params, "again")) == expected
+    finally:
+        await engine.shutdown()
+
+
+class FailsFor(OutputProcessor):
+    """Raises outside the detokenizer's own guard for one request."""
+
+    def process_one(self, out: EngineOutput) -> tuple[RequestOutput | None, Ending | None]:
+        if out.req_id == "bad":
+            raise RuntimeError("boom")
+        return super().process_one(out)
+
+
+async def test_a_fault_in_output_processing_fails_that_request_alone(model: Path) -> None:
+    core = EngineCore(cfg(model))
+    tokenizer = Tokenizer.from_files(core.files.read)
+    engine = AsyncEngine(core, tokenizer)
+    engine._loop.processor = FailsFor(tokenizer)
+    try:
+        good, bad = await asyncio.gather(
+            collect(engine, PROMPTS[0], greedy(), "good"),
+            collect(engine, PROMPTS[1], greedy(), "bad"),
+            return_exceptions=True,
+        )
+        assert isinstance(bad, RequestFailedError) and isinstance(good, list)
+        assert sum(len(o.new_token_ids) for o in good) == 24
+        await idle(engine)
+        assert engine.healthy and engine.stats()["kv_blocks_used"] == 0
     finally:
         await engine.shutdown()
