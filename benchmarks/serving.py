@@ -83,12 +83,12 @@ def values(row: Row) -> tuple[float, ...]:
 
 
 def table(rows: list[Row]) -> str:
-    lines = [f"{'server':<34}" + "".join(f"{c:>11}" for c in COLUMNS) + f"{'failed':>8}"]
+    lines = [f"{'server':<44}" + "".join(f"{c:>11}" for c in COLUMNS) + f"{'failed':>8}"]
     for r in rows:
-        lines.append(f"{r.name:<34}" + "".join(f"{v:>11.1f}" for v in values(r)) + f"{r.failed:>8}")
+        lines.append(f"{r.name:<44}" + "".join(f"{v:>11.1f}" for v in values(r)) + f"{r.failed:>8}")
     if len(rows) == 2:  # ours / theirs: above 1 is better for rates, below 1 is better for latencies
         ratios = [a / b if b else float("nan") for a, b in zip(values(rows[0]), values(rows[1]))]
-        lines.append(f"{'ratio tianmen / vLLM':<34}" + "".join(f"{x:>11.2f}" for x in ratios))
+        lines.append(f"{'ratio tianmen / vLLM':<44}" + "".join(f"{x:>11.2f}" for x in ratios))
     lines.append("(times in ms; rates: higher is better, latencies: lower is better)")
     return "\n".join(lines)
 
