@@ -136,7 +136,8 @@ def test_coalesced_chunks_carry_every_token_once(apps: tuple[TestClient, TestCli
     ref, got = sse(plain, **body), sse(behind, **body)
     assert content(got) == content(ref) and usage(got) == usage(ref) and usage(got)["completion_tokens"] == TOKENS
     per_chunk = [len((ch["logprobs"] or {}).get("content", [])) for e in got for ch in e["choices"]]
-    assert [n for n in per_chunk if n] == [1, TOKENS - 1]  # the first token at once, then the rest together
+    carrying = [n for n in per_chunk if n]  # what was ready when the first was asked for, then all the rest
+    assert len(carrying) <= 2 and sum(carrying) == TOKENS
     assert [e["choices"][0]["finish_reason"] for e in got if e["choices"]][-1] == "length"
 
 
