@@ -15,7 +15,7 @@ from engine.core import EngineCore
 from engine.errors import EngineDeadError, EngineError, InvalidRequestError, RequestFailedError
 from engine.loader import ModelFiles
 from engine.loop import EngineLoop
-from engine.outputs import RequestOutput
+from engine.outputs import EngineOutput, RequestOutput
 from engine.params import SamplingParams
 from engine.request import Request
 from engine.sampler import SamplerFn
@@ -24,6 +24,8 @@ from engine.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 _Collector = tuple[asyncio.AbstractEventLoop, "asyncio.Queue[RequestOutput | BaseException]"]
+# what the step thread hands to an event loop: token outputs still to detokenize, or final items
+_Item = tuple[str, EngineOutput | RequestOutput | BaseException]
 _DEAD = "the engine stopped after an internal error; restart the server"
 _SHUT_DOWN = "the engine is shutting down"
 
@@ -31,8 +33,9 @@ _SHUT_DOWN = "the engine is shutting down"
 class AsyncEngine:
     """Async front end: a background thread steps the core while there is work.
 
-    `generate()` is an async iterator of deltas; leaving it early (client gone, task cancelled)
-    aborts the request, whose blocks return to the pool on the engine's next step.
+    `generate()` is an async iterator of deltas (`generate_batches()`: lists of the deltas ready together);
+    leaving it early aborts the request. The step thread only runs steps: each step's outputs reach each event
+    loop in one callback, which detokenizes them and checks stop strings there, off the step's critical path.
     """
 
     def __init__(self, core: EngineCore, tokenizer: Tokenizer) -> None:
@@ -78,6 +81,23 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Deltas of one request. Raises InvalidRequestError before anything is queued, RequestFailedError if
         the request failed alone inside the engine, EngineDeadError if the engine stopped."""
+        batches = self.generate_batches(prompt_token_ids, params, request_id, cache_salt)
+        try:
+            async for batch in batches:
+                for out in batch:
+                    yield out
+        finally:
+            await batches.aclose()
+
+    async def generate_batches(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        request_id: str,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[list[RequestOutput]]:
+        """As generate(), but every delta that is ready when the caller asks comes in one list (never empty):
+        one item while the caller keeps up, several once it falls behind (a slow client)."""
         if self._dead is not None:
             raise EngineDeadError(_DEAD) from self._dead
         if self._stop:
@@ -91,20 +111,31 @@ class AsyncEngine:
         if self._dead is not None or self._stop:  # stopped after the checks above: its broadcast may have missed us
             self._collectors.pop(request_id, None)
             raise EngineDeadError(_DEAD if self._dead is not None else _SHUT_DOWN) from self._dead
+        self._loop.processor.add(request_id, req.prompt_token_ids, params)
         self._send("add", req)
         finished = False
         try:
             while True:
-                item = await q.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield item
+                items = [await q.get()]
+                while not q.empty():
+                    items.append(q.get_nowait())
+                ready: list[RequestOutput] = []
+                for item in items:
+                    if isinstance(item, BaseException):
+                        if ready:
+                            yield ready  # what came before the failure is the caller's
+                        finished = True
+                        raise item
+                    ready.append(item)
+                    if item.finished:
+                        break
+                finished = ready[-1].finished
+                yield ready
                 if finished:
                     return
         finally:
             self._collectors.pop(request_id, None)
+            self._loop.processor.drop(request_id)
             if not finished:
                 self._send("abort", request_id)
 
@@ -129,15 +160,46 @@ class AsyncEngine:
         self._inbox.put((kind, payload))
         self._wake.set()
 
-    def _deliver(self, req_id: str, item: RequestOutput | BaseException) -> None:
-        collector = self._collectors.get(req_id)
-        if collector is not None:
-            loop, q = collector
+    def _deliver(self, items: list[_Item]) -> None:
+        """Hand one step's items to their event loops: one callback per loop, however many requests."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[_Item]] = {}
+        for item in items:
+            collector = self._collectors.get(item[0])
+            if collector is not None:
+                by_loop.setdefault(collector[0], []).append(item)
+        for loop, batch in by_loop.items():
             try:
-                loop.call_soon_threadsafe(q.put_nowait, item)
+                loop.call_soon_threadsafe(self._receive, batch)
             except RuntimeError:  # that caller's event loop is closed: nobody is listening, the others still are
-                self._collectors.pop(req_id, None)
-                self._inbox.put(("abort", req_id))
+                for req_id, _ in batch:
+                    self._collectors.pop(req_id, None)
+                    self._inbox.put(("abort", req_id))
+
+    def _receive(self, batch: list[_Item]) -> None:
+        """On the caller's event loop: detokenize, find stop strings (the engine is told), queue the deltas."""
+        endings = []
+        for req_id, item in batch:
+            collector = self._collectors.get(req_id)
+            if collector is None:
+                continue  # the caller has left; its abort is on the way
+            try:
+                if isinstance(item, EngineOutput):
+                    delta, ending = self._loop.processor.process_one(item)
+                    if ending is not None:
+                        endings.append(ending)
+                    if delta is None:
+                        continue  # ended here already (a stop string): the tokens past it are never sent
+                    item = RequestFailedError(_failed(req_id)) if delta.finish_reason == "error" else delta
+                else:
+                    self._loop.processor.drop(req_id)
+            except Exception as e:  # NOTE: a raise here would lose the rest of the batch: the others' tokens
+                log.error("request %s failed in output processing (%s)", req_id, type(e).__name__)
+                self._loop.processor.drop(req_id)
+                endings.append((req_id, "error", None))
+                item = RequestFailedError(_failed(req_id))
+            collector[1].put_nowait(item)
+        if endings:
+            self._send("finish", endings)
 
     # ---- the engine thread --------------------------------------------------------------------------
     def _run(self) -> None:
@@ -148,20 +210,15 @@ class AsyncEngine:
                     self._wake.wait()
                     self._wake.clear()
                     continue
-                deltas = self._loop.step()
+                outputs = self._loop.step_tokens()
                 if self._profiler is not None:
                     self._profile_step()
-                for delta in deltas:
-                    if delta.finish_reason == "error":
-                        self._deliver(delta.req_id, RequestFailedError(_failed(delta.req_id)))
-                    else:
-                        self._deliver(delta.req_id, delta)
+                self._deliver([(out.req_id, out) for out in outputs])
         except BaseException as e:  # NOTE: every waiting caller must hear of it, or it would hang forever
             log.exception("an engine step failed; the engine is stopped")
             self._dead = e  # set before the broadcast: generate() checks it after registering its collector
         why = _DEAD if self._dead is not None else _SHUT_DOWN
-        for req_id in list(self._collectors):
-            self._deliver(req_id, EngineDeadError(why))
+        self._deliver([(req_id, EngineDeadError(why)) for req_id in list(self._collectors)])
 
     def _drain_inbox(self) -> None:
         while True:
@@ -171,21 +228,23 @@ class AsyncEngine:
                 return
             if kind == "add":
                 self._add(payload)
+            elif kind == "finish":
+                self._loop.finish(payload)
             elif kind == "profile":
                 self._start_profile(*payload)
             else:
-                out = self._loop.abort(payload)
+                out = self.core.finish_request(payload, "abort")  # the processor is the event loop's
                 if out is not None:
-                    self._deliver(payload, out)
+                    self._deliver([(payload, RequestOutput(payload, [], "", "abort", out.usage))])
 
     def _add(self, req: Request) -> None:
         try:
-            self._loop.add(req)
+            self.core.add_request(req)
         except EngineError as e:  # a duplicate id or a full queue
-            self._deliver(req.req_id, e)
+            self._deliver([(req.req_id, e)])
         except Exception as e:
             log.error("request %s failed while being added (%s)", req.req_id, type(e).__name__)
-            self._deliver(req.req_id, RequestFailedError(_failed(req.req_id)))
+            self._deliver([(req.req_id, RequestFailedError(_failed(req.req_id)))])
 
     # ---- profiling: a failure here is logged and the engine steps on -----------------------------------
     def _start_profile(self, steps: int, path: Path) -> None:

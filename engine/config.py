@@ -37,6 +37,9 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda | npu
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 4096
+    # while other requests run or wait, one prompt's prefill takes at most this many tokens a step (0: no cap),
+    # so a long prompt delays neither the running streams' next tokens nor a newcomer's first
+    long_prefill_token_threshold: int = 512
     max_model_len: int = 2048  # capped by the model's max_position_embeddings
     block_size: int = 16
     kv_cache_bytes: int | None = None  # None: room for max_num_seqs full-length sequences, at most 4 GiB
@@ -70,6 +73,8 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "max_waiting"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1; got {getattr(self, name)}")
+        if self.long_prefill_token_threshold < 0:
+            raise ConfigError(f"long_prefill_token_threshold must be >= 0; got {self.long_prefill_token_threshold}")
         if self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a power of two; got {self.block_size}")
         if self.max_num_batched_tokens < self.max_num_seqs:

@@ -49,6 +49,7 @@ class EngineCore:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             max_waiting=config.max_waiting,
+            long_prefill_token_threshold=config.long_prefill_token_threshold,
         )
 
     def make_request(

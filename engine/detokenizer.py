@@ -28,7 +28,7 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = skip_special_tokens
         self.stop = tuple(s for s in stop if s)
         self.include_stop_str_in_output = include_stop_str_in_output
-        self.text = ""
+        self._emitted: list[str] = []  # joined only when `text` is read: appending stays O(1) per token
         self.finished = False
         # NOTE: _ids is a sliding window: _ids[:_read] decodes to _read_text and has been released; the window
         # restarts at the old read point whenever text is released, so each decode covers a few tokens only.
@@ -50,6 +50,10 @@ class IncrementalDetokenizer:
         self._read_text = self._decode(self._ids)
         return self._release(new_text, final=False)
 
+    @property
+    def text(self) -> str:
+        return "".join(self._emitted)
+
     def flush(self) -> str:
         if self.finished:
             return ""
@@ -63,7 +67,7 @@ class IncrementalDetokenizer:
 
     def _release(self, new_text: str, final: bool) -> tuple[str, str | None]:
         if not self.stop:
-            self.text += new_text
+            self._emitted.append(new_text)
             return new_text, None
         pending = self._pending + new_text
         match = _first_stop(pending, self.stop)
@@ -72,11 +76,11 @@ class IncrementalDetokenizer:
             delta = pending[: start + len(stop)] if self.include_stop_str_in_output else pending[:start]
             self._pending = ""
             self.finished = True
-            self.text += delta
+            self._emitted.append(delta)
             return delta, stop
         keep = 0 if final else _partial_stop_len(pending, self.stop)
         delta, self._pending = pending[: len(pending) - keep], pending[len(pending) - keep :]
-        self.text += delta
+        self._emitted.append(delta)
         return delta, None
 
 

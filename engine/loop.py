@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from engine.core import EngineCore
-from engine.output_processor import OutputProcessor
-from engine.outputs import RequestOutput
+from engine.output_processor import Ending, OutputProcessor
+from engine.outputs import EngineOutput, RequestOutput
 from engine.params import SamplingParams
 from engine.request import Request
 from engine.tokenizer import Tokenizer
@@ -13,8 +13,10 @@ from engine.tokenizer import Tokenizer
 class EngineLoop:
     """schedule → run the model → sample → detokenize and find stop strings → finish what ended.
 
-    A delta with finish_reason "error" is a request that failed alone; its blocks are already free.
-    Anything `step()` raises is a failure of the whole step.
+    `step()` does it all in the caller's thread (LLM). AsyncEngine splits it: `step_tokens()` on the step thread,
+    `processor.process_one()` on the event loop, and `finish()` back on the step thread for what a stop string
+    ended. A delta with finish_reason "error" is a request that failed alone; its blocks are already free.
+    Anything `step()` / `step_tokens()` raises is a failure of the whole step.
     """
 
     def __init__(self, core: EngineCore, tokenizer: Tokenizer | None) -> None:
@@ -42,8 +44,16 @@ class EngineLoop:
     def has_unfinished(self) -> bool:
         return self.core.has_unfinished()
 
-    def step(self) -> list[RequestOutput]:
-        deltas, endings = self.processor.process(self.core.step())
+    def step_tokens(self) -> list[EngineOutput]:
+        """One step, token ids only: its outputs still need `processor` and then `finish()`."""
+        return self.core.step()
+
+    def finish(self, endings: list[Ending]) -> None:
+        """Tell the core about requests that the output processor ended (a stop string, a detokenizing fault)."""
         for req_id, reason, stop in endings:
             self.core.finish_request(req_id, reason, stop)
+
+    def step(self) -> list[RequestOutput]:
+        deltas, endings = self.processor.process(self.step_tokens())
+        self.finish(endings)
         return deltas

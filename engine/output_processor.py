@@ -42,26 +42,32 @@ class OutputProcessor:
         deltas: list[RequestOutput] = []
         endings: list[Ending] = []
         for out in outputs:
-            if out.req_id not in self.detok:
-                continue
-            if out.finish_reason == "error":  # failed in the core, which has finished it already
-                del self.detok[out.req_id]
-                deltas.append(RequestOutput(out.req_id, [], "", "error", out.usage))
-                continue
-            try:
-                delta, stop = self._delta(out)
-            except Exception as e:  # one request's detokenizing must not stop the others'
-                log.error("request %s failed while detokenizing (%s)", out.req_id, type(e).__name__)
-                del self.detok[out.req_id]
-                deltas.append(RequestOutput(out.req_id, [], "", "error", out.usage))
-                endings.append((out.req_id, "error", None))
-                continue
-            if stop is not None and out.finish_reason is None:  # the core does not know yet
-                endings.append((out.req_id, "stop", stop))
-            if delta.finish_reason is not None:
-                del self.detok[out.req_id]
-            deltas.append(delta)
+            delta, ending = self.process_one(out)
+            if delta is not None:
+                deltas.append(delta)
+            if ending is not None:
+                endings.append(ending)
         return deltas, endings
+
+    def process_one(self, out: EngineOutput) -> tuple[RequestOutput | None, Ending | None]:
+        """One request's delta (None: it has ended here already), and its ending if the core must be told."""
+        if out.req_id not in self.detok:
+            return None, None
+        if out.finish_reason == "error":  # failed in the core, which has finished it already
+            del self.detok[out.req_id]
+            return RequestOutput(out.req_id, [], "", "error", out.usage), None
+        try:
+            delta, stop = self._delta(out)
+        except Exception as e:  # one request's detokenizing must not stop the others'
+            log.error("request %s failed while detokenizing (%s)", out.req_id, type(e).__name__)
+            del self.detok[out.req_id]
+            return RequestOutput(out.req_id, [], "", "error", out.usage), (out.req_id, "error", None)
+        ending: Ending | None = None
+        if stop is not None and out.finish_reason is None:  # the core does not know yet
+            ending = (out.req_id, "stop", stop)
+        if delta.finish_reason is not None:
+            del self.detok[out.req_id]
+        return delta, ending
 
     def _delta(self, out: EngineOutput) -> tuple[RequestOutput, str | None]:
         detok = self.detok[out.req_id]

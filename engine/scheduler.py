@@ -12,7 +12,9 @@ class Scheduler:
     """Continuous batching: each step spends a token budget on running requests, then admits waiting ones.
 
     Requests carry `num_computed_tokens` and `num_tokens`; a step gives each one a chunk of its
-    uncomputed tokens (a decode is a chunk of one), so prefill chunks and decodes mix freely.
+    uncomputed tokens (a decode is a chunk of one), so prefill chunks and decodes mix freely. Every decode is
+    served before any prefill chunk, and while others run or wait a prefill chunk is at most
+    `long_prefill_token_threshold` tokens, so a long prompt neither stalls the streams nor the newcomers.
     When blocks run out, the newest running request is preempted and later recomputed.
     """
 
@@ -23,8 +25,10 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         max_waiting: int = 1024,
+        long_prefill_token_threshold: int = 0,
     ) -> None:
         self.bm = block_manager
+        self.long_prefill_token_threshold = long_prefill_token_threshold  # 0: a chunk takes what the budget allows
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -56,30 +60,47 @@ class Scheduler:
         scheduled: list[tuple[Request, int]] = []
         preempted = False
 
+        # decodes first: only they may preempt, and only a request not yet scheduled in this step (the newest)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.bm.can_allocate(req, num_new):
+            if req.num_tokens - req.num_computed_tokens != 1:
+                i += 1
+                continue
+            while not self.bm.can_allocate(req, 1):
                 victim = self.running.pop()  # the newest request gives its blocks back
                 self._preempt(victim)
                 preempted = True
                 if victim is req:
                     break
             else:
-                self.bm.allocate(req, num_new)
-                scheduled.append((req, num_new))
-                budget -= num_new
+                self.bm.allocate(req, 1)
+                scheduled.append((req, 1))
+                budget -= 1
                 i += 1
                 continue
             break
+
+        cap = self._prefill_cap()
+        for req in self.running:  # prefills under way (chunked, or recomputed), oldest first
+            if budget <= 0:
+                break
+            remaining = req.num_tokens - req.num_computed_tokens
+            if remaining <= 1:
+                continue
+            num_new = min(remaining, budget, cap)
+            if not self.bm.can_allocate(req, num_new):
+                break  # blocks are short: the next step's decodes will preempt if they must
+            self.bm.allocate(req, num_new)
+            scheduled.append((req, num_new))
+            budget -= num_new
 
         # NOTE: after a preemption nothing new is admitted, or it would be preempted again at once.
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             computed = self.bm.get_computed_blocks(req)
             num_computed = len(computed) * self.bm.block_size
-            num_new = min(req.num_tokens - num_computed, budget)
+            num_new = min(req.num_tokens - num_computed, budget, cap)
             if not self.bm.can_allocate(req, num_new, computed):
                 break
             self.bm.allocate(req, num_new, computed)
@@ -104,6 +125,12 @@ class Scheduler:
         )
         self.finished_req_ids = []
         return out
+
+    def _prefill_cap(self) -> int:
+        """The most tokens one prefill chunk may take this step: capped only while it would hold others up."""
+        if self.long_prefill_token_threshold <= 0 or len(self.running) + len(self.waiting) <= 1:
+            return self.max_num_batched_tokens
+        return self.long_prefill_token_threshold
 
     def _seq(self, req: Request, num_new: int) -> ScheduledSeq:
         start = req.num_computed_tokens

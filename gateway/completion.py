@@ -19,7 +19,7 @@ from gateway.admission import Lease
 from gateway.errors import engine_error, error_body, error_payload
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.state import RequestState
-from gateway.streaming import DONE, ResponseBuilder, sse
+from gateway.streaming import DONE, ResponseBuilder, merge, sse
 
 log = logging.getLogger("tianmen.gateway")
 
@@ -55,10 +55,11 @@ async def run(
     headers = lease.headers
 
     def tick(i: int, out: RequestOutput) -> None:  # inter-token latency, per choice
-        if out.new_token_ids:
+        n = len(out.new_token_ids)
+        if n:
             now = time.monotonic()
-            if i in last_token_at:
-                gaps.append(now - last_token_at[i])
+            if i in last_token_at:  # tokens that came together share their gap, as the load generator counts
+                gaps.extend([(now - last_token_at[i]) / n] * n)
             last_token_at[i] = now
 
     if body.stream:
@@ -66,22 +67,29 @@ async def run(
         async def events() -> AsyncIterator[bytes]:
             finished = False
             try:
-                item: tuple[int, RequestOutput] | None = first
-                while item is not None:
-                    i, out = item
-                    builder.add(i, out)
-                    tick(i, out)
-                    if out.new_text or out.finished or not builder.choices[i].started or out.logprobs:
-                        yield builder.chunk(i, out, want_lp, body.include_usage)
+                ready: list[tuple[int, RequestOutput]] | None = first
+                while ready is not None:
+                    chunks = []  # what is ready together goes out in one write (one TLS record)
+                    for i, out in ready:
+                        builder.add(i, out)
+                        tick(i, out)
+                        if out.new_text or out.finished or not builder.choices[i].started or out.logprobs:
+                            chunks.append(builder.chunk(i, out, want_lp, body.include_usage))
+                    if all(c.finish_reason is not None for c in builder.choices):
+                        finished = True
+                        if body.include_usage:
+                            chunks.append(builder.usage_chunk())
+                        yield b"".join([*chunks, DONE])
+                        return
+                    if chunks:
+                        yield b"".join(chunks)
                     try:
-                        item = await anext(stream, None)
+                        ready = await anext(stream, None)
                     except Exception as e:  # headers are gone: report in-band, as OpenAI does
                         yield sse(_in_band(e, state))
                         return
-                finished = True
-                if body.include_usage:
-                    yield builder.usage_chunk()
-                yield DONE
+                finished = True  # NOTE: not reached while the engine keeps its contract (every choice finishes)
+                yield (builder.usage_chunk() if body.include_usage else b"") + DONE
             finally:
                 _record(state, builder, None if finished or state.error else "client_disconnected")
                 await stream.aclose()
@@ -92,12 +100,13 @@ async def run(
         return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
 
     async def collect() -> None:
-        item: tuple[int, RequestOutput] | None = first
-        while item is not None:
-            builder.add(*item)
-            tick(*item)
+        ready: list[tuple[int, RequestOutput]] | None = first
+        while ready is not None:
+            for i, out in ready:
+                builder.add(i, out)
+                tick(i, out)
             try:
-                item = await anext(stream, None)
+                ready = await anext(stream, None)
             except EngineError as e:
                 state.error = type(e).__name__
                 raise engine_error(e) from None
@@ -132,18 +141,23 @@ def _record(state: RequestState, builder: ResponseBuilder, override: str | None)
 
 async def _generate(
     engine: Any, prompt: list[int], params: list[SamplingParams], req_id: str, salt: str
-) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """All n choices' deltas, tagged with their index; leaving early aborts every choice."""
+) -> AsyncIterator[list[tuple[int, RequestOutput]]]:
+    """The deltas ready together, tagged with their choice's index: one merged delta per choice (a client that
+    fell behind gets one chunk for all of them), choices in the order they came. Leaving early aborts them all."""
     if len(params) == 1:
-        async for out in engine.generate(prompt, params[0], req_id, cache_salt=salt):
-            yield 0, out
+        batches = engine.generate_batches(prompt, params[0], req_id, cache_salt=salt)
+        try:
+            async for batch in batches:
+                yield [(0, merge(batch))]
+        finally:
+            await batches.aclose()
         return
-    q: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
+    q: asyncio.Queue[tuple[int, list[RequestOutput] | BaseException]] = asyncio.Queue()
 
     async def pump(i: int, p: SamplingParams) -> None:
         try:
-            async for out in engine.generate(prompt, p, f"{req_id}-{i}", cache_salt=salt):
-                q.put_nowait((i, out))
+            async for batch in engine.generate_batches(prompt, p, f"{req_id}-{i}", cache_salt=salt):
+                q.put_nowait((i, batch))
         except Exception as e:
             q.put_nowait((i, e))
 
@@ -151,19 +165,24 @@ async def _generate(
     try:
         remaining = len(params)
         while remaining:
-            i, item = await q.get()
-            if isinstance(item, BaseException):
-                raise item
-            if item.finished:
-                remaining -= 1
-            yield i, item
+            items = [await q.get()]
+            while not q.empty():
+                items.append(q.get_nowait())
+            by_choice: dict[int, list[RequestOutput]] = {}
+            for i, item in items:
+                if isinstance(item, BaseException):
+                    raise item
+                by_choice.setdefault(i, []).extend(item)
+            ready = [(i, merge(outs)) for i, outs in by_choice.items()]
+            remaining -= sum(out.finished for _, out in ready)
+            yield ready
     finally:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _first(stream: AsyncIterator[tuple[int, RequestOutput]]) -> tuple[int, RequestOutput]:
+async def _first(stream: AsyncIterator[list[tuple[int, RequestOutput]]]) -> list[tuple[int, RequestOutput]]:
     """Wait for the first delta so admission errors still become proper status codes."""
     try:
         return await anext(stream)

@@ -200,19 +200,22 @@ async def _one(
     res = RequestResult()
     t0 = time.perf_counter()
     last, counted, done = 0.0, 0, False
+    ended: float | None = None  # when [DONE] came
     try:
         async with client.stream("POST", endpoint, json=body, headers=headers) as resp:
             res.status = resp.status_code
             if resp.status_code != 200:
                 res.error, res.detail = str(resp.status_code), _message(await resp.aread())
                 return res
+            # NOTE: read to the end of the body, past [DONE]: leaving early closes the connection instead of
+            # returning it to the pool, and every request would pay a new TCP + TLS handshake
             async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
+                if done or not line.startswith("data:"):
                     continue
                 data = line[5:].strip()
                 if data == "[DONE]":
-                    done = True
-                    break
+                    done, ended = True, time.perf_counter()
+                    continue
                 chunk = json.loads(data)
                 if "error" in chunk:  # headers were sent: the server reports failures in-band
                     res.error, res.detail = "stream error", _message(data.encode())
@@ -237,7 +240,7 @@ async def _one(
         res.error, res.detail = "bad chunk", str(e)[:200]
         return res
     finally:
-        res.e2e_s = time.perf_counter() - t0
+        res.e2e_s = (ended or time.perf_counter()) - t0
     if not done:
         res.error = "incomplete stream"
         return res

@@ -13,8 +13,12 @@ from engine import Logprob, RequestOutput, Usage
 DONE = b"data: [DONE]\n\n"
 
 
+def _dumps(obj: dict[str, Any]) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
 def sse(obj: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + _dumps(obj).encode() + b"\n\n"
 
 
 def finish_reason(reason: str | None) -> str | None:
@@ -33,13 +37,35 @@ def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int | 
     return body
 
 
+def merge(outs: list[RequestOutput]) -> RequestOutput:
+    """Deltas of one choice that are ready together, as one: one chunk, one JSON encode, one write."""
+    if len(outs) == 1:
+        return outs[0]
+    last = outs[-1]
+    logprobs = [lp for o in outs for lp in o.logprobs or []]
+    return RequestOutput(
+        last.req_id,
+        [t for o in outs for t in o.new_token_ids],
+        "".join(o.new_text for o in outs),
+        last.finish_reason,
+        next((o.usage for o in reversed(outs) if o.usage is not None), None),
+        logprobs or None,
+        last.stop_reason,
+    )
+
+
 @dataclass
 class Choice:
-    text: str = ""
+    parts: list[str] = field(default_factory=list)  # the text so far, joined once at the end: O(1) per delta
+    length: int = 0  # characters so far
     finish_reason: str | None = None
     usage: Usage | None = None
     logprobs: list[Logprob] = field(default_factory=list)
     started: bool = False
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
 
 
 class ResponseBuilder:
@@ -59,10 +85,20 @@ class ResponseBuilder:
         self.choices = [Choice() for _ in range(n)]
         self.token_text = token_text
         self.object = "chat.completion" if chat else "text_completion"
+        fixed = {
+            "id": req_id,
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": self.created,
+            "model": model,
+            "system_fingerprint": None,
+        }
+        self._chunk_head = b"data: " + _dumps(fixed)[:-1].encode() + b',"choices":['
 
     def add(self, index: int, out: RequestOutput) -> Choice:
         c = self.choices[index]
-        c.text += out.new_text
+        if out.new_text:
+            c.parts.append(out.new_text)
+            c.length += len(out.new_text)
         c.logprobs.extend(out.logprobs or [])
         if out.usage is not None:
             c.usage = out.usage
@@ -134,7 +170,7 @@ class ResponseBuilder:
     # ---- stream ------------------------------------------------------------------------------------------
     def chunk(self, index: int, out: RequestOutput, want_logprobs: bool, include_usage: bool) -> bytes:
         c = self.choices[index]
-        before = len(c.text) - len(out.new_text)
+        before = c.length - len(out.new_text)
         lps = out.logprobs or []
         if self.chat:
             delta: dict[str, Any] = {"content": out.new_text} if out.new_text or not c.started else {}
@@ -146,7 +182,6 @@ class ResponseBuilder:
                 "logprobs": self._chat_logprobs(lps) if want_logprobs and lps else None,
                 "finish_reason": c.finish_reason if out.finished else None,
             }
-            obj = "chat.completion.chunk"
         else:
             choice = {
                 "index": index,
@@ -154,19 +189,9 @@ class ResponseBuilder:
                 "logprobs": self._text_logprobs(lps, before) if want_logprobs and lps else None,
                 "finish_reason": c.finish_reason if out.finished else None,
             }
-            obj = "text_completion"
         c.started = True
-        chunk: dict[str, Any] = {
-            "id": self.id,
-            "object": obj,
-            "created": self.created,
-            "model": self.model,
-            "system_fingerprint": None,
-            "choices": [choice],
-        }
-        if include_usage:
-            chunk["usage"] = None
-        return sse(chunk)
+        # the chunk's fixed fields are encoded once per response; this encodes only the choice
+        return self._chunk_head + _dumps(choice).encode() + (b'],"usage":null}\n\n' if include_usage else b"]}\n\n")
 
     def usage_chunk(self) -> bytes:
         obj = "chat.completion.chunk" if self.chat else "text_completion"

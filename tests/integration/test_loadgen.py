@@ -8,9 +8,11 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
-from gateway.loadgen import LoadReport, add_parser, histogram, main, percentile, run_load
+from gateway.loadgen import LoadReport, _one, add_parser, histogram, main, percentile, run_load
+from security.tls import client_ssl_context
 from tests.gateway_server import RunningGateway, free_port, run_gateway
 from tests.tiny_model import build_tiny_chat_model
 
@@ -162,3 +164,29 @@ def test_percentile_and_histogram() -> None:
     bars = histogram(v)
     assert len(bars) == 10 and [int(b.split()[-1]) for b in bars] == [10] * 10
     assert histogram([0.5, 0.5]) == [f"  {500.0:>9.1f} - {500.0:>9.1f} | {'#' * 40} 2"]
+
+
+async def test_a_stream_read_to_its_end_keeps_its_connection(gw: RunningGateway) -> None:
+    opened: list[str] = []
+
+    async def trace(name: str, info: dict[str, object]) -> None:
+        if name == "connection.connect_tcp.complete":
+            opened.append(name)
+
+    async def hook(request: httpx.Request) -> None:
+        request.extensions["trace"] = trace
+
+    body = {
+        "model": gw.model,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 3,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    headers = {"Authorization": f"Bearer {gw.token(sub='bench')}"}
+    verify = client_ssl_context(gw.pki.ca_cert)
+    async with httpx.AsyncClient(verify=verify, event_hooks={"request": [hook]}) as client:
+        results = [await _one(client, gw.url + "/v1/chat/completions", headers, body) for _ in range(3)]
+    assert [(r.ok, r.output_tokens) for r in results] == [(True, 3)] * 3
+    assert len(opened) == 1  # one TCP + TLS handshake for the three requests

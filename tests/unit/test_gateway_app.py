@@ -63,6 +63,12 @@ class FakeEngine:
             raise EngineDeadError("the engine stopped after an internal error; restart the server")
         yield RequestOutput(request_id, [105], "i", "length", Usage(len(prompt), 2, cached_tokens=1))
 
+    async def generate_batches(
+        self, prompt: list[int], params: SamplingParams, request_id: str, cache_salt: str | None = None
+    ) -> AsyncIterator[list[RequestOutput]]:
+        async for out in self.generate(prompt, params, request_id, cache_salt):
+            yield [out]
+
 
 class FakeVerifier:
     async def verify(self, token: str) -> Principal:

@@ -123,3 +123,35 @@ def test_stop_conditions_and_abort_free_blocks() -> None:
     s.schedule()
     s.finish_request("c", "abort")
     assert s.bm.num_free_blocks == 64 and "c" in s.schedule().finished_req_ids
+
+
+def test_a_prefill_under_way_never_takes_a_decodes_place() -> None:
+    s = Scheduler(BlockManager(64, 4, False), 8, 12, 128, long_prefill_token_threshold=8)
+    add(s, "long", 100)
+    finish_step(s, s.schedule())  # alone, it takes the whole budget
+    add(s, "d", 3, max_tokens=50)
+    out = s.schedule()
+    assert [(q.req_id, len(q.token_ids)) for q in out.seqs] == [("long", 8), ("d", 3)]
+    finish_step(s, out)
+    done = 20
+    while done < 100:  # d decodes behind long in the running list, yet it is served first in every step
+        out = s.schedule()
+        assert out.num_decodes == 1 and out.seqs[0].req_id == "d" and out.seqs[1].req_id == "long"
+        assert out.seqs[1].start == done and out.num_tokens <= 12
+        done += len(out.seqs[1].token_ids)
+        finish_step(s, out)
+
+
+def test_a_long_prefill_is_capped_while_others_run_but_not_alone() -> None:
+    s = Scheduler(BlockManager(64, 4, False), 4, 32, 64, long_prefill_token_threshold=8)
+    add(s, "long", 40)
+    out = s.schedule()
+    assert [len(q.token_ids) for q in out.seqs] == [32]  # alone: the whole budget
+    finish_step(s, out)
+    add(s, "new", 5)
+    out = s.schedule()  # the newcomer is admitted in the step right after it arrived
+    assert [(q.req_id, len(q.token_ids), q.sample) for q in out.seqs] == [("long", 8, True), ("new", 5, True)]
+    finish_step(s, out)
+    add(s, "later", 30)
+    out = s.schedule()
+    assert [(q.req_id, len(q.token_ids)) for q in out.seqs] == [("long", 1), ("new", 1), ("later", 8)]
