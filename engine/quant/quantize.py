@@ -1,0 +1,190 @@
+"""`tianmen quantize`: a bf16/fp32 HuggingFace directory → a compressed-tensors checkpoint (what llm-compressor
+writes and vLLM loads), by round-to-nearest: per-channel symmetric int8 (W8A8, activations quantized per token
+at run time) or per-group symmetric 4-bit (W4A16). Embeddings, norms, MoE routers and (unless asked) the LM head
+stay as they are. `tianmen-quant.json` records what was done."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from engine.errors import ModelLoadError
+from engine.loader import INDEX, DirectoryFiles, read_json, weight_files
+from engine.quant.weights import pack_nibbles
+
+SCHEMES = ("w8a8", "w4a16")
+ROUTERS = ("gate", "router")  # a MoE layer's expert choice: small, and sensitive to rounding
+SHARD_BYTES = 2 << 30
+CT_VERSION = "0.20.1"  # the compressed-tensors release whose config this mirrors
+
+
+@dataclass(slots=True)
+class QuantizeReport:
+    """What `quantize` did (written as tianmen-quant.json)."""
+
+    scheme: str
+    group_size: int | None
+    method: str = "rtn"
+    quantized: int = 0
+    kept: list[str] = field(default_factory=list)
+    bytes_in: int = 0
+    bytes_out: int = 0
+
+
+def rtn_int8(w: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] → int8 [N, K] and its per-channel scale [N, 1] (stored in `scale_dtype`, quantized with that one);
+    as llm-compressor's min-max observer, the largest magnitude maps to 127.5 steps."""
+    w = w.float()
+    scale = (w.abs().amax(dim=1, keepdim=True) / 127.5).clamp_min(1e-12).to(scale_dtype)
+    return torch.round(w / scale.float()).clamp_(-128, 127).to(torch.int8), scale
+
+
+def rtn_int4(w: torch.Tensor, group: int, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] → signed 4-bit values int8 [N, K] in -8..7 and per-group scales [N, K/G] (symmetric, as
+    compressed-tensors: the largest magnitude maps to 7.5 steps)."""
+    n, k = w.shape
+    g = w.float().view(n, k // group, group)
+    scale = (g.abs().amax(dim=-1) / 7.5).clamp_min(1e-12).to(scale_dtype)
+    q = torch.round(g / scale.float()[..., None]).clamp_(-8, 7).to(torch.int8)
+    return q.view(n, k), scale
+
+
+def pack_int4_words(q: torch.Tensor) -> torch.Tensor:
+    """Signed 4-bit values [N, K] → compressed-tensors' int32 words [N, K/8] (value + 8, element i in bits 4i)."""
+    nibbles = pack_nibbles((q.to(torch.int16) + 8).to(torch.uint8)).contiguous()
+    if sys.byteorder == "little":
+        return nibbles.view(torch.int32).clone()
+    b = nibbles.view(q.shape[0], -1, 4).to(torch.int64)
+    return (b[..., 0] | b[..., 1] << 8 | b[..., 2] << 16 | b[..., 3] << 24).to(torch.int32)
+
+
+def quantization_config(scheme: str, group_size: int, ignore: list[str]) -> dict:
+    """config.json's quantization_config as llm-compressor writes it for the W8A8 / W4A16 presets."""
+    fmt = "int-quantized" if scheme == "w8a8" else "pack-quantized"
+    weights = {
+        "num_bits": 8 if scheme == "w8a8" else 4,
+        "type": "int",
+        "symmetric": True,
+        "strategy": "channel" if scheme == "w8a8" else "group",
+        "group_size": None if scheme == "w8a8" else group_size,
+        "block_structure": None,
+        "dynamic": False,
+        "actorder": None,
+        "observer": "minmax",
+        "observer_kwargs": {},
+    }
+    acts = None
+    if scheme == "w8a8":
+        acts = {**weights, "num_bits": 8, "strategy": "token", "dynamic": True, "observer": None}
+    group = {"targets": ["Linear"], "weights": weights, "input_activations": acts, "output_activations": None}
+    return {
+        "quant_method": "compressed-tensors",
+        "format": fmt,
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": {**group, "format": fmt}},
+        "ignore": ignore,
+        "kv_cache_scheme": None,
+        "global_compression_ratio": None,
+        "sparsity_config": {},
+        "transform_config": {},
+        "version": CT_VERSION,
+    }
+
+
+def _is_linear_weight(name: str, tensor: torch.Tensor, lm_head: bool) -> bool:
+    module, _, leaf = name.rpartition(".")
+    if leaf != "weight" or tensor.dim() != 2 or not tensor.is_floating_point():
+        return False
+    if module == "lm_head":
+        return lm_head
+    return ".layers." in f".{module}" and module.rpartition(".")[2] not in ROUTERS
+
+
+def quantize(
+    src: str | Path, dst: str | Path, scheme: str, group_size: int = 128, lm_head: bool = False
+) -> QuantizeReport:
+    """Write the quantized checkpoint of `src` into `dst` (created; must not exist or be empty)."""
+    if scheme not in SCHEMES:
+        raise ModelLoadError(f"scheme must be one of {', '.join(SCHEMES)}; got {scheme!r}")
+    if scheme == "w4a16" and (group_size < 8 or group_size % 8):
+        raise ModelLoadError(f"group size must be a positive multiple of 8; got {group_size}")
+    files, out = DirectoryFiles(src), Path(dst)
+    hf = read_json(files, "config.json")
+    if "quantization_config" in hf:
+        raise ModelLoadError(f"{src} is already quantized ({hf['quantization_config'].get('quant_method')})")
+    if out.exists() and any(out.iterdir()):
+        raise ModelLoadError(f"{out} exists and is not empty")
+    out.mkdir(parents=True, exist_ok=True)
+    report = QuantizeReport(scheme, group_size if scheme == "w4a16" else None, kept=[] if lm_head else ["lm_head"])
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    sizes = [0]
+    names = weight_files(files)
+    with tqdm(total=len(names), desc=f"quantize {scheme}", unit="file", file=sys.stderr) as bar:
+        for fname in names:
+            with safe_open(files.path / fname, framework="pt") as f:
+                for key in f.keys():  # noqa: SIM118  # safe_open is not iterable
+                    t = f.get_tensor(key)
+                    report.bytes_in += t.nbytes
+                    for name, value in _convert(key, t, scheme, group_size, lm_head, report).items():
+                        if sizes[-1] + value.nbytes > SHARD_BYTES and shards[-1]:
+                            shards.append({})
+                            sizes.append(0)
+                        shards[-1][name] = value.contiguous()
+                        sizes[-1] += value.nbytes
+                        report.bytes_out += value.nbytes
+            bar.update(1)
+    _write(files.path, out, hf, shards, quantization_config(scheme, group_size, report.kept), report)
+    return report
+
+
+def _convert(
+    name: str, t: torch.Tensor, scheme: str, group: int, lm_head: bool, report: QuantizeReport
+) -> dict[str, torch.Tensor]:
+    if not _is_linear_weight(name, t, lm_head):
+        module, _, leaf = name.rpartition(".")
+        if leaf == "weight" and t.dim() == 2 and module.rpartition(".")[2] in ROUTERS:
+            report.kept.append(module)
+        return {name: t}
+    module = name.removesuffix(".weight")
+    report.quantized += 1
+    scale_dtype = t.dtype if t.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
+    if scheme == "w8a8":
+        q, scale = rtn_int8(t, scale_dtype)
+        return {f"{module}.weight": q, f"{module}.weight_scale": scale}
+    if t.shape[1] % group:
+        raise ModelLoadError(f"{module}: in_features {t.shape[1]} is not a multiple of the group size {group}")
+    q, scale = rtn_int4(t, group, scale_dtype)
+    shape = torch.tensor(list(t.shape), dtype=torch.int64)
+    return {
+        f"{module}.weight_packed": pack_int4_words(q),
+        f"{module}.weight_scale": scale,
+        f"{module}.weight_shape": shape,
+    }
+
+
+def _write(
+    src: Path, out: Path, hf: dict, shards: list[dict[str, torch.Tensor]], qc: dict, report: QuantizeReport
+) -> None:
+    for p in src.iterdir():
+        if p.is_file() and not p.name.endswith(".safetensors") and p.name not in (INDEX, "config.json"):
+            shutil.copy2(p, out / p.name)
+    meta = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(shards[0], str(out / "model.safetensors"), metadata=meta)
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(out / fname), metadata=meta)
+            weight_map |= dict.fromkeys(shard, fname)
+        (out / INDEX).write_text(json.dumps({"metadata": {"total_size": report.bytes_out}, "weight_map": weight_map}))
+    (out / "config.json").write_text(json.dumps({**hf, "quantization_config": qc}, indent=2))
+    (out / "tianmen-quant.json").write_text(json.dumps(asdict(report), indent=2))
