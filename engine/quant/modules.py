@@ -35,7 +35,7 @@ class QuantLinear(Linear):
             self.register_parameter(t.name, nn.Parameter(torch.empty(t.shape, dtype=t.dtype, device=device), False))
         self.bias = lin.bias
         self.plan = None
-        self.qweight: QuantWeight | None = None
+        self.quantized: QuantWeight | None = None
 
     def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard: str) -> None:
         """One projection's tensor (q of qkv, gate of gate_up) into its rows (or packed columns) of `param`."""
@@ -61,26 +61,26 @@ class QuantLinear(Linear):
         tensors = {name: getattr(self, name).data for name in self.stored}
         for name in self.stored:
             delattr(self, name)
-        self.qweight = to_weight(self.spec, tensors, self.out_features, self.in_features)
+        self.quantized = to_weight(self.spec, tensors, self.out_features, self.in_features)
         if not self.packable:
-            self.weight = nn.Parameter(self.qweight.float().to(dtype), requires_grad=False)
-            self.qweight = None
+            self.weight = nn.Parameter(self.quantized.float().to(dtype), requires_grad=False)
+            self.quantized = None
         else:
             self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
 
     def gemm_weight(self) -> QuantWeight | torch.Tensor:
-        return self.qweight if self.qweight is not None else self.weight.data
+        return self.quantized if self.quantized is not None else self.weight.data
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.plan is not None:
             return self.plan(x)
-        if self.qweight is None:
+        if self.quantized is None:
             return super().forward(x)
-        return self.qweight.reference(x, self.bias).to(x.dtype)
+        return self.quantized.reference(x, self.bias).to(x.dtype)
 
     def use_plan(self, plan: object) -> None:
         self.plan = plan  # type: ignore[assignment]
-        self.qweight = None  # the plan holds what it needs
+        self.quantized = None  # the plan holds what it needs
 
 
 class W8A8Linear(QuantLinear):
