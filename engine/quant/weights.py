@@ -10,9 +10,10 @@ import torch.nn.functional as F
 
 
 def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic symmetric int8 per token (row), as vLLM and compressed-tensors do for W8A8: x ≈ q * scale."""
+    """Dynamic symmetric int8 per token (row) for W8A8, x ≈ q * scale, as compressed-tensors defines it (the
+    largest magnitude maps to 127.5 steps, then clamps to 127; vLLM's kernels divide by 127 instead)."""
     x = x.float()
-    scale = (x.abs().amax(dim=-1, keepdim=True) / 127.0).clamp_min(torch.finfo(torch.float32).tiny)
+    scale = (x.abs().amax(dim=-1, keepdim=True) / 127.5).clamp_min(torch.finfo(torch.float32).tiny)
     return torch.round(x / scale).clamp_(-128, 127).to(torch.int8), scale
 
 
