@@ -120,10 +120,7 @@ def plan_linears(model: nn.Module, selector: GemmSelector, max_rows: dict[int, i
         samples = [(_weight(lin), _bias(lin)) for _, lin, _ in units]
         chooser = selector
         if not isinstance(samples[0][0], torch.Tensor):  # quantized weights: their own candidates, same rules
-            quantized = quantized or GemmSelector(
-                quant_paths(selector.dtype), selector.dtype, selector.cache, selector.timer, selector.max_layouts,
-                measure=selector.measure,
-            )  # fmt: skip
+            quantized = quantized or _quant_selector(selector)
             chooser = quantized
         choice = chooser.choose(shape, samples, units[0][2], rows_of.get(id(units[0][0])))  # type: ignore[arg-type]
         for owner, lin, act in units:
@@ -132,6 +129,17 @@ def plan_linears(model: nn.Module, selector: GemmSelector, max_rows: dict[int, i
             owner.use_plan(GemmPlan([prepared[n] for n in choice.per_class], lin.in_features, choice.per_class))
         report.shapes[shape] = (len(units), choice)
     return report
+
+
+def _quant_selector(selector: GemmSelector) -> GemmSelector:
+    """The quantized candidates under `selector`'s rules; a forced path's family (onednn, torch) leads."""
+    paths = quant_paths(selector.dtype)
+    if not selector.measure:
+        lead = next(iter(selector.paths)).split("-")[0]
+        paths.sort(key=lambda p: p.name.split("-")[0] != lead)
+    return GemmSelector(
+        paths, selector.dtype, selector.cache, selector.timer, selector.max_layouts, measure=selector.measure
+    )
 
 
 def _bias(lin: Linear) -> torch.Tensor | None:

@@ -31,9 +31,10 @@ def _probe(name: str, fn: object) -> bool:
 
 
 class QuantReferencePath:
-    """Dequantize the whole weight each call, then float32 matmul: slow, exact, everywhere."""
+    """Dequantize the whole weight each call, then float32 matmul: slow, exact, everywhere. What
+    gemm_path=torch runs for a quantized layer."""
 
-    name = "quant-ref"
+    name = "torch-dequant"
 
     def accepts(self, weight: object, act: Act | None) -> bool:
         return isinstance(weight, (Int8Weight, Int4Weight))
@@ -110,7 +111,8 @@ class Int4PackPath:
         self.available = _probe(self.name, lambda: self.prepare(w, None, None)(torch.ones(2, 32, dtype=dtype)))
 
     def accepts(self, weight: object, act: Act | None) -> bool:
-        return self.available and isinstance(weight, Int4Weight) and weight.group_size in self.GROUPS
+        fits = isinstance(weight, Int4Weight) and weight.group_size in self.GROUPS and weight.shape[0] % 16 == 0
+        return self.available and fits  # the op packs 16 output channels at a time
 
     def prepare(self, weight: Int4Weight, bias: torch.Tensor | None, act: Act | None) -> Run:  # type: ignore[override]
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.values(), 1)

@@ -5,6 +5,7 @@ checkpoint; the modules swap as they should, and mismatches are refused."""
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -13,12 +14,15 @@ from safetensors.torch import load_file, save_file
 
 from engine.errors import ConfigError, ModelLoadError
 from engine.layers.linear import Linear
+from engine.layers.mlp import GatedMLP
 from engine.loader import DirectoryFiles, load_model, read_json
 from engine.models.registry import model_class
+from engine.quant.layouts import to_weight
 from engine.quant.modules import QuantLinear, quantize_modules
-from engine.quant.quantize import pack_int4_words
-from engine.quant.spec import QuantSpec
+from engine.quant.quantize import pack_int4_words, quantize
+from engine.quant.spec import QuantSpec, quant_spec
 from tests.parity.conftest import build_llama, build_qwen2, make_core, mixed_prompts, step_logits
+from tests.parity.test_deepseek import build_deepseek
 from tests.unit.test_quant_formats import _as_int32, _awq_pack, _gptq_pack
 
 G = 64
@@ -163,3 +167,68 @@ def test_a_layer_quantized_only_in_part_is_refused() -> None:
     spec = QuantSpec("w8a8", "compressed-tensors", ignore=["re:.*layers.0.mlp.up_proj"])
     with pytest.raises(ModelLoadError, match="quantizes only some of"):
         quantize_modules(model, spec)
+
+
+def _dequantized_twin(qdir: Path, out: Path) -> Path:
+    """The quantized checkpoint with every quantized layer dequantized back into a plain float32 `weight`."""
+    cfg = json.loads((qdir / "config.json").read_text())
+    spec = quant_spec(cfg)
+    assert spec is not None
+    state = load_file(str(qdir / "model.safetensors"))
+    dense = {k: v for k, v in state.items() if not k.rpartition(".")[2].startswith("weight_") and k.endswith("weight")}
+    dense |= {k: v for k, v in state.items() if k.endswith("bias") or "e_score" in k}
+    for key in [k for k in state if k.endswith(".weight_scale")]:
+        module = key.removesuffix(".weight_scale")
+        parts = {k.removeprefix(module + "."): v for k, v in state.items() if k.startswith(module + ".")}
+        n, k = parts["weight_shape"].tolist() if "weight_shape" in parts else parts["weight"].shape
+        dense[f"{module}.weight"] = to_weight(spec, parts, n, k).float()
+    out.mkdir()
+    save_file(dense, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k != "quantization_config"}))
+    return out
+
+
+@pytest.mark.parametrize(("name", "group"), [("v2-lite", 32), ("v2-grouped", 8)])
+def test_deepseek_w4a16_gives_the_logits_of_its_dequantized_weights(tmp_path: Path, name: str, group: int) -> None:
+    src = build_deepseek(name, tmp_path / "src")
+    report = quantize(src, tmp_path / "q", "w4a16", group)
+    assert "model.layers.1.mlp.gate" in report.kept  # the router stays float
+    twin = _dequantized_twin(tmp_path / "q", tmp_path / "dense")
+    core = make_core(tmp_path / "q")
+    mla = core.runner.model.model.layers[1].self_attn
+    assert isinstance(mla.o_proj, QuantLinear) and mla.kv_b_proj.weight.shape == (4 * 32, 32)  # dequantized
+    assert isinstance(core.runner.model.model.layers[1].mlp.experts[0].down_proj, QuantLinear)
+    prompts = mixed_prompts(3)
+    got, want = step_logits(core, prompts, 3), step_logits(make_core(twin), prompts, 3)
+    for g, w in zip(got, want, strict=True):
+        assert (g - w).abs().max() <= 1e-4 * w.abs().max().clamp_min(1.0)
+
+
+def _keep_input(inputs: dict[str, torch.Tensor], name: str, _m: object, args: tuple, _out: object) -> None:
+    inputs.setdefault(name, args[0].clone())
+
+
+def test_deepseek_w8a8_layers_give_the_reference_on_their_real_inputs(tmp_path: Path) -> None:
+    """Every quantized layer of a DeepSeek (MLA projections, routed and shared experts), fed what it sees in a
+    prefill, answers as the reference (gemm_path=torch: dequantize, then matmul). Layer by layer: activations
+    are quantized in every layer, so a rounding difference far below float tolerance in one layer tips the odd
+    int8 step in the next, and whole-model logits cannot be compared at float tolerance."""
+    quantize(build_deepseek("v2-grouped", tmp_path / "src"), tmp_path / "q", "w8a8")
+    fast, ref = make_core(tmp_path / "q"), make_core(tmp_path / "q", gemm_path="torch")
+    shapes = ref.runner.kernels.shapes
+    assert {n for shape, (_, choice) in shapes.items() if "w8a8" in shape for n in choice.per_class} == {
+        "torch-dequant"
+    }
+    assert any(n != "torch-dequant" for _, (_, c) in fast.runner.kernels.shapes.items() for n in c.per_class)
+    inputs: dict[str, torch.Tensor] = {}
+    ref_modules = dict(ref.runner.model.named_modules())
+    for name, m in fast.runner.model.named_modules():
+        if (isinstance(m, QuantLinear) and m.plan is not None) or isinstance(m, GatedMLP):
+            m.register_forward_hook(partial(_keep_input, inputs, name))
+    step_logits(fast, mixed_prompts(6), 1)
+    assert any(".experts." in n for n in inputs) and any("self_attn.o_proj" in n for n in inputs)
+    fast_modules = dict(fast.runner.model.named_modules())
+    for name, x in inputs.items():
+        a, b = fast_modules[name], ref_modules[name]
+        got, want = (a.gate_up_act(x), b.gate_up_act(x)) if isinstance(a, GatedMLP) else (a(x), b(x))
+        assert (got - want).abs().max() <= 1e-4 * want.abs().max().clamp_min(1.0), name

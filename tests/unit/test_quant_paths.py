@@ -59,7 +59,7 @@ def test_w8a8_paths_equal_the_reference(dtype: torch.dtype, bias: bool) -> None:
     assert paths, "neither oneDNN int8 nor torch._int_mm runs on this CPU"
     for path in [*paths, QuantReferencePath()]:
         assert path.accepts(w, None) and not path.accepts(torch.zeros(N, K), None)
-        assert path.name == "quant-ref" or not path.accepts(int4_weight(), None)
+        assert path.name == "torch-dequant" or not path.accepts(int4_weight(), None)
         run = path.prepare(w, b, None)
         for rows in ROWS:
             x = torch.randn(rows, K, generator=_gen(rows)).to(dtype)
@@ -87,6 +87,7 @@ def test_int4pack_equals_the_reference(dtype: torch.dtype, group: int, symmetric
 
 def test_int4pack_refuses_group_sizes_it_has_no_kernel_for() -> None:
     assert not Int4PackPath(torch.float32).accepts(int4_weight(g=16), None)
+    assert not Int4PackPath(torch.float32).accepts(int4_weight(n=40), None)  # 16 output channels at a time
     assert QuantReferencePath().accepts(int4_weight(g=16), None)
 
 
@@ -116,7 +117,7 @@ class _Unavailable(IntMMPath):
 
 def test_selector_measures_the_quantized_candidates_and_keeps_one_that_matches() -> None:
     paths = quant_paths(torch.float32)
-    assert paths[-1].name == "quant-ref"  # always there: a CPU without int8 / int4 kernels still runs
+    assert paths[-1].name == "torch-dequant"  # always there: a CPU without int8 / int4 kernels still runs
     sel = GemmSelector(paths, torch.float32, timer=lambda fn: (fn(), 1e-6)[1])
     w = int8_weight()
     choice = sel.choose("w8a8 test", [(w, None)], None)  # type: ignore[list-item]
@@ -128,7 +129,7 @@ def test_without_fast_paths_the_reference_runs() -> None:
     sel = GemmSelector([_Unavailable(), QuantReferencePath()], torch.float32)
     w = int8_weight()
     choice = sel.choose("w8a8 only-ref", [(w, None)], None)  # type: ignore[list-item]
-    assert set(choice.per_class) == {"quant-ref"}
+    assert set(choice.per_class) == {"torch-dequant"}
 
 
 class _Wrong(QuantReferencePath):
@@ -141,4 +142,4 @@ class _Wrong(QuantReferencePath):
 def test_a_path_that_disagrees_with_the_reference_is_dropped(caplog: pytest.LogCaptureFixture) -> None:
     sel = GemmSelector([_Wrong(), QuantReferencePath()], torch.float32, timer=lambda fn: (fn(), 1e-6)[1])
     choice = sel.choose("w4 wrong", [(int4_weight(), None)], None)  # type: ignore[list-item]
-    assert set(choice.per_class) == {"quant-ref"} and choice.us["wrong"][0] == float("inf")
+    assert set(choice.per_class) == {"torch-dequant"} and choice.us["wrong"][0] == float("inf")
