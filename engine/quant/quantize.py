@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -109,9 +110,15 @@ def _is_linear_weight(name: str, tensor: torch.Tensor, lm_head: bool) -> bool:
 
 
 def quantize(
-    src: str | Path, dst: str | Path, scheme: str, group_size: int = 128, lm_head: bool = False
+    src: str | Path,
+    dst: str | Path,
+    scheme: str,
+    group_size: int = 128,
+    lm_head: bool = False,
+    shard_bytes: int = SHARD_BYTES,
 ) -> QuantizeReport:
-    """Write the quantized checkpoint of `src` into `dst` (created; must not exist or be empty)."""
+    """Write the quantized checkpoint of `src` into `dst` (created; must not exist or be empty), in safetensors
+    files of at most `shard_bytes` each (beyond one, with an index, as transformers writes them)."""
     if scheme not in SCHEMES:
         raise ModelLoadError(f"scheme must be one of {', '.join(SCHEMES)}; got {scheme!r}")
     if scheme == "w4a16" and (group_size < 8 or group_size % 8):
@@ -124,9 +131,36 @@ def quantize(
         raise ModelLoadError(f"{out} exists and is not empty")
     out.mkdir(parents=True, exist_ok=True)
     report = QuantizeReport(scheme, group_size if scheme == "w4a16" else None, kept=[] if lm_head else ["lm_head"])
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    sizes = [0]
-    names = weight_files(files)
+    shard: dict[str, torch.Tensor] = {}
+    written: list[tuple[Path, list[str]]] = []  # each full shard goes to disk at once: memory stays one shard
+
+    def flush() -> None:
+        part = out / f".part-{len(written)}.safetensors"
+        save_file(shard, str(part), metadata={"format": "pt"})
+        written.append((part, list(shard)))
+        shard.clear()
+
+    try:
+        _convert_all(files, scheme, group_size, lm_head, shard_bytes, report, shard, flush)
+    except BaseException:
+        for part, _ in written:  # a failed run leaves the destination as it found it
+            part.unlink(missing_ok=True)
+        raise
+    _write(files.path, out, hf, written, quantization_config(scheme, group_size, report.kept), report)
+    return report
+
+
+def _convert_all(
+    files: DirectoryFiles,
+    scheme: str,
+    group_size: int,
+    lm_head: bool,
+    shard_bytes: int,
+    report: QuantizeReport,
+    shard: dict[str, torch.Tensor],
+    flush: Callable[[], None],
+) -> None:
+    names, size = weight_files(files), 0
     with tqdm(total=len(names), desc=f"quantize {scheme}", unit="file", file=sys.stderr) as bar:
         for fname in names:
             with safe_open(files.path / fname, framework="pt") as f:
@@ -134,15 +168,14 @@ def quantize(
                     t = f.get_tensor(key)
                     report.bytes_in += t.nbytes
                     for name, value in _convert(key, t, scheme, group_size, lm_head, report).items():
-                        if sizes[-1] + value.nbytes > SHARD_BYTES and shards[-1]:
-                            shards.append({})
-                            sizes.append(0)
-                        shards[-1][name] = value.contiguous()
-                        sizes[-1] += value.nbytes
+                        if size + value.nbytes > shard_bytes and shard:
+                            flush()
+                            size = 0
+                        shard[name] = value.contiguous()
+                        size += value.nbytes
                         report.bytes_out += value.nbytes
             bar.update(1)
-    _write(files.path, out, hf, shards, quantization_config(scheme, group_size, report.kept), report)
-    return report
+    flush()
 
 
 def _convert(
@@ -171,20 +204,19 @@ def _convert(
 
 
 def _write(
-    src: Path, out: Path, hf: dict, shards: list[dict[str, torch.Tensor]], qc: dict, report: QuantizeReport
+    src: Path, out: Path, hf: dict, parts: list[tuple[Path, list[str]]], qc: dict, report: QuantizeReport
 ) -> None:
     for p in src.iterdir():
         if p.is_file() and not p.name.endswith(".safetensors") and p.name not in (INDEX, "config.json"):
             shutil.copy2(p, out / p.name)
-    meta = {"format": "pt"}
-    if len(shards) == 1:
-        save_file(shards[0], str(out / "model.safetensors"), metadata=meta)
+    if len(parts) == 1:
+        parts[0][0].rename(out / "model.safetensors")
     else:
         weight_map = {}
-        for i, shard in enumerate(shards):
-            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, str(out / fname), metadata=meta)
-            weight_map |= dict.fromkeys(shard, fname)
+        for i, (part, names) in enumerate(parts):
+            fname = f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors"
+            part.rename(out / fname)
+            weight_map |= dict.fromkeys(names, fname)
         (out / INDEX).write_text(json.dumps({"metadata": {"total_size": report.bytes_out}, "weight_map": weight_map}))
     (out / "config.json").write_text(json.dumps({**hf, "quantization_config": qc}, indent=2))
     (out / "tianmen-quant.json").write_text(json.dumps(asdict(report), indent=2))
