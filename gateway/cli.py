@@ -143,7 +143,7 @@ def cmd_import_gguf(args: argparse.Namespace) -> int:
 def cmd_quantize(args: argparse.Namespace) -> int:
     from engine.quant.quantize import quantize
 
-    r = quantize(args.src, args.dst, args.scheme, args.group_size, lm_head=args.quantize_lm_head)
+    r = quantize(args.src, args.dst, args.scheme, args.group_size, args.quantize_lm_head, symmetric=not args.asymmetric)
     size = f"{r.bytes_in / 2**20:.1f} MiB -> {r.bytes_out / 2**20:.1f} MiB"
     print(f"wrote {args.dst}: {r.quantized} {r.scheme} layers, {size}")
     return 0
@@ -216,6 +216,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("dst", type=Path, help="the directory to create")
     p.add_argument("--scheme", required=True, choices=["w8a8", "w4a16"])
     p.add_argument("--group-size", type=int, default=128, help="w4a16: inputs sharing a scale (default 128)")
+    p.add_argument("--asymmetric", action="store_true", help="w4a16: a zero point per group (W4A16_ASYM)")
     p.add_argument("--quantize-lm-head", action="store_true", help="quantize the LM head too (default: kept)")
     p.set_defaults(func=cmd_quantize)
     return ap

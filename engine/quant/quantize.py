@@ -34,6 +34,7 @@ class QuantizeReport:
     scheme: str
     group_size: int | None
     method: str = "rtn"
+    symmetric: bool = True
     quantized: int = 0
     kept: list[str] = field(default_factory=list)
     bytes_in: int = 0
@@ -48,14 +49,24 @@ def rtn_int8(w: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, t
     return torch.round(w / scale.float()).clamp_(-128, 127).to(torch.int8), scale
 
 
-def rtn_int4(w: torch.Tensor, group: int, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] → signed 4-bit values int8 [N, K] in -8..7 and per-group scales [N, K/G] (symmetric, as
-    compressed-tensors: the largest magnitude maps to 7.5 steps)."""
+def rtn_int4(
+    w: torch.Tensor, group: int, scale_dtype: torch.dtype, symmetric: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """[N, K] → signed 4-bit values int8 [N, K] in -8..7, per-group scales [N, K/G] and (asymmetric) signed zero
+    points int8 [N, K/G], as compressed-tensors' min-max observer: symmetric maps the largest magnitude to 7.5
+    steps; asymmetric spans [min, max] (0 included) in 15 steps, x ≈ (q - zero) · scale."""
     n, k = w.shape
     g = w.float().view(n, k // group, group)
-    scale = (g.abs().amax(dim=-1) / 7.5).clamp_min(1e-12).to(scale_dtype)
-    q = torch.round(g / scale.float()[..., None]).clamp_(-8, 7).to(torch.int8)
-    return q.view(n, k), scale
+    lo, hi = g.amin(dim=-1).clamp(max=0), g.amax(dim=-1).clamp(min=0)
+    if symmetric:
+        scale = (torch.maximum(-lo, hi) / 7.5).clamp_min(1e-12).to(scale_dtype)
+        q = torch.round(g / scale.float()[..., None]).clamp_(-8, 7).to(torch.int8)
+        return q.view(n, k), scale, None
+    scale = ((hi - lo) / 15).to(scale_dtype)
+    scale = torch.where(scale == 0, torch.finfo(scale_dtype).eps, scale)
+    zero = torch.round((-8 - lo / scale.float()).clamp(-8, 7))
+    q = torch.round(g / scale.float()[..., None] + zero[..., None]).clamp_(-8, 7).to(torch.int8)
+    return q.view(n, k), scale, zero.to(torch.int8)
 
 
 def pack_int4_words(q: torch.Tensor) -> torch.Tensor:
@@ -67,13 +78,13 @@ def pack_int4_words(q: torch.Tensor) -> torch.Tensor:
     return (b[..., 0] | b[..., 1] << 8 | b[..., 2] << 16 | b[..., 3] << 24).to(torch.int32)
 
 
-def quantization_config(scheme: str, group_size: int, ignore: list[str]) -> dict:
-    """config.json's quantization_config as llm-compressor writes it for the W8A8 / W4A16 presets."""
+def quantization_config(scheme: str, group_size: int, ignore: list[str], symmetric: bool = True) -> dict:
+    """config.json's quantization_config as llm-compressor writes it for the W8A8 / W4A16(_ASYM) presets."""
     fmt = "int-quantized" if scheme == "w8a8" else "pack-quantized"
     weights = {
         "num_bits": 8 if scheme == "w8a8" else 4,
         "type": "int",
-        "symmetric": True,
+        "symmetric": symmetric,
         "strategy": "channel" if scheme == "w8a8" else "group",
         "group_size": None if scheme == "w8a8" else group_size,
         "block_structure": None,
@@ -84,7 +95,7 @@ def quantization_config(scheme: str, group_size: int, ignore: list[str]) -> dict
     }
     acts = None
     if scheme == "w8a8":
-        acts = {**weights, "num_bits": 8, "strategy": "token", "dynamic": True, "observer": None}
+        acts = {**weights, "num_bits": 8, "strategy": "token", "dynamic": True, "observer": None, "symmetric": True}
     group = {"targets": ["Linear"], "weights": weights, "input_activations": acts, "output_activations": None}
     return {
         "quant_method": "compressed-tensors",
@@ -116,11 +127,14 @@ def quantize(
     group_size: int = 128,
     lm_head: bool = False,
     shard_bytes: int = SHARD_BYTES,
+    symmetric: bool = True,
 ) -> QuantizeReport:
     """Write the quantized checkpoint of `src` into `dst` (created; must not exist or be empty), in safetensors
     files of at most `shard_bytes` each (beyond one, with an index, as transformers writes them)."""
     if scheme not in SCHEMES:
         raise ModelLoadError(f"scheme must be one of {', '.join(SCHEMES)}; got {scheme!r}")
+    if scheme == "w8a8" and not symmetric:
+        raise ModelLoadError("w8a8 weights are symmetric (vLLM's int8 kernels take no weight zero points)")
     if scheme == "w4a16" and (group_size < 8 or group_size % 8):
         raise ModelLoadError(f"group size must be a positive multiple of 8; got {group_size}")
     files, out = DirectoryFiles(src), Path(dst)
@@ -131,6 +145,7 @@ def quantize(
         raise ModelLoadError(f"{out} exists and is not empty")
     out.mkdir(parents=True, exist_ok=True)
     report = QuantizeReport(scheme, group_size if scheme == "w4a16" else None, kept=[] if lm_head else ["lm_head"])
+    report.symmetric = symmetric
     shard: dict[str, torch.Tensor] = {}
     written: list[tuple[Path, list[str]]] = []  # each full shard goes to disk at once: memory stays one shard
 
@@ -146,7 +161,8 @@ def quantize(
         for part, _ in written:  # a failed run leaves the destination as it found it
             part.unlink(missing_ok=True)
         raise
-    _write(files.path, out, hf, written, quantization_config(scheme, group_size, report.kept), report)
+    qc = quantization_config(scheme, group_size, report.kept, symmetric)
+    _write(files.path, out, hf, written, qc, report)
     return report
 
 
@@ -194,13 +210,16 @@ def _convert(
         return {f"{module}.weight": q, f"{module}.weight_scale": scale}
     if t.shape[1] % group:
         raise ModelLoadError(f"{module}: in_features {t.shape[1]} is not a multiple of the group size {group}")
-    q, scale = rtn_int4(t, group, scale_dtype)
+    q, scale, zero = rtn_int4(t, group, scale_dtype, report.symmetric)
     shape = torch.tensor(list(t.shape), dtype=torch.int64)
-    return {
+    out = {
         f"{module}.weight_packed": pack_int4_words(q),
         f"{module}.weight_scale": scale,
         f"{module}.weight_shape": shape,
     }
+    if zero is not None:  # packed along the output dimension, as compressed-tensors does
+        out[f"{module}.weight_zero_point"] = pack_int4_words(zero.T.contiguous()).T.contiguous()
+    return out
 
 
 def _write(

@@ -141,9 +141,33 @@ def test_nibbles_round_trip() -> None:
     assert torch.equal(w.values(), v.int()) and w.shape == (N, K)
 
 
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_rtn_int4_writes_what_compressed_tensors_writes(symmetric: bool) -> None:
+    """Our round-to-nearest and packing against the library's min-max qparams and its compressor, bit for bit."""
+    from compressed_tensors.compressors.pack_quantized import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    from engine.quant.quantize import QuantizeReport, _convert
+
+    args = QuantizationArgs(num_bits=4, type="int", strategy="group", group_size=G, symmetric=symmetric)
+    w = torch.randn(N, K, generator=_gen(10))
+    scale, zero = calculate_qparams(w.view(N, -1, G).amin(-1), w.view(N, -1, G).amax(-1), args)
+    state = {"weight": w, "weight_scale": scale, "weight_zero_point": zero}
+    theirs = PackedQuantizationCompressor.compress(state, QuantizationScheme(targets=["Linear"], weights=args))
+    report = QuantizeReport("w4a16", G, symmetric=symmetric)
+    layer = "model.layers.0.mlp.up_proj"
+    ours = {
+        k.removeprefix(layer + "."): v for k, v in _convert(layer + ".weight", w, "w4a16", G, False, report).items()
+    }
+    assert set(ours) == set(theirs)
+    for name, value in ours.items():
+        assert torch.equal(value, theirs[name].to(value.dtype)), name
+
+
 def test_rtn_int4_is_within_half_a_step() -> None:
     w = torch.randn(N, K, generator=_gen(9))
-    q, scale = rtn_int4(w, G, torch.float32)
+    q, scale, _ = rtn_int4(w, G, torch.float32)
     back = (q.float().view(N, -1, G) * scale[..., None]).view(N, K)
     assert bool(((back - w).abs() <= scale.repeat_interleave(G, 1) / 2 + 1e-6).all())
 

@@ -102,3 +102,18 @@ def test_a_failed_run_leaves_the_destination_empty(src: Path, tmp_path: Path) ->
         quantize(src, tmp_path / "q", "w4a16", 128, shard_bytes=1 << 10)  # several shards written first
     assert list((tmp_path / "q").iterdir()) == []
     assert quantize(src, tmp_path / "q", "w4a16", 32).quantized == 14  # and a rerun may use it
+
+
+def test_asymmetric_w4a16_writes_zero_points_and_loads(src: Path, tmp_path: Path) -> None:
+    argv = ["quantize", str(src), str(tmp_path / "q"), "--scheme", "w4a16", "--group-size", "32", "--asymmetric"]
+    assert cli(argv) == 0
+    files = DirectoryFiles(tmp_path / "q")
+    cfg = read_json(files, "config.json")
+    assert cfg["quantization_config"]["config_groups"]["group_0"]["weights"]["symmetric"] is False
+    assert "model.layers.1.mlp.gate_proj.weight_zero_point" in _names(tmp_path / "q")
+    model = load_model(files, cfg, torch.device("cpu"), torch.float32)
+    assert model.quantization == "w4a16" and not bool(
+        (model.model.layers[1].mlp.gate_up_proj.quantized.zero == 8).all()
+    )
+    with pytest.raises(ModelLoadError, match="w8a8 weights are symmetric"):
+        quantize(src, tmp_path / "q8", "w8a8", symmetric=False)
