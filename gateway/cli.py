@@ -143,7 +143,15 @@ def cmd_import_gguf(args: argparse.Namespace) -> int:
 def cmd_quantize(args: argparse.Namespace) -> int:
     from engine.quant.quantize import quantize
 
-    r = quantize(args.src, args.dst, args.scheme, args.group_size, args.quantize_lm_head, symmetric=not args.asymmetric)
+    r = quantize(
+        args.src,
+        args.dst,
+        args.scheme,
+        args.group_size,
+        args.quantize_lm_head,
+        symmetric=not args.asymmetric,
+        smooth=args.smooth,
+    )
     size = f"{r.bytes_in / 2**20:.1f} MiB -> {r.bytes_out / 2**20:.1f} MiB"
     print(f"wrote {args.dst}: {r.quantized} {r.scheme} layers, {size}")
     return 0
@@ -218,6 +226,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--group-size", type=int, default=128, help="w4a16: inputs sharing a scale (default 128)")
     p.add_argument("--asymmetric", action="store_true", help="w4a16: a zero point per group (W4A16_ASYM)")
     p.add_argument("--quantize-lm-head", action="store_true", help="quantize the LM head too (default: kept)")
+    p.add_argument("--smooth", type=float, metavar="ALPHA", help="w8a8: SmoothQuant of strength ALPHA (e.g. 0.5)")
     p.set_defaults(func=cmd_quantize)
     return ap
 

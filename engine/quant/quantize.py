@@ -35,6 +35,7 @@ class QuantizeReport:
     group_size: int | None
     method: str = "rtn"
     symmetric: bool = True
+    smooth_alpha: float | None = None
     quantized: int = 0
     kept: list[str] = field(default_factory=list)
     bytes_in: int = 0
@@ -128,9 +129,11 @@ def quantize(
     lm_head: bool = False,
     shard_bytes: int = SHARD_BYTES,
     symmetric: bool = True,
+    smooth: float | None = None,
 ) -> QuantizeReport:
     """Write the quantized checkpoint of `src` into `dst` (created; must not exist or be empty), in safetensors
-    files of at most `shard_bytes` each (beyond one, with an index, as transformers writes them)."""
+    files of at most `shard_bytes` each (beyond one, with an index, as transformers writes them). `smooth`
+    (w8a8): SmoothQuant's strength α, calibrated on a text that ships with Python (engine.quant.smooth)."""
     if scheme not in SCHEMES:
         raise ModelLoadError(f"scheme must be one of {', '.join(SCHEMES)}; got {scheme!r}")
     if scheme == "w8a8" and not symmetric:
@@ -146,6 +149,14 @@ def quantize(
     out.mkdir(parents=True, exist_ok=True)
     report = QuantizeReport(scheme, group_size if scheme == "w4a16" else None, kept=[] if lm_head else ["lm_head"])
     report.symmetric = symmetric
+    factors: dict[str, torch.Tensor] = {}
+    if smooth is not None:
+        if scheme != "w8a8":
+            raise ModelLoadError("smoothing moves activation outliers into the weights: it is for w8a8 only")
+        from engine.quant.smooth import smoothing  # runs the float model: imports the engine
+
+        factors = smoothing(files.path, hf, smooth)
+        report.method, report.smooth_alpha = "smoothquant+rtn", smooth
     shard: dict[str, torch.Tensor] = {}
     written: list[tuple[Path, list[str]]] = []  # each full shard goes to disk at once: memory stays one shard
 
@@ -156,7 +167,7 @@ def quantize(
         shard.clear()
 
     try:
-        _convert_all(files, scheme, group_size, lm_head, shard_bytes, report, shard, flush)
+        _convert_all(files, scheme, group_size, lm_head, shard_bytes, report, shard, flush, factors)
     except BaseException:
         for part, _ in written:  # a failed run leaves the destination as it found it
             part.unlink(missing_ok=True)
@@ -175,6 +186,7 @@ def _convert_all(
     report: QuantizeReport,
     shard: dict[str, torch.Tensor],
     flush: Callable[[], None],
+    factors: dict[str, torch.Tensor],
 ) -> None:
     names, size = weight_files(files), 0
     with tqdm(total=len(names), desc=f"quantize {scheme}", unit="file", file=sys.stderr) as bar:
@@ -183,6 +195,8 @@ def _convert_all(
                 for key in f.keys():  # noqa: SIM118  # safe_open is not iterable
                     t = f.get_tensor(key)
                     report.bytes_in += t.nbytes
+                    if key in factors:  # smoothing: norms shrink, the weights after them grow to match
+                        t = (t.float() * factors[key]).to(t.dtype if key.endswith("norm.weight") else torch.float32)
                     for name, value in _convert(key, t, scheme, group_size, lm_head, report).items():
                         if size + value.nbytes > shard_bytes and shard:
                             flush()
