@@ -9,6 +9,7 @@ import torch
 from engine.errors import ConfigError
 
 GEMM_PATHS = ("auto", "onednn", "torch", "bf16mm", "amxmm", "wbf16")
+QUANTIZATIONS = ("auto", "none", "w8a8", "w4a16")
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
@@ -61,6 +62,9 @@ class EngineConfig:
     # wherever it applies and binds every other kernel that builds, untimed (debugging, tests)
     gemm_path: str = "auto"
     gemm_layouts: int = 2  # at most this many packed copies of a weight, each run for the batch sizes it wins
+    # what the checkpoint's quantization_config holds (engine.quant): auto takes it; none | w8a8 | w4a16 insist on
+    # it (a checkpoint holding something else is refused). After loading: what was loaded, never auto
+    quantization: str = "auto"
 
     def __post_init__(self) -> None:
         self.model = Path(self.model)
@@ -86,6 +90,8 @@ class EngineConfig:
             raise ConfigError(f"batch_buckets must be increasing positive sizes; got {self.batch_buckets}")
         if self.gemm_path not in GEMM_PATHS:
             raise ConfigError(f"gemm_path must be one of {', '.join(GEMM_PATHS)}; got {self.gemm_path!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {self.quantization!r}")
         if self.gemm_layouts < 1:
             raise ConfigError(f"gemm_layouts must be >= 1; got {self.gemm_layouts}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:

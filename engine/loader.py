@@ -15,6 +15,8 @@ from torch import nn
 
 from engine.errors import ModelLoadError
 from engine.models.registry import model_class
+from engine.quant.modules import finish_loading, quantize_modules
+from engine.quant.spec import quant_spec
 
 INDEX = "model.safetensors.index.json"
 
@@ -107,9 +109,12 @@ def load_model(
         raise ModelLoadError(f"config.json is missing or has a bad field: {e}") from None
     finally:
         torch.set_default_dtype(default_dtype)
+    spec = quant_spec(hf_config)  # checkpoint-format layers replace the linear layers it quantizes
+    model.quantization = spec.scheme if spec is not None and quantize_modules(model, spec) else "none"
     if bf16_storage and dtype == torch.float32:
         _store_weights_as_bf16(model)
     load_weights(model, files, widen_to=dtype)
+    finish_loading(model, dtype)
     return model.eval()
 
 

@@ -40,6 +40,10 @@ class ModelRunner:
         compact = cpu and self.dtype == torch.float32 and config.compact_weights and config.cpu_kernels
         compact = compact and wbf16.kernel() is not None  # bf16 storage only where the bf16-weight kernel runs
         self.model = load_model(files, hf_config, self.device, self.dtype, bf16_storage=compact)
+        loaded = getattr(self.model, "quantization", "none")
+        if config.quantization not in ("auto", loaded):
+            raise ConfigError(f"quantization={config.quantization} but the checkpoint holds {loaded} weights")
+        config.quantization = loaded
         self.num_blocks = self._size_kv_cache(max_model_len)
         self.pad_block = self.num_blocks  # one spare block past the pool absorbs padded slots
         for layer in self.model.attention_layers():
@@ -51,9 +55,10 @@ class ModelRunner:
             self.kernels = self._bind_cpu_kernels(compact)
         self.attention_in_place = all(getattr(m, "kernel", None) is not None for m in self.model.attention_layers())
         log.info(
-            "model on %s, %s math: %d KV blocks of %d tokens",
+            "model on %s, %s math, %s weights: %d KV blocks of %d tokens",
             self.device,
             str(self.dtype).removeprefix("torch."),
+            "bf16/float" if config.quantization == "none" else config.quantization,
             self.num_blocks,
             self.block_size,
         )

@@ -140,6 +140,23 @@ def cmd_import_gguf(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_quantize(args: argparse.Namespace) -> int:
+    from engine.quant.quantize import quantize
+
+    r = quantize(
+        args.src,
+        args.dst,
+        args.scheme,
+        args.group_size,
+        args.quantize_lm_head,
+        symmetric=not args.asymmetric,
+        smooth=args.smooth,
+    )
+    size = f"{r.bytes_in / 2**20:.1f} MiB -> {r.bytes_out / 2**20:.1f} MiB"
+    print(f"wrote {args.dst}: {r.quantized} {r.scheme} layers, {size}")
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="tianmen", description="Secure inference gateway with an embedded LLM engine")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -201,6 +218,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("file", type=Path)
     p.add_argument("out", type=Path)
     p.set_defaults(func=cmd_import_gguf)
+
+    p = sub.add_parser("quantize", help="write a compressed-tensors W8A8 / W4A16 copy of a bf16/fp32 model directory")
+    p.add_argument("src", type=Path, help="the HuggingFace model directory (clear; seal the result afterwards)")
+    p.add_argument("dst", type=Path, help="the directory to create")
+    p.add_argument("--scheme", required=True, choices=["w8a8", "w4a16"])
+    p.add_argument("--group-size", type=int, default=128, help="w4a16: inputs sharing a scale (default 128)")
+    p.add_argument("--asymmetric", action="store_true", help="w4a16: a zero point per group (W4A16_ASYM)")
+    p.add_argument("--quantize-lm-head", action="store_true", help="quantize the LM head too (default: kept)")
+    p.add_argument("--smooth", type=float, metavar="ALPHA", help="w8a8: SmoothQuant of strength ALPHA (e.g. 0.5)")
+    p.set_defaults(func=cmd_quantize)
     return ap
 
 

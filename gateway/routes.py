@@ -26,9 +26,9 @@ async def completions(request: Request) -> Response:
 
 async def models(request: Request) -> Response:
     engine, principal = request.app.state.deps.engine, request.scope["principal"]
-    data = [
-        {"id": engine.model_name, "object": "model", "created": request.app.state.deps.started, "owned_by": "tianmen"}
-    ]
+    quantization = getattr(getattr(engine, "config", None), "quantization", "none")  # none | w8a8 | w4a16
+    model = {"id": engine.model_name, "object": "model", "created": request.app.state.deps.started}
+    data = [{**model, "owned_by": "tianmen", "quantization": quantization}]
     return JSONResponse({"object": "list", "data": [m for m in data if principal.may_use(m["id"])]})
 
 

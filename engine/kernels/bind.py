@@ -33,12 +33,15 @@ from engine.kernels.select import (
 )
 from engine.layers.linear import Linear
 from engine.layers.mlp import GatedMLP
+from engine.quant.paths import quant_paths
+from engine.quant.weights import Int4Weight, QuantWeight
 
 log = logging.getLogger(__name__)
 
 _SOURCES = [
     Path(__file__).with_name(n)
     for n in ("gemm.py", "select.py", "op_choice.py", "bf16mm.c", "wbf16.c", "amxmm.c", "pointwise.c", "decode_attn.c")
+] + [Path(__file__).parents[1] / "quant" / n for n in ("paths.py", "weights.py")]
 ]
 
 
@@ -117,25 +120,49 @@ def plan_linears(model: nn.Module, selector: GemmSelector, max_rows: dict[int, i
             rows = rows_of.get(id(m))
             groups[_shape(m, None) + (f" rows<={rows}" if rows else "")].append((m, m, None))
     report = BindReport()
+    quantized: GemmSelector | None = None
     for shape, units in groups.items():
-        samples = [(lin.weight.data, _bias(lin)) for _, lin, _ in units]
-        choice = selector.choose(shape, samples, units[0][2], rows_of.get(id(units[0][0])))
+        samples = [(_weight(lin), _bias(lin)) for _, lin, _ in units]
+        chooser = selector
+        if not isinstance(samples[0][0], torch.Tensor):  # quantized weights: their own candidates, same rules
+            quantized = quantized or _quant_selector(selector)
+            chooser = quantized
+        choice = chooser.choose(shape, samples, units[0][2], rows_of.get(id(units[0][0])))  # type: ignore[arg-type]
         for owner, lin, act in units:
-            prepared = {
-                name: selector.paths[name].prepare(lin.weight.data, _bias(lin), act) for name in choice.layouts()
-            }
+            w = _weight(lin)
+            prepared = {name: chooser.paths[name].prepare(w, _bias(lin), act) for name in choice.layouts()}  # type: ignore[arg-type]
             owner.use_plan(GemmPlan([prepared[n] for n in choice.per_class], lin.in_features, choice.per_class))
         report.shapes[shape] = (len(units), choice)
     return report
+
+
+def _quant_selector(selector: GemmSelector) -> GemmSelector:
+    """The quantized candidates under `selector`'s rules; a forced path's family (onednn, torch) leads."""
+    paths = quant_paths(selector.dtype)
+    if not selector.measure:
+        lead = next(iter(selector.paths)).split("-")[0]
+        paths.sort(key=lambda p: p.name.split("-")[0] != lead)
+    return GemmSelector(
+        paths, selector.dtype, selector.cache, selector.timer, selector.max_layouts, measure=selector.measure,
+        flush=selector.flush,
+    )  # fmt: skip
 
 
 def _bias(lin: Linear) -> torch.Tensor | None:
     return lin.bias.data if lin.bias is not None else None
 
 
+def _weight(lin: Linear) -> torch.Tensor | QuantWeight:
+    quantized = getattr(lin, "gemm_weight", None)  # engine.quant's layers: an Int8Weight / Int4Weight
+    return quantized() if quantized is not None else lin.weight.data
+
+
 def _shape(lin: Linear, act: Act | None) -> str:
-    w = lin.weight
-    tags = [str(w.dtype).removeprefix("torch."), "bias" if lin.bias is not None else "", "gated" if act else ""]
+    w = _weight(lin)
+    kind = w.tag if not isinstance(w, torch.Tensor) else str(w.dtype).removeprefix("torch.")
+    if isinstance(w, Int4Weight):
+        kind += f"-g{w.group_size}"
+    tags = [kind, "bias" if lin.bias is not None else "", "gated" if act else ""]
     silu = "silu" if act is not None and getattr(act, "is_silu_and_mul", False) else ""
     return f"{w.shape[0]}x{w.shape[1]} " + "+".join(t for t in (*tags, silu) if t)
 

@@ -289,7 +289,11 @@ def _matches_reference(
     run: Run, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: Act | None
 ) -> bool:
     """The path's answer for `x` against float32 math (rounded once to x's dtype): within that rounding."""
-    want = torch.nn.functional.linear(x.float(), weight.float(), bias.float() if bias is not None else None)
+    reference = getattr(weight, "reference", None)  # a quantized weight (engine.quant) defines its own math
+    if reference is not None:
+        want = reference(x, bias)
+    else:
+        want = torch.nn.functional.linear(x.float(), weight.float(), bias.float() if bias is not None else None)
     if act is not None:
         want = act(want)
     try:

@@ -1,0 +1,136 @@
+"""GEMM paths for quantized weights (engine.kernels.gemm's GemmPath, for an Int8Weight / Int4Weight instead of
+a dense tensor); the engine times them per shape and batch class with the dense ones (engine.kernels.select).
+
+W8A8: activations quantized per token, then int8 x int8 → int32 products by oneDNN (AMX-INT8 / VNNI where the
+CPU has them) or torch._int_mm. W4A16: torch's CPU int4 GEMM (weights unpacked in registers, float math). The
+reference path (dequantize, then matmul) runs anywhere and is the correctness definition."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.kernels.gemm import Act, GemmPath, Run
+from engine.quant.weights import Int4Weight, Int8Weight, quantize_tokens
+
+log = logging.getLogger(__name__)
+
+
+def _then(run: Run, act: Act | None) -> Run:
+    return run if act is None else lambda x: act(run(x))
+
+
+def _probe(name: str, fn: object) -> bool:
+    try:
+        fn()  # type: ignore[operator]
+    except (AttributeError, RuntimeError, NotImplementedError) as e:  # private ops: missing or unsupported here
+        log.debug("quantized GEMM path %s unavailable (%s)", name, e)
+        return False
+    return True
+
+
+class QuantReferencePath:
+    """Dequantize the whole weight each call, then float32 matmul: slow, exact, everywhere. What
+    gemm_path=torch runs for a quantized layer."""
+
+    name = "torch-dequant"
+
+    def accepts(self, weight: object, act: Act | None) -> bool:
+        return isinstance(weight, (Int8Weight, Int4Weight))
+
+    def prepare(self, weight: Int8Weight | Int4Weight, bias: torch.Tensor | None, act: Act | None) -> Run:  # type: ignore[override]
+        return _then(lambda x: weight.reference(x, bias).to(x.dtype), act)
+
+
+class _W8A8Path:
+    """Shared by the int8 paths: per-token quantization in, per-token x per-channel scaling out."""
+
+    name = ""
+
+    def __init__(self) -> None:
+        w = Int8Weight(torch.ones(8, 16, dtype=torch.int8), torch.ones(8))
+        self.available = _probe(self.name, lambda: self.prepare(w, None, None)(torch.ones(2, 16)))
+
+    def accepts(self, weight: object, act: Act | None) -> bool:
+        return self.available and isinstance(weight, Int8Weight)
+
+    def products(self, weight: Int8Weight) -> Run:
+        """int8 [M, K] → float32 [M, N]: Σ xq · wq, times the weight's channel scale where the op applies it."""
+        raise NotImplementedError
+
+    scaled = False  # whether products() already applies the weight's scale
+
+    def prepare(self, weight: Int8Weight, bias: torch.Tensor | None, act: Act | None) -> Run:  # type: ignore[override]
+        mm, wscale = self.products(weight), weight.scale
+        b = bias.float() if bias is not None else None
+
+        def run(x: torch.Tensor) -> torch.Tensor:
+            xq, xs = quantize_tokens(x.reshape(-1, x.shape[-1]))
+            y = mm(xq).mul_(xs) if self.scaled else mm(xq).float().mul_(xs).mul_(wscale)
+            if b is not None:
+                y.add_(b)
+            return y.to(x.dtype).view(*x.shape[:-1], -1)
+
+        return _then(run, act)
+
+
+class OneDNNInt8Path(_W8A8Path):
+    """oneDNN's quantized linear on a prepacked int8 weight (what inductor's x86 int8 path uses)."""
+
+    name = "onednn-int8"
+    scaled = True
+
+    def products(self, weight: Int8Weight) -> Run:
+        packed = torch.ops.onednn.qlinear_prepack(weight.q, None)
+        scale, zeros = weight.scale.float(), torch.zeros(weight.q.shape[0], dtype=torch.int64)
+        op = torch.ops.onednn.qlinear_pointwise
+        return lambda xq: op(xq, 1.0, 0, packed, scale, zeros, None, 1.0, 0, torch.float32, "none", [], "")
+
+
+class IntMMPath(_W8A8Path):
+    """torch._int_mm: int8 x int8 → int32."""
+
+    name = "int-mm"
+
+    def products(self, weight: Int8Weight) -> Run:
+        wt = weight.q.t()
+        return lambda xq: torch._int_mm(xq, wt)
+
+
+class Int4PackPath:
+    """torch's CPU int4 GEMM (_weight_int4pack_mm_for_cpu): w = (q - 8) · scale + zero per group, so our zero
+    point z becomes the float offset (8 - z) · scale."""
+
+    name = "int4pack"
+    GROUPS = (32, 64, 128, 256)
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        w = Int4Weight(torch.zeros(16, 16, dtype=torch.uint8), torch.ones(16, 1), torch.full((16, 1), 8), 32)
+        self.available = _probe(self.name, lambda: self.prepare(w, None, None)(torch.ones(2, 32, dtype=dtype)))
+
+    def accepts(self, weight: object, act: Act | None) -> bool:
+        fits = isinstance(weight, Int4Weight) and weight.group_size in self.GROUPS and weight.shape[0] % 16 == 0
+        return self.available and fits  # the op packs 16 output channels at a time
+
+    def prepare(self, weight: Int4Weight, bias: torch.Tensor | None, act: Act | None) -> Run:  # type: ignore[override]
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.values(), 1)
+        offset = (8 - weight.zero.float()) * weight.scale
+        scales_zeros = torch.stack((weight.scale, offset), dim=-1).transpose(0, 1).contiguous().to(self.dtype)
+        g, n, b = weight.group_size, weight.shape[0], bias.to(self.dtype) if bias is not None else None
+        mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+
+        def run(x: torch.Tensor) -> torch.Tensor:
+            y = mm(x.reshape(-1, x.shape[-1]), packed, g, scales_zeros)
+            if b is not None:
+                y = y + b
+            return y.view(*x.shape[:-1], n)
+
+        return _then(run, act)
+
+
+def quant_paths(dtype: torch.dtype) -> list[GemmPath]:
+    """The quantized candidates on this machine: the fast ones that work here, then the reference."""
+    fast: list[_W8A8Path | Int4PackPath] = [OneDNNInt8Path(), IntMMPath(), Int4PackPath(dtype)]
+    return [*(p for p in fast if p.available), QuantReferencePath()]  # type: ignore[list-item]

@@ -1,0 +1,96 @@
+"""SmoothQuant for W8A8 (Xiao et al., 2023): per input channel j, activations are divided and the weights that
+read them multiplied by s_j = max|X_j|^α / max|W_j|^(1-α), folded into the RMSNorm before them, so the float
+model is unchanged while activation outliers shrink before per-token int8 quantization. The activation maxima
+come from running the float model (our engine) over a calibration text that ships with Python."""
+
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.errors import ModelLoadError
+from engine.loader import DirectoryFiles, weight_files
+from engine.params import SamplingParams
+from engine.request import Request
+from engine.tokenizer import Tokenizer
+
+# norm → the projections that read its output, by checkpoint name (Llama family: Llama, Qwen2, Mistral)
+GROUPS = {"input_layernorm": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+          "post_attention_layernorm": ("mlp.gate_proj", "mlp.up_proj")}  # fmt: skip
+CALIBRATION_TOKENS = 1024
+
+
+def calibration_text() -> str:
+    """Python's own pydoc topics, from the end backwards (fidelity checks read it from the start)."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[k] for k in sorted(topics, reverse=True))
+
+
+def activation_maxima(src: str, token_ids: list[int]) -> dict[str, torch.Tensor]:
+    """max |x_j| over the calibration tokens of each norm's output, by name (model.layers.0.input_layernorm)."""
+    cfg = EngineConfig(model=src, dtype="float32", device="cpu", max_num_seqs=1, cpu_kernels=False,
+                       max_num_batched_tokens=max(len(token_ids), 16), max_model_len=len(token_ids) + 16)  # fmt: skip
+    core = EngineCore(cfg)
+    maxima: dict[str, torch.Tensor] = {}
+
+    def keep(name: str, _m: object, _args: object, out: tuple[torch.Tensor, torch.Tensor]) -> None:
+        m = out[0].detach().abs().amax(dim=0).float()
+        maxima[name] = torch.maximum(maxima[name], m) if name in maxima else m
+
+    for i, layer in enumerate(core.runner.model.model.layers):
+        for norm in GROUPS:
+            getattr(layer, norm).register_forward_hook(partial(keep, f"model.layers.{i}.{norm}"))
+    core.add_request(Request("calibration", token_ids, SamplingParams(max_tokens=1, temperature=0)))
+    for _ in range(len(token_ids) + 2):  # bounded: one prefill chunk, then the token; never an endless wait
+        if not core.has_unfinished() or any(out.finish_reason is not None for out in core.step()):
+            break
+    if len(maxima) != len(GROUPS) * len(core.runner.model.model.layers):
+        raise ModelLoadError("the calibration run did not reach every layer")
+    return maxima
+
+
+def smoothing_scales(act_max: torch.Tensor, weights: list[torch.Tensor], alpha: float) -> torch.Tensor:
+    """s_j for one norm's output channels; 1 where a channel never fires."""
+    w_max = torch.stack([w.float().abs().amax(dim=0) for w in weights]).amax(dim=0)
+    s = act_max.clamp_min(1e-5).pow(alpha) / w_max.clamp_min(1e-5).pow(1 - alpha)
+    return torch.where(act_max > 0, s, torch.ones_like(s)).clamp(1e-2, 1e2)
+
+
+SMOOTHABLE = ("llama", "qwen2", "mistral")
+
+
+def smoothing(src: Path, hf: dict[str, Any], alpha: float) -> dict[str, torch.Tensor]:
+    """Per checkpoint tensor name, the factor it is multiplied by: 1/s for each norm's weight, s (per input
+    column) for the projections that read it. The float model's outputs do not change."""
+    if hf.get("model_type") not in SMOOTHABLE:
+        raise ModelLoadError(f"smoothing supports {', '.join(SMOOTHABLE)} models; got {hf.get('model_type')!r}")
+    if not 0 < alpha < 1:
+        raise ModelLoadError(f"the smoothing strength must be between 0 and 1; got {alpha}")
+    files = DirectoryFiles(src)
+    tokenizer = Tokenizer.from_files(files.read)
+    longest = int(hf.get("max_position_embeddings") or CALIBRATION_TOKENS) - 1
+    ids = tokenizer.encode(calibration_text(), add_special_tokens=False)[: min(CALIBRATION_TOKENS, longest)]
+    maxima = activation_maxima(str(src), ids)
+    where = {}
+    for fname in weight_files(files):
+        with safe_open(files.path / fname, framework="pt") as f:
+            where |= dict.fromkeys(f.keys(), fname)
+    factors: dict[str, torch.Tensor] = {}
+    for norm, act_max in maxima.items():
+        layer = norm.rpartition(".")[0]
+        names = [f"{layer}.{p}.weight" for p in GROUPS[norm.rpartition(".")[2]]]
+        weights = []
+        for name in names:
+            with safe_open(files.path / where[name], framework="pt") as f:
+                weights.append(f.get_tensor(name))
+        s = smoothing_scales(act_max, weights, alpha)
+        factors[f"{norm}.weight"] = 1 / s
+        factors |= dict.fromkeys(names, s[None, :])
+    return factors
