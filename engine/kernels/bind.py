@@ -42,7 +42,6 @@ _SOURCES = [
     Path(__file__).with_name(n)
     for n in ("gemm.py", "select.py", "op_choice.py", "bf16mm.c", "wbf16.c", "amxmm.c", "pointwise.c", "decode_attn.c")
 ] + [Path(__file__).parents[1] / "quant" / n for n in ("paths.py", "weights.py")]
-]
 
 
 @dataclass(slots=True)
