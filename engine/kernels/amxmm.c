@@ -22,6 +22,9 @@
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 #define TILE_ELEMS 512  // 16 rows x 32 bf16
+// Weight k-steps prefetched ahead: AMX tile loads do not draw the hardware prefetcher along, and without it a
+// decode GEMM streamed at 7-17 GB/s instead of 13-25 (2 cores, 24 x 17 MB weights, 1-32 rows)
+#define PF 2
 
 typedef struct {
     uint8_t palette_id;
@@ -80,6 +83,7 @@ static void block_rows(int64_t m0, int mr, int64_t K, const uint16_t *x, const u
         _tile_zero(3);
         for (int64_t ks = 0; ks < ksteps; ks++) {
             const uint16_t *wk = wb + ks * 2 * TILE_ELEMS;
+            for (int l = 0; l < 32; l++) _mm_prefetch((const char *)(wk + PF * 2 * TILE_ELEMS) + 64 * l, _MM_HINT_T0);
             _tile_loadd(4, xa + ks * 32, stride);
             _tile_loadd(5, xb + ks * 32, stride);
             _tile_loadd(6, wk, 64);
@@ -94,6 +98,7 @@ static void block_rows(int64_t m0, int mr, int64_t K, const uint16_t *x, const u
     } else {
         for (int64_t ks = 0; ks < ksteps; ks++) {
             const uint16_t *wk = wb + ks * 2 * TILE_ELEMS;
+            for (int l = 0; l < 32; l++) _mm_prefetch((const char *)(wk + PF * 2 * TILE_ELEMS) + 64 * l, _MM_HINT_T0);
             _tile_loadd(4, xa + ks * 32, stride);
             _tile_loadd(6, wk, 64);
             _tile_loadd(7, wk + TILE_ELEMS, 64);
