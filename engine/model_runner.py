@@ -50,9 +50,9 @@ class ModelRunner:
             for name, shape in self.model.kv_cache_shape(self.num_blocks + 1, self.block_size):
                 setattr(layer, name, torch.zeros(shape, dtype=self.dtype, device=self.device))
         self.sampler = Sampler()
-        self.kernels = BindReport()
+        self.kernel_report = BindReport()
         if cpu:
-            self.kernels = self._bind_cpu_kernels(compact)
+            self.kernel_report = self._bind_cpu_kernels(compact)
         self.attention_in_place = all(getattr(m, "kernel", None) is not None for m in self.model.attention_layers())
         log.info(
             "model on %s, %s math, %s weights: %d KV blocks of %d tokens",
@@ -62,7 +62,7 @@ class ModelRunner:
             self.num_blocks,
             self.block_size,
         )
-        for line in self.kernels.lines():
+        for line in self.kernel_report.lines():
             log.info("%s", line)
         self.generators: dict[str, torch.Generator] = {}
         self._rng = random.Random(config.seed)

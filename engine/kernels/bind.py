@@ -56,8 +56,8 @@ class BindReport:
 
 def gemm_paths(dtype: torch.dtype, batch_hint: int, use_kernels: bool, bf16_weights: bool) -> list[GemmPath]:
     """The candidates on this machine for `dtype` math; our kernels only where they built and passed their check."""
-    paths: list[GemmPath] = [OneDNNPath(dtype, batch_hint), TorchPath(dtype)]
-    paths = [p for p in paths if not isinstance(p, OneDNNPath) or p.available]
+    onednn = OneDNNPath(dtype, batch_hint)
+    paths: list[GemmPath] = [onednn, TorchPath(dtype)] if onednn.available else [TorchPath(dtype)]
     if not use_kernels:
         return paths
     if dtype == torch.bfloat16 and (k := bf16mm.kernel()) is not None:

@@ -41,7 +41,10 @@ def last_level_cache_bytes() -> int:
     """The CPU's largest cache (Linux sysfs); 64 MiB where it cannot be read."""
     sizes = []
     for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
-        text = f.read_text().strip().upper() if f.exists() else ""
+        try:
+            text = f.read_text().strip().upper()
+        except OSError:
+            continue
         unit = {"K": 1 << 10, "M": 1 << 20}.get(text[-1:], 1)
         digits = text.rstrip("KM")
         if digits.isdigit():
@@ -55,9 +58,8 @@ class CacheFlush:
 
     def __init__(self, nbytes: int | None = None) -> None:
         self.nbytes = min(nbytes or last_level_cache_bytes() * 3 // 2, 1 << 30)
-        self.buffer: torch.Tensor | None = (
-            None  # allocated at the first flush: a start with every shape cached has none
-        )
+        # allocated at the first flush: a start with every shape cached has none
+        self.buffer: torch.Tensor | None = None
 
     def __call__(self) -> None:
         if self.buffer is None:

@@ -215,11 +215,11 @@ def test_deepseek_w8a8_layers_give_the_reference_on_their_real_inputs(tmp_path: 
     int8 step in the next, and whole-model logits cannot be compared at float tolerance."""
     quantize(build_deepseek("v2-grouped", tmp_path / "src"), tmp_path / "q", "w8a8")
     fast, ref = make_core(tmp_path / "q"), make_core(tmp_path / "q", gemm_path="torch")
-    shapes = ref.runner.kernels.shapes
+    shapes = ref.runner.kernel_report.shapes
     assert {n for shape, (_, choice) in shapes.items() if "w8a8" in shape for n in choice.per_class} == {
         "torch-dequant"
     }
-    assert any(n != "torch-dequant" for _, (_, c) in fast.runner.kernels.shapes.items() for n in c.per_class)
+    assert any(n != "torch-dequant" for _, (_, c) in fast.runner.kernel_report.shapes.items() for n in c.per_class)
     inputs: dict[str, torch.Tensor] = {}
     ref_modules = dict(ref.runner.model.named_modules())
     for name, m in fast.runner.model.named_modules():
