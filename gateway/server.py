@@ -105,7 +105,6 @@ def build_limiter(settings: Settings) -> RateLimiter:
                 tenant_tiers=dict(r.tenant_tiers or {}),
                 on_redis_error=r.on_redis_error,  # type: ignore[arg-type]
                 lease_ttl_s=r.lease_ttl_s,
-                default_completion_estimate=r.default_completion_estimate,
             )
         )
     except (OSError, TypeError, ValueError) as e:

@@ -110,7 +110,6 @@ class RateLimitSettings:
     tokens_per_minute: int | None = 1_000_000
     max_concurrent: int | None = 64
     lease_ttl_s: float = 600.0
-    default_completion_estimate: int = 256
     tiers: dict | None = None  # {name: {requests_per_minute, tokens_per_minute, max_concurrent}}
     tenant_tiers: dict | None = None  # {tenant: tier name}: limits shared by the whole tenant
 

@@ -71,7 +71,6 @@ class RateLimitConfig:
     on_redis_error: Literal["closed", "open"] = "closed"
     key_prefix: str = "tianmen:rl:"
     lease_ttl_s: float = 120.0  # a crashed replica's concurrency slots come back after this
-    default_completion_estimate: int = 256  # tokens reserved for the completion when max_tokens is absent
     redis_timeout_s: float = 2.0  # connect, command and pool wait; generous: a busy event loop delays reads too
     redis_retry_s: float = 0.25  # while Redis is down, probe it at most this often (a refused connect is cheap)
     redis_max_connections: int = 64
@@ -97,8 +96,6 @@ class RateLimitConfig:
                 raise ValueError(f"rate-limit {name} must be a positive number of seconds")
         if not 0 <= self.redis_retry_s < math.inf:
             raise ValueError("rate-limit redis_retry_s must be >= 0 seconds")
-        if self.default_completion_estimate < 0:
-            raise ValueError("rate-limit default_completion_estimate must be >= 0 tokens")
         if self.redis_max_connections < 1:
             raise ValueError("rate-limit redis_max_connections must be >= 1")
 
@@ -151,9 +148,6 @@ class RateLimiter:
         self._next_probe = 0.0
         self._warned_tiers: set[str] = set()
         self._pending: set[asyncio.Task[Any]] = set()
-
-    def estimate_tokens(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
-        return num_prompt_tokens + (self.config.default_completion_estimate if max_tokens is None else max_tokens)
 
     async def admit(self, tenant: str, subject: str, tier: str | None, est_tokens: int) -> Admission:
         if est_tokens < 0:

@@ -88,7 +88,6 @@ def test_format_duration(seconds: float, text: str) -> None:
         ({"lease_ttl_s": 0}, "lease_ttl_s"),
         ({"redis_timeout_s": -1}, "redis_timeout_s"),
         ({"redis_retry_s": -1}, "redis_retry_s"),
-        ({"default_completion_estimate": -1}, "default_completion_estimate"),
         ({"redis_max_connections": 0}, "redis_max_connections"),
         ({"tiers": {}}, "tiers"),
     ],
@@ -107,12 +106,6 @@ def test_tier_rejects_non_positive_integers(value: Any) -> None:
 def test_config_repr_hides_redis_url() -> None:
     cfg = RateLimitConfig(redis_url="redis://:hunter2@db:6379/0")
     assert "hunter2" not in repr(cfg)
-
-
-def test_estimate_tokens() -> None:
-    rl = RateLimiter(RateLimitConfig(default_completion_estimate=300))
-    assert rl.estimate_tokens(100, 50) == 150
-    assert rl.estimate_tokens(100, None) == 400
 
 
 # --- requests per minute (GCRA)
