@@ -135,3 +135,26 @@ def test_top_k_past_the_vocabulary_keeps_everything() -> None:
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
     out = apply_top_k_top_p_min_p(logits, [SamplingParams(top_k=2**62)])
     assert torch.equal(out, logits)
+
+
+def test_inverse_cdf_never_picks_a_masked_token_even_at_the_ends() -> None:
+    from engine.sampler import inverse_cdf
+
+    logits = torch.tensor([[float("-inf"), 0.0, float("-inf"), 1.0, float("-inf")]] * 3)
+    u = torch.tensor([0.0, 1.0 - 2**-53, 1.0], dtype=torch.float64)  # 1.0 is past the range: still a real token
+    assert inverse_cdf(logits, u).tolist() == [1, 3, 3]
+
+
+def test_inverse_cdf_follows_a_large_vocabulary() -> None:
+    from engine.sampler import inverse_cdf
+
+    torch.manual_seed(0)
+    logits = torch.randn(1, 50_000) * 3
+    probs = torch.softmax(logits, dim=-1)[0]
+    n, chunk = 10_000, 200  # chunks keep the [rows, 50k] float64 sums small
+    draws = [inverse_cdf(logits.expand(chunk, -1), torch.rand(chunk, dtype=torch.float64)) for _ in range(n // chunk)]
+    tokens = torch.cat(draws)
+    top = probs.argsort(descending=True)[:5]
+    for t in top.tolist():  # the likeliest tokens come up as often as their probability says (4 sigma)
+        p = probs[t].item()
+        assert abs((tokens == t).float().mean().item() - p) < 4 * math.sqrt(p * (1 - p) / n)
