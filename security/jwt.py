@@ -12,6 +12,7 @@ from jwt import exceptions as jwt_errors
 
 from security.jwks import JWKSCache, PublicKey, VerificationKey
 from security.principal import Principal
+from security.token_cache import DEFAULT_MAX_ENTRIES, VerifiedTokens
 
 DEFAULT_ALGORITHMS = ("EdDSA", "ES256", "RS256", "PS256")
 ASYMMETRIC_ALGORITHMS = frozenset(
@@ -89,6 +90,7 @@ class JWTConfig:
     max_claim_names: int = 256  # names in the scope or models claim
     min_refresh_interval_s: float = 30.0
     jwks_max_age_s: float = 300.0
+    verified_cache_entries: int = DEFAULT_MAX_ENTRIES  # 0 verifies every request's signature again
 
     def __post_init__(self) -> None:
         if isinstance(self.algorithms, str):
@@ -121,6 +123,8 @@ class JWTConfig:
             raise ValueError("JWTConfig.max_claim_bytes and max_claim_names must be between 1 and 4096")
         if self.default_tenant == "":
             raise ValueError("JWTConfig.default_tenant must be None or non-empty")
+        if not 0 <= self.verified_cache_entries <= 1_000_000:
+            raise ValueError("JWTConfig.verified_cache_entries must be between 0 and 1000000")
         if not (1.0 <= self.min_refresh_interval_s <= self.jwks_max_age_s):
             raise ValueError("JWTConfig needs 1 <= min_refresh_interval_s <= jwks_max_age_s")
 
@@ -154,6 +158,7 @@ class JWTVerifier:
                 source, min_refresh_interval_s=config.min_refresh_interval_s, max_age_s=config.jwks_max_age_s
             )
         self._jwks = jwks
+        self._verified = VerifiedTokens(config.verified_cache_entries)
         self._allowed = frozenset(config.algorithms) | ({"HS256"} if config.hs256_secret else set())
         required = ["exp", "sub"] + (["iss"] if config.issuer else []) + (["aud"] if config.audience else [])
         # NOTE: claim types are checked in _principal, not by PyJWT: its checks differ between versions
@@ -210,6 +215,8 @@ class JWTVerifier:
 
     def _decode(self, token: str, alg: str, key: PublicKey | bytes) -> Principal:
         cfg = self.config
+        if (cached := self._verified.get(token, key, cfg.leeway_s)) is not None:
+            return cached
         try:
             claims = jwt.decode(
                 token,
@@ -236,7 +243,9 @@ class JWTVerifier:
             raise AuthError("alg_not_allowed") from None
         except jwt_errors.PyJWTError:
             raise AuthError("malformed") from None
-        return self._principal(claims)
+        principal = self._principal(claims)
+        self._verified.put(token, key, principal, claims)
+        return principal
 
     def _principal(self, claims: dict[str, Any]) -> Principal:
         cfg = self.config
