@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 import platform
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -45,8 +45,6 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_bytes: int | None = None  # None: room for max_num_seqs full-length sequences, at most 4 GiB
     enable_prefix_caching: bool = True
-    # NOTE: decode batch sizes to pad to for captured (CUDA graph / torch.compile) steps; validated, not yet used
-    batch_buckets: list[int] = field(default_factory=lambda: [8, 16, 32])
     max_waiting: int = 1024  # bounded queue: beyond it, submissions fail with EngineOverloadedError
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU; None keeps torch's default
@@ -86,8 +84,6 @@ class EngineConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
                 f"({self.max_num_seqs}) so every running sequence can decode in one step"
             )
-        if not self.batch_buckets or sorted(set(self.batch_buckets)) != self.batch_buckets or self.batch_buckets[0] < 1:
-            raise ConfigError(f"batch_buckets must be increasing positive sizes; got {self.batch_buckets}")
         if self.gemm_path not in GEMM_PATHS:
             raise ConfigError(f"gemm_path must be one of {', '.join(GEMM_PATHS)}; got {self.gemm_path!r}")
         if self.quantization not in QUANTIZATIONS:
