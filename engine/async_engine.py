@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import itertools
 import logging
 import queue
 import threading
@@ -12,7 +14,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
-from engine.errors import EngineDeadError, EngineError, InvalidRequestError, RequestFailedError
+from engine.errors import ConfigError, EngineDeadError, EngineError, InvalidRequestError, RequestFailedError
 from engine.loader import ModelFiles
 from engine.loop import EngineLoop
 from engine.outputs import EngineOutput, RequestOutput
@@ -46,6 +48,8 @@ class AsyncEngine:
         self.max_model_len = core.max_model_len
         self._loop = EngineLoop(core, tokenizer)
         self._collectors: dict[str, _Collector] = {}
+        self._pins: dict[str, tuple[Request, concurrent.futures.Future[int]]] = {}  # warm-ups under way
+        self._pin_ids = itertools.count()
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = False
@@ -139,6 +143,25 @@ class AsyncEngine:
             if not finished:
                 self._send("abort", request_id)
 
+    def pin_prefix(self, prompt_token_ids: Sequence[int], cache_salt: str | None = None) -> int:
+        """Prefill a prompt into the prefix cache under `cache_salt` and pin its full blocks: never evicted, they
+        count against the KV cache, and every later request under that salt whose prompt starts with them skips
+        their prefill (its `cached_tokens` counts them). Returns the tokens pinned (whole blocks).
+
+        Blocking: call it at start-up, from a thread that runs no event loop. Raises InvalidRequestError for a
+        prompt that does not fit the model, ConfigError if the pinned blocks would leave no room for one
+        full-length sequence, EngineDeadError if the engine stopped."""
+        if self._dead is not None or self._stop:
+            raise EngineDeadError(_DEAD if self._dead is not None else _SHUT_DOWN) from self._dead
+        req = self.core.make_warmup_request(f"warmup-{next(self._pin_ids)}", prompt_token_ids, cache_salt)
+        done: concurrent.futures.Future[int] = concurrent.futures.Future()
+        self._pins[req.req_id] = (req, done)
+        if self._dead is not None or self._stop:  # as in generate_batches: the final broadcast may have missed it
+            self._pins.pop(req.req_id, None)
+            raise EngineDeadError(_DEAD if self._dead is not None else _SHUT_DOWN) from self._dead
+        self._send("add", req)
+        return done.result()
+
     async def abort(self, request_id: str) -> None:
         self._send("abort", request_id)
 
@@ -164,6 +187,9 @@ class AsyncEngine:
         """Hand one step's items to their event loops: one callback per loop, however many requests."""
         by_loop: dict[asyncio.AbstractEventLoop, list[_Item]] = {}
         for item in items:
+            if item[0] in self._pins:
+                self._settle_pin(*item)
+                continue
             collector = self._collectors.get(item[0])
             if collector is not None:
                 by_loop.setdefault(collector[0], []).append(item)
@@ -174,6 +200,25 @@ class AsyncEngine:
                 for req_id, _ in batch:
                     self._collectors.pop(req_id, None)
                     self._inbox.put(("abort", req_id))
+
+    def _settle_pin(self, req_id: str, item: EngineOutput | RequestOutput | BaseException) -> None:
+        """On the step thread: a warm-up's output. Its token is nobody's; its end settles pin_prefix's future."""
+        if not isinstance(item, BaseException) and item.finish_reason is None:
+            return
+        req, done = self._pins.pop(req_id)
+        if isinstance(item, BaseException):
+            done.set_exception(item)
+        elif item.finish_reason == "error":
+            done.set_exception(RequestFailedError(_failed(req_id)))
+        elif req.pinned_tokens < 0:
+            done.set_exception(
+                ConfigError(
+                    "the warm-up prompts would pin so much of the KV cache that one max_model_len sequence no longer "
+                    "fits beside them; raise kv_cache_bytes, lower max_model_len or shorten the warm-up prompts"
+                )
+            )
+        else:
+            done.set_result(req.pinned_tokens)
 
     def _receive(self, batch: list[_Item]) -> None:
         """On the caller's event loop: detokenize, find stop strings (the engine is told), queue the deltas."""
@@ -218,7 +263,7 @@ class AsyncEngine:
             log.exception("an engine step failed; the engine is stopped")
             self._dead = e  # set before the broadcast: generate() checks it after registering its collector
         why = _DEAD if self._dead is not None else _SHUT_DOWN
-        self._deliver([(req_id, EngineDeadError(why)) for req_id in list(self._collectors)])
+        self._deliver([(req_id, EngineDeadError(why)) for req_id in [*self._collectors, *self._pins]])
 
     def _drain_inbox(self) -> None:
         while True:

@@ -26,7 +26,8 @@ class BlockManager:
 
     Free blocks sit in an LRU queue (head evicted first); a free block that is still cached can be
     revived by a prefix hit until it is reused. Hashes chain as H(parent, tokens) from a per-tenant
-    root, so requests with different `cache_salt` never share a block.
+    root, so requests with different `cache_salt` never share a block. A pinned block (a warm-up prompt's,
+    `pin`) holds a reference forever, so it never enters the free queue and is never evicted.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
@@ -42,6 +43,7 @@ class BlockManager:
         self._seed = os.urandom(16)  # NOTE: per process, so cache hits cannot be predicted from outside
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
+        self.pinned: dict[int, Block] = {}  # block id -> block: warm-up prefixes, held for the process's life
 
     # ---- prefix cache ------------------------------------------------------------------
     def _root(self, salt: str | None) -> bytes:
@@ -132,6 +134,33 @@ class BlockManager:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free_queue[block.block_id] = block
+
+    def pin(self, req: Request, keep_free: int) -> int:
+        """Pin the cached full blocks of `req`'s prompt (call before `free`); returns the tokens now pinned.
+
+        Refuses (returns -1, pins nothing) if the pinned blocks would leave fewer than `keep_free` blocks for
+        everything else: a request that cannot fit beside them could never run."""
+        if not self.enable_prefix_caching:
+            return 0
+        blocks: list[Block] = []
+        for h in self.hash_blocks(req)[: req.num_prompt_tokens // self.block_size]:
+            block = self.cached.get(h)
+            if block is None:
+                break
+            blocks.append(block)
+        new = {b.block_id: b for b in blocks if b.block_id not in self.pinned}
+        if self.num_blocks - len(self.pinned) - len(new) < keep_free:
+            return -1
+        for block in new.values():
+            if block.ref_cnt == 0:  # NOTE: not while `req` holds it; kept for a caller that freed first
+                del self.free_queue[block.block_id]
+            block.ref_cnt += 1
+        self.pinned.update(new)
+        return len(blocks) * self.block_size
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        return len(self.pinned)
 
     def block_ids(self, req_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(req_id, ())]

@@ -69,6 +69,15 @@ class EngineCore:
         params.check(self.vocab_size, self.max_model_len)
         return Request(req_id, prompt, params, self.eos_token_ids, cache_salt, self.max_model_len)
 
+    def make_warmup_request(self, req_id: str, prompt_token_ids: Sequence[int], cache_salt: str | None) -> Request:
+        """A request that prefills a prompt into the prefix cache and pins its full blocks when it finishes
+        (it samples one token, which nobody reads). InvalidRequestError if the prompt does not fit the model."""
+        if not self.config.enable_prefix_caching:
+            raise InvalidRequestError("warm-up prompts need enable_prefix_caching", param="warmup_prompts")
+        req = self.make_request(req_id, prompt_token_ids, SamplingParams(max_tokens=1, temperature=0), cache_salt)
+        req.pin_prefix = True
+        return req
+
     def add_request(self, req: Request) -> None:
         """Queue a Request from make_request; raises only for a duplicate id or a full queue."""
         self.scheduler.add_request(req)
@@ -97,6 +106,8 @@ class EngineCore:
             "kv_blocks_free": bm.num_free_blocks,
             "kv_blocks_used": bm.num_blocks - bm.num_free_blocks,
             "kv_cache_usage": bm.usage,
+            "kv_blocks_pinned": bm.num_pinned_blocks,  # warm-up prefixes: in use for good, never evicted
+            "prefix_cache_pinned_tokens": bm.num_pinned_blocks * bm.block_size,
             "prefix_cache_queries": bm.num_queried_tokens,
             "prefix_cache_hits": bm.num_hit_tokens,
             "prefix_cache_hit_rate": bm.hit_rate,

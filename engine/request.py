@@ -30,6 +30,8 @@ class Request:
         "num_preemptions",
         "output_token_ids",
         "params",
+        "pin_prefix",
+        "pinned_tokens",
         "prompt_token_ids",
         "req_id",
         "status",
@@ -64,6 +66,8 @@ class Request:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.arrival_time = time.monotonic()
+        self.pin_prefix = False  # a warm-up: its prompt's cached full blocks are pinned when it finishes
+        self.pinned_tokens = 0  # after a warm-up finished: the tokens it pinned (-1: the KV cache had no room)
 
     @property
     def num_tokens(self) -> int:

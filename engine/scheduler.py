@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from engine.block_manager import BlockManager
+from engine.block_manager import BlockManager, cdiv
 from engine.errors import EngineOverloadedError, InvalidRequestError
 from engine.outputs import EngineOutput, ModelOutput, ScheduledSeq, SchedulerOutput, Usage
 from engine.request import Request, RequestStatus
@@ -194,6 +194,9 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         req.status = RequestStatus.FINISHED
+        if req.pin_prefix and req.finish_reason in ("stop", "length"):
+            keep_free = cdiv(self.max_model_len, self.bm.block_size)  # one full-length sequence still fits
+            req.pinned_tokens = self.bm.pin(req, keep_free)
         self.bm.free(req)
         del self.requests[req.req_id]
         self.finished_req_ids.append(req.req_id)

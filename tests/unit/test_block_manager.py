@@ -96,3 +96,32 @@ def test_decode_growth_allocates_a_block_at_the_boundary() -> None:
     a.num_computed_tokens += 1
     a.append_output(10)
     assert bm.num_blocks_needed(a, 1) == 0
+
+
+def test_pinned_blocks_are_never_evicted_and_count_as_used() -> None:
+    bm = BlockManager(num_blocks=6, block_size=4)
+    warm = req("w", list(range(10)), salt="acme")  # 2 full blocks + a partial one
+    admit(bm, warm)
+    assert bm.pin(warm, keep_free=2) == 8
+    bm.free(warm)
+    assert bm.num_pinned_blocks == 2 and bm.num_free_blocks == 4  # the partial block went back
+    for i in range(20):  # pressure: every free block is reused many times over
+        r = req(f"r{i}", [1000 + 16 * i + k for k in range(16)], salt="acme")
+        admit(bm, r)
+        bm.free(r)
+    hits = bm.get_computed_blocks(req("x", list(range(8)) + [7, 7], salt="acme"))
+    assert [h.block_id for h in hits] == [b.block_id for b in bm.blocks[:2]]
+    assert bm.get_computed_blocks(req("y", list(range(8)) + [7, 7], salt="globex")) == []
+
+
+def test_pinning_refuses_to_leave_less_than_one_sequence() -> None:
+    bm = BlockManager(num_blocks=4, block_size=4)
+    warm = req("w", list(range(12)) + [1])
+    admit(bm, warm)
+    assert bm.pin(warm, keep_free=2) == -1 and bm.num_pinned_blocks == 0
+    bm.free(warm)
+    assert bm.num_free_blocks == 4
+    again = req("v", list(range(8)) + [1])  # a prefix of what was refused: two blocks fit beside the reserve
+    admit(bm, again)
+    assert bm.pin(again, keep_free=2) == 8 and bm.pin(again, keep_free=2) == 8  # pinning twice pins once
+    assert bm.num_pinned_blocks == 2
