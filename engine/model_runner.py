@@ -37,8 +37,7 @@ class ModelRunner:
             keep_freed_memory()
         self.block_size = config.block_size
         cpu = self.device.type == "cpu"
-        compact = cpu and self.dtype == torch.float32 and config.compact_weights and config.cpu_kernels
-        compact = compact and wbf16.kernel() is not None  # bf16 storage only where the bf16-weight kernel runs
+        compact = bf16_weight_storage(config)
         self.model = load_model(files, hf_config, self.device, self.dtype, bf16_storage=compact)
         loaded = getattr(self.model, "quantization", "none")
         if config.quantization not in ("auto", loaded):
@@ -69,26 +68,10 @@ class ModelRunner:
 
     # ---- set-up -------------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
-        itemsize = torch.empty(0, dtype=self.dtype).element_size()
-        per_layer = sum(torch.Size(shape).numel() for _, shape in self.model.kv_cache_shape(1, self.block_size))
-        return per_layer * itemsize * len(self.model.attention_layers())
+        return kv_bytes_per_block(self.model, self.dtype, self.block_size)
 
     def _size_kv_cache(self, max_model_len: int) -> int:
-        per_block = self.kv_bytes_per_block()
-        need_one = cdiv(max_model_len, self.block_size)
-        if self.config.kv_cache_bytes is None:
-            want = self.config.max_num_seqs * need_one * per_block
-            budget = min(want, MAX_DEFAULT_KV_BYTES)
-        else:
-            budget = self.config.kv_cache_bytes
-        num_blocks = budget // per_block
-        if num_blocks < need_one:
-            raise ConfigError(
-                f"kv_cache_bytes={budget} holds {num_blocks} blocks of {per_block} bytes, fewer than one "
-                f"max_model_len={max_model_len} sequence needs ({need_one}); "
-                "raise kv_cache_bytes or lower max_model_len"
-            )
-        return num_blocks
+        return kv_cache_blocks(self.config, self.kv_bytes_per_block(), max_model_len)
 
     def _bind_cpu_kernels(self, bf16_weights: bool) -> BindReport:
         """Every kernel the model takes, in one pass; each linear layer's GEMM chosen by timing on this CPU."""
@@ -226,6 +209,35 @@ class ModelRunner:
             ctx,
             torch.tensor(sample_rows, dtype=torch.long, device=dev),
         )
+
+
+def bf16_weight_storage(config: EngineConfig) -> bool:
+    """CPU, float32 math: weights that are exactly bf16 stay bf16 in memory, where the bf16-weight kernel runs."""
+    on = config.torch_device.type == "cpu" and config.torch_dtype == torch.float32
+    return on and config.compact_weights and config.cpu_kernels and wbf16.kernel() is not None
+
+
+def kv_bytes_per_block(model: Any, dtype: torch.dtype, block_size: int) -> int:
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    per_layer = sum(torch.Size(shape).numel() for _, shape in model.kv_cache_shape(1, block_size))
+    return per_layer * itemsize * len(model.attention_layers())
+
+
+def kv_cache_blocks(config: EngineConfig, per_block: int, max_model_len: int) -> int:
+    """The KV cache's blocks: kv_cache_bytes, or room for max_num_seqs full-length sequences (at most 4 GiB)."""
+    need_one = cdiv(max_model_len, config.block_size)
+    if config.kv_cache_bytes is None:
+        budget = min(config.max_num_seqs * need_one * per_block, MAX_DEFAULT_KV_BYTES)
+    else:
+        budget = config.kv_cache_bytes
+    num_blocks = budget // per_block
+    if num_blocks < need_one:
+        raise ConfigError(
+            f"kv_cache_bytes={budget} holds {num_blocks} blocks of {per_block} bytes, fewer than one "
+            f"max_model_len={max_model_len} sequence needs ({need_one}); "
+            "raise kv_cache_bytes or lower max_model_len"
+        )
+    return num_blocks
 
 
 def _log_failure(req_id: str, error: Exception, failed: list[str]) -> None:

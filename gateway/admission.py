@@ -42,11 +42,14 @@ class Lease:
             await limiter.renew(adm)  # never raises for store errors: the lease then expires by itself
 
 
-async def admit(limiter: RateLimiter | None, principal: Principal, est_tokens: int, state: RequestState) -> Lease:
+async def admit(
+    limiter: RateLimiter | None, principal: Principal, est_tokens: int, state: RequestState, model: str | None = None
+) -> Lease:
+    """`model`: the served model, for the limits configured per model (counted apart)."""
     if limiter is None:
         return Lease(None, None)
     try:
-        adm = await limiter.admit(principal.tenant, principal.subject, principal.tier, est_tokens)
+        adm = await limiter.admit(principal.tenant, principal.subject, principal.tier, est_tokens, model)
     except RateLimitUnavailable as e:
         state.ratelimit = "unavailable"
         raise APIError(

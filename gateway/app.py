@@ -19,6 +19,7 @@ from gateway.auth_guard import FailedAuthLimiter
 from gateway.errors import APIError, api_error_handler, http_exception_handler, unhandled_error_handler
 from gateway.metrics import Metrics
 from gateway.middleware import Auth, BodyLimit, RequestContext, StateHook
+from gateway.models import ModelRegistry
 from security.jwt import TokenVerifier
 from security.ratelimit import RateLimiter
 
@@ -27,8 +28,9 @@ from security.ratelimit import RateLimiter
 class Deps:
     """Everything the app needs, built by gateway.server (or a test) and passed in."""
 
-    engine: Any  # engine.AsyncEngine, or a test double with the same surface
+    engine: Any  # engine.AsyncEngine, or a test double with the same surface: the first (or only) model's
     verifier: TokenVerifier
+    models: ModelRegistry | None = None  # every served model; None: `engine` alone, under its model_name
     max_body_bytes: int = 1 << 20
     required_scope: str | None = None
     limiter: RateLimiter | None = None
@@ -45,13 +47,18 @@ class Deps:
     shutdown: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
     started: int = field(default_factory=lambda: int(time.time()))
 
+    def __post_init__(self) -> None:
+        if self.models is None:
+            self.models = ModelRegistry.single(self.engine)
+
 
 def create_app(deps: Deps) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         for start in deps.startup:
             await start()
-        await prompt.bounds(deps.engine.tokenizer)  # one pass over the vocabulary, before the first request
+        for model in deps.models:  # type: ignore[union-attr]
+            await prompt.bounds(model.engine.tokenizer)  # one pass over the vocabulary, before the first request
         try:
             yield
         finally:

@@ -33,6 +33,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.port:
         settings.server.port = args.port
     if args.model:
+        if settings.models:
+            raise SettingsError("--model names the one model of a single-model config; set [[models]] paths instead")
         settings.engine.model = Path(args.model)
     serve(settings)
     return 0

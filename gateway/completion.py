@@ -35,9 +35,10 @@ async def run(
     prompt: list[int],
     params: list[SamplingParams],
     lease: Lease,
+    engine: Any,
 ) -> Response:
+    """`engine`: the served model's (gateway.models routes the request to it)."""
     deps, state = request.app.state.deps, request.scope["request_state"]
-    engine = deps.engine
     chat = isinstance(body, ChatCompletionRequest)
     want_lp = body.num_logprobs() is not None
     req_id = ("chatcmpl-" if chat else "cmpl-") + request.scope["request_id"]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -21,19 +21,23 @@ class _StatsCollector(Collector):
     """Engine and audit gauges read at scrape time, so the step loop never touches Prometheus."""
 
     def __init__(
-        self, model: str, engine_stats: Callable[[], dict[str, Any]], audit_stats: Callable[[], dict[str, Any]] | None
+        self,
+        engine_stats: Mapping[str, Callable[[], dict[str, Any]]],
+        audit_stats: Callable[[], dict[str, Any]] | None,
     ) -> None:
-        self.model, self.engine_stats, self.audit_stats = model, engine_stats, audit_stats
+        self.engine_stats, self.audit_stats = engine_stats, audit_stats
 
     def collect(self):  # type: ignore[no-untyped-def]
-        s = self.engine_stats()
+        stats = {model: read() for model, read in self.engine_stats.items()}
         for name, key, doc in (
             ("tianmen:num_requests_running", "num_running", "Requests in the running batch."),
             ("tianmen:num_requests_waiting", "num_waiting", "Requests waiting to be scheduled."),
             ("tianmen:kv_cache_usage_perc", "kv_cache_usage", "Fraction of KV-cache blocks in use (0-1)."),
+            ("tianmen:kv_cache_pinned_blocks", "kv_blocks_pinned", "KV-cache blocks pinned by warm-up prompts."),
         ):
             g = GaugeMetricFamily(name, doc, labels=["model"])
-            g.add_metric([self.model], float(s[key]))
+            for model, s in stats.items():
+                g.add_metric([model], float(s[key]))
             yield g
         for name, key, doc in (
             ("tianmen:prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
@@ -41,7 +45,8 @@ class _StatsCollector(Collector):
             ("tianmen:num_preemptions", "preemptions_total", "Requests preempted (recomputed) for lack of KV blocks."),
         ):
             c = CounterMetricFamily(name, doc, labels=["model"])
-            c.add_metric([self.model], float(s[key]))
+            for model, s in stats.items():
+                c.add_metric([model], float(s[key]))
             yield c
         if self.audit_stats is not None:
             a = self.audit_stats()
@@ -61,10 +66,10 @@ class _StatsCollector(Collector):
 class Metrics:
     def __init__(
         self,
-        model: str,
-        engine_stats: Callable[[], dict[str, Any]],
+        engine_stats: Mapping[str, Callable[[], dict[str, Any]]],
         audit_stats: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
+        """`engine_stats`: each served model's engine.stats."""
         self.registry = r = CollectorRegistry()
         labels = ["model", "tenant"]
         self.ttft = Histogram(
@@ -89,7 +94,7 @@ class Metrics:
         self.http_requests = Counter("tianmen:http_requests", "HTTP requests by status.", ["status"], registry=r)
         self.auth_failures = Counter("tianmen:auth_failures", "Refused credentials by reason.", ["reason"], registry=r)
         self.ratelimit_refusals = Counter("tianmen:ratelimit_refusals", "429s by limit.", ["limit"], registry=r)
-        r.register(_StatsCollector(model, engine_stats, audit_stats))
+        r.register(_StatsCollector(engine_stats, audit_stats))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

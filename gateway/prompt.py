@@ -31,7 +31,7 @@ class PromptBounds:
     max_token_chars: int  # the longest token's text, +1 for a decoder that drops a word's leading space
 
 
-@functools.lru_cache(maxsize=8)
+@functools.cache  # one entry per served model's tokenizer, which the process holds anyway
 def _bounds(tokenizer: Any) -> PromptBounds:
     size = int(tokenizer.vocab_size)
     longest = max((len(tokenizer.token_text(i)) for i in range(size)), default=1)

@@ -11,6 +11,7 @@ from starlette.responses import JSONResponse, Response
 
 from gateway import admission, completion, json_body, prompt
 from gateway.errors import APIError
+from gateway.models import ModelRegistry, ServedModel
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, openapi_schema, parse
 from gateway.state import RequestState
 from security.principal import Principal
@@ -25,23 +26,35 @@ async def completions(request: Request) -> Response:
 
 
 async def models(request: Request) -> Response:
-    engine, principal = request.app.state.deps.engine, request.scope["principal"]
-    quantization = getattr(getattr(engine, "config", None), "quantization", "none")  # none | w8a8 | w4a16
-    model = {"id": engine.model_name, "object": "model", "created": request.app.state.deps.started}
-    data = [{**model, "owned_by": "tianmen", "quantization": quantization}]
-    return JSONResponse({"object": "list", "data": [m for m in data if principal.may_use(m["id"])]})
+    """The models this token may use: each served model, then each alias (with the model it names now)."""
+    deps, principal = request.app.state.deps, request.scope["principal"]
+    data = []
+    for m in deps.models:
+        if not deps.models.allowed(principal, m):
+            continue
+        quantization = getattr(getattr(m.engine, "config", None), "quantization", "none")  # none | w8a8 | w4a16
+        card = {"id": m.name, "object": "model", "created": deps.started, "owned_by": "tianmen"}
+        data.append({**card, "quantization": quantization})
+    for m in deps.models:
+        if deps.models.allowed(principal, m):
+            data += [
+                {"id": a, "object": "model", "created": deps.started, "owned_by": "tianmen", "alias_of": m.name}
+                for a in m.aliases
+            ]
+    return JSONResponse({"object": "list", "data": data})
 
 
 async def health(request: Request) -> Response:
-    if not request.app.state.deps.engine.healthy:  # the step thread died: restart the process
+    if not request.app.state.deps.models.healthy:  # a step thread died: restart the process
         return JSONResponse({"status": "engine stopped"}, status_code=503)
     return JSONResponse({"status": "ok"})
 
 
 async def ready(request: Request) -> Response:
-    if not request.app.state.deps.engine.ready:
+    registry = request.app.state.deps.models
+    if not registry.ready:
         return JSONResponse({"status": "not ready"}, status_code=503, headers={"Retry-After": "5"})
-    return JSONResponse({"status": "ready", "model": request.app.state.deps.engine.model_name})
+    return JSONResponse({"status": "ready", "models": [m.name for m in registry]})
 
 
 async def metrics(request: Request) -> Response:
@@ -60,10 +73,16 @@ async def profile(request: Request) -> Response:
     steps = body.get("steps") if isinstance(body, dict) else None
     if not isinstance(steps, int) or not 1 <= steps <= 10_000:
         raise APIError(400, "steps must be an integer in [1, 10000]", param="steps")
+    name = body.get("model")
+    if name is not None and not isinstance(name, str):
+        raise APIError(400, "model must be a string", param="model")
+    served = deps.models.first if name is None else deps.models.resolve(name)
+    if served is None:
+        raise APIError(404, f"the model {name!r} does not exist", param="model", code="model_not_found")
     trace = deps.profile_dir / f"trace-{request.scope['request_id']}.json"
     deps.profile_dir.mkdir(parents=True, exist_ok=True)
-    deps.engine.profile(steps, trace)
-    return JSONResponse({"trace": str(trace), "steps": steps})
+    served.engine.profile(steps, trace)
+    return JSONResponse({"trace": str(trace), "steps": steps, "model": served.name})
 
 
 def _require_admin(request: Request) -> None:
@@ -85,24 +104,30 @@ async def _body(request: Request) -> bytes:
         ) from None
 
 
-def _check_model(engine: Any, principal: Principal, model: str) -> None:
-    if model != engine.model_name:
+def _route(models: ModelRegistry, principal: Principal, model: str) -> ServedModel:
+    """The served model a request names (by its name or an alias), if this token may use it."""
+    served = models.resolve(model)
+    if served is None:
         raise APIError(404, f"the model {model!r} does not exist", param="model", code="model_not_found")
-    if not principal.may_use(model):
+    if not models.allowed(principal, served):
         raise APIError(403, f"this token may not use the model {model!r}", param="model", code="model_not_allowed")
+    if not served.engine.ready:
+        raise APIError(503, "the engine is not ready; retry shortly", headers={"Retry-After": "5"})
+    return served
 
 
 async def _complete(request: Request, chat: bool) -> Response:
     deps = request.app.state.deps
-    engine = deps.engine
-    if not engine.ready:
+    if not deps.models.ready:
         raise APIError(503, "the engine is not ready; retry shortly", headers={"Retry-After": "5"})
     principal: Principal = request.scope["principal"]
     state: RequestState = request.scope["request_state"]
     raw = await _body(request)
     body = await asyncio.to_thread(_parse, ChatCompletionRequest if chat else CompletionRequest, raw)
     state.model, state.stream = body.model, body.stream
-    _check_model(engine, principal, body.model)
+    served = _route(deps.models, principal, body.model)
+    state.model = served.name  # the audit trail and metrics name the model that served, not the alias
+    engine = served.engine
     bounds = await prompt.bounds(engine.tokenizer)
     prompt.check_token_ids(body, bounds.vocab_size)
     limit, requested = engine.max_model_len, body.requested_max_tokens()
@@ -110,14 +135,16 @@ async def _complete(request: Request, chat: bool) -> Response:
     if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
         params = ("messages", "max_completion_tokens")
     _check_context(prompt.token_range(body, bounds)[0], requested, limit, params)  # before any tokenizing
-    lease = await admission.admit(deps.limiter, principal, prompt.reservation(body, bounds, limit), state)
+    lease = await admission.admit(
+        deps.limiter, principal, prompt.reservation(body, bounds, limit), state, model=served.name
+    )
     try:
         ids, state.prompt_text = await asyncio.to_thread(_tokenize, engine.tokenizer, body)
         state.prompt_tokens = len(ids)
         _check_context(len(ids), requested, limit, params)
         max_tokens = limit - len(ids) if requested is None else requested
         sampling = [body.sampling_params(max_tokens, body.num_logprobs(), i) for i in range(body.n)]
-        return await completion.run(request, body, ids, sampling, lease)
+        return await completion.run(request, body, ids, sampling, lease, engine)
     finally:  # a stream settles when it ends; everything else (done, failed, cut) settles here
         if not state.settled_by_stream:
             await lease.settle(state.total_tokens)

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import uvicorn
 
 from audit import Auditor
-from engine import AsyncEngine, EngineConfig, EngineError
+from engine import AsyncEngine, DirectoryFiles, EngineConfig, EngineError, ModelFiles
+from engine.memory import MemoryPlan, available_bytes, format_bytes, plan_memory, resident_bytes
 from gateway.app import Deps, create_app
 from gateway.audit_hook import AuditHook, audit_config
 from gateway.auth_guard import FailedAuthLimiter
@@ -18,8 +20,10 @@ from gateway.connections import ConnectionLimits, guarded_protocol_class
 from gateway.demo import dev_key_spec, ensure_demo_model
 from gateway.lifecycle import Server, note_shutdown
 from gateway.metrics import Metrics
-from gateway.settings import Settings, SettingsError
+from gateway.models import ModelRegistry, ServedModel
+from gateway.settings import ModelSettings, Settings, SettingsError
 from gateway.state import RequestState
+from gateway.warmup import WarmupError, warm_up
 from security.devpki import DevPKI, ensure_dev_pki
 from security.jwt import JWTConfig, JWTVerifier
 from security.keys import KeyProviderError, provider_from_spec
@@ -37,25 +41,128 @@ class StartupError(RuntimeError):
     """The server cannot start (a bad or tampered model, a wrong key); the message says what to fix."""
 
 
-def build_engine(settings: Settings) -> AsyncEngine:
-    fields = asdict(settings.engine)
-    spec, threads = fields.pop("key_provider"), fields.pop("decrypt_threads")
+@dataclass
+class _Opened:
+    """A model whose files are open and whose config is checked, not yet loaded."""
+
+    spec: ModelSettings
+    config: EngineConfig
+    files: ModelFiles | None
+    plan: MemoryPlan | None = None
+
+    @property
+    def name(self) -> str:
+        return str(self.config.served_model_name)
+
+
+def _open(settings: Settings, spec: ModelSettings) -> _Opened:
+    fields = asdict(spec.engine)
+    key, threads = fields.pop("key_provider"), fields.pop("decrypt_threads")
     model = fields.pop("model")
     if model is None:
         model = ensure_demo_model(settings.home)
-        spec = spec or dev_key_spec(settings.home)
+        key = key or dev_key_spec(settings.home)
+    name = spec.name or Path(model).name
     try:
         files = None
         if is_sealed(model):
-            if spec is None:
-                raise SettingsError(f"the model at {model} is sealed: set engine.key_provider to the key that opens it")
-            files = SealedFiles(model, provider_from_spec(spec, settings.environ), threads=threads, progress=True)
-            log.info("sealed model %s: key %s, manifest sm3 %s", model, files.manifest.key_id, files.digest)
-        return AsyncEngine.from_config(EngineConfig(model=model, **fields), files)
+            if key is None:
+                raise SettingsError(f"model {name!r}: {model} is sealed: set key_provider to the key that opens it")
+            files = SealedFiles(model, provider_from_spec(key, settings.environ), threads=threads, progress=True)
+            log.info("model %s is sealed: key %s, manifest sm3 %s", name, files.manifest.key_id, files.digest)
+        return _Opened(spec, EngineConfig(model=model, **fields), files)
     except (SealError, KeyProviderError) as e:
-        raise StartupError(f"cannot open the sealed model: {e}") from None
+        raise StartupError(f"model {name!r}: cannot open the sealed model: {e}") from None
     except (EngineError, ValueError) as e:
-        raise StartupError(f"cannot load the model: {e}") from None
+        raise StartupError(f"model {name!r}: cannot load the model: {e}") from None
+
+
+def check_memory(opened: list[_Opened], limit: int | None) -> None:
+    """Refuse to start when the models' planned weights + KV caches exceed what each device has."""
+    by_device: dict[str, list[_Opened]] = {}
+    for o in opened:
+        assert o.plan is not None
+        by_device.setdefault(o.plan.device, []).append(o)
+    for device, group in by_device.items():
+        total = sum(o.plan.total_bytes for o in group)  # type: ignore[union-attr]
+        have = limit if limit is not None else available_bytes(device)
+        if have is None or total <= have:
+            continue
+        sizes = "; ".join(
+            f"{o.name}: {format_bytes(o.plan.weights_bytes)} weights + {format_bytes(o.plan.kv_bytes)} KV cache"  # type: ignore[union-attr]
+            for o in group
+        )
+        source = "server.max_model_memory_bytes" if limit is not None else "free"
+        raise StartupError(
+            f"the models do not fit in {device} memory: {sizes}; {format_bytes(total)} in all, but "
+            f"{format_bytes(have)} is {source}. Lower kv_cache_bytes (or max_num_seqs, max_model_len), quantize, "
+            "or serve fewer models"
+        )
+
+
+def build_models(settings: Settings) -> ModelRegistry:
+    """Every configured model, loaded and warmed up, or a StartupError naming the one that failed (and none left
+    running: no partial server)."""
+    opened = [_open(settings, spec) for spec in settings.served_models()]
+    names = [o.name for o in opened]
+    if len(set(names)) != len(names):
+        raise StartupError(f"two models are served as {sorted({n for n in names if names.count(n) > 1})}")
+    for o in opened:
+        try:
+            o.plan = plan_memory(o.config, o.files or DirectoryFiles(o.config.model))
+        except (EngineError, ValueError) as e:
+            raise StartupError(f"model {o.name!r}: cannot load the model: {e}") from None
+    check_memory(opened, settings.server.max_model_memory_bytes)
+    served: list[ServedModel] = []
+    try:
+        for o in opened:
+            served.append(ServedModel(o.name, _load(o)))
+        return ModelRegistry(served, settings.aliases)
+    except ValueError as e:  # an alias of the one-model case, whose name was known only now
+        _stop([m.engine for m in served])
+        raise StartupError(f"aliases: {e}") from None
+    except BaseException:
+        _stop([m.engine for m in served])
+        raise
+
+
+def _load(o: _Opened) -> AsyncEngine:
+    before = resident_bytes()
+    try:
+        engine = AsyncEngine.from_config(o.config, o.files)
+    except (SealError, KeyProviderError) as e:
+        raise StartupError(f"model {o.name!r}: cannot open the sealed model: {e}") from None
+    except (EngineError, ValueError) as e:
+        raise StartupError(f"model {o.name!r}: cannot load the model: {e}") from None
+    try:
+        pinned = warm_up(engine, o.spec.warmup_prompts)
+    except WarmupError as e:
+        _stop([engine])
+        raise StartupError(f"model {o.name!r}: {e}") from None
+    after, plan = resident_bytes(), o.plan
+    assert plan is not None
+    grew = f", resident +{format_bytes(after - before)} after loading" if before and after else ""
+    log.info(
+        "model %s on %s: %s weights + %s KV cache (%d blocks)%s; %d warm-up tokens pinned",
+        o.name,
+        plan.device,
+        format_bytes(plan.weights_bytes),
+        format_bytes(plan.kv_bytes),
+        plan.kv_blocks,
+        grew,
+        pinned,
+    )
+    return engine
+
+
+def _stop(engines: list[AsyncEngine]) -> None:
+    for engine in engines:
+        asyncio.run(engine.shutdown())
+
+
+def build_engine(settings: Settings) -> AsyncEngine:
+    """The first configured model's engine (callers that serve one model)."""
+    return build_models(settings).first.engine
 
 
 def build_verifier(settings: Settings, pki: DevPKI | None) -> JWTVerifier:
@@ -94,10 +201,8 @@ def build_limiter(settings: Settings) -> RateLimiter:
     url = r.redis_url_file.read_text().strip() if r.redis_url_file else r.redis_url
     try:
         tiers = {"default": RateLimitTier(r.requests_per_minute, r.tokens_per_minute, r.max_concurrent)}
-        for name, t in (r.tiers or {}).items():
-            if not isinstance(t, dict):
-                raise ValueError(f"tiers.{name} must be a table")
-            tiers[name] = RateLimitTier(**t)
+        tiers.update(_tiers(r.tiers or {}))
+        model_tiers = {m.name: _model_tiers(m) for m in settings.models if m.ratelimit is not None}
         return RateLimiter(
             RateLimitConfig(
                 redis_url=url,
@@ -105,10 +210,32 @@ def build_limiter(settings: Settings) -> RateLimiter:
                 tenant_tiers=dict(r.tenant_tiers or {}),
                 on_redis_error=r.on_redis_error,  # type: ignore[arg-type]
                 lease_ttl_s=r.lease_ttl_s,
+                model_tiers=model_tiers,  # type: ignore[arg-type]
             )
         )
     except (OSError, TypeError, ValueError) as e:
         raise SettingsError(f"ratelimit: {e}") from None
+
+
+def _tiers(tables: dict, where: str = "tiers") -> dict[str, RateLimitTier]:
+    out = {}
+    for name, t in tables.items():
+        if not isinstance(t, dict):
+            raise ValueError(f"{where}.{name} must be a table")
+        out[name] = RateLimitTier(**t)
+    return out
+
+
+def _model_tiers(m: ModelSettings) -> dict[str, RateLimitTier]:
+    """[models.ratelimit]: its own keys are the model's default tier, [models.ratelimit.tiers.NAME] the others."""
+    table = dict(m.ratelimit or {})
+    named = table.pop("tiers", {})
+    if not isinstance(named, dict):
+        raise ValueError(f"models[{m.name!r}].ratelimit.tiers must be a table")
+    try:
+        return {"default": RateLimitTier(**table), **_tiers(named, f"models[{m.name!r}].ratelimit.tiers")}
+    except TypeError as e:
+        raise ValueError(f"models[{m.name!r}].ratelimit: {e}") from None
 
 
 def tls_config(settings: Settings, pki: DevPKI | None) -> TLSConfig:
@@ -142,8 +269,9 @@ def build_app_and_config(settings: Settings) -> tuple[uvicorn.Config, AsyncEngin
     limiter = build_limiter(settings)
     auditor = Auditor(audit_config(settings))
     hook = AuditHook(auditor)
-    engine = build_engine(settings)
-    metrics = Metrics(engine.model_name, engine.stats, auditor.stats)
+    models = build_models(settings)
+    engine = models.first.engine
+    metrics = Metrics({m.name: m.engine.stats for m in models}, auditor.stats)
 
     async def on_response_start(scope: dict, state: RequestState) -> None:
         note_shutdown(scope, state)  # a complete record is written here, before the response's first byte
@@ -161,6 +289,7 @@ def build_app_and_config(settings: Settings) -> tuple[uvicorn.Config, AsyncEngin
 
     deps = Deps(
         engine=engine,
+        models=models,
         verifier=verifier,
         max_body_bytes=settings.server.max_body_bytes,
         required_scope=settings.auth.required_scope,
@@ -175,7 +304,7 @@ def build_app_and_config(settings: Settings) -> tuple[uvicorn.Config, AsyncEngin
         profile_dir=settings.home / "profiles",
         audit_precheck=hook.check,
         startup=[auditor.start],
-        shutdown=[auditor.stop, engine.shutdown, limiter.aclose],
+        shutdown=[auditor.stop, *(m.engine.shutdown for m in models), limiter.aclose],
     )
     config = uvicorn.Config(
         create_app(deps),

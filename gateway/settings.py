@@ -47,6 +47,8 @@ class ServerSettings:
     keepalive_timeout_s: float = 5.0  # an idle keep-alive connection is closed after this
     max_connections: int = 1000  # open connections, handshaking ones included; beyond it new ones are closed at once
     shutdown_grace_s: float = 30.0  # SIGTERM: in-flight requests get this long, then they are cut
+    # the models' planned weights + KV caches may take at most this much of a device; None: what it has free
+    max_model_memory_bytes: int | None = None
 
 
 @dataclass
@@ -138,6 +140,29 @@ class AuditSettings:
 
 
 @dataclass
+class WarmupPrompt:
+    """A prefix every call of an application repeats, prefilled at start and pinned in its tenants' prefix cache."""
+
+    tenants: list[str]
+    system: str | None = None  # a system prompt, as the chat template renders it ahead of the conversation
+    messages: list[dict[str, str]] | None = None  # leading chat messages (system prompt, few-shot examples)
+    prompt: str | None = None  # a /v1/completions prompt's leading text
+
+
+@dataclass
+class ModelSettings:
+    """One served model: a `[[models]]` table, or the one-model case built from [engine]."""
+
+    name: str | None  # what clients send as `model`; None (one-model case only): the directory's name
+    engine: EngineSettings  # the table's knobs over [engine]'s; engine.model is the path (None: the demo model)
+    warmup_prompts: list[WarmupPrompt] = field(default_factory=list)
+    ratelimit: dict | None = None  # {requests_per_minute, ..., tiers: {name: {...}}}: per subject, on this model
+
+
+MODEL_KEYS = ("name", "path", "warmup_prompts", "warmup_tenants", "ratelimit")  # besides [engine]'s knobs
+
+
+@dataclass
 class Settings:
     home: Path = Path(".tianmen")
     server: ServerSettings = field(default_factory=ServerSettings)
@@ -145,14 +170,24 @@ class Settings:
     engine: EngineSettings = field(default_factory=EngineSettings)
     ratelimit: RateLimitSettings = field(default_factory=RateLimitSettings)
     audit: AuditSettings = field(default_factory=AuditSettings)
+    models: list[ModelSettings] = field(default_factory=list)  # [[models]]; empty: the one model of [engine]
+    aliases: dict[str, str] = field(default_factory=dict)  # [aliases]: a name clients may send -> a served model
     environ: dict[str, str] = field(default_factory=dict, repr=False)  # for env: key providers
 
     @property
     def pki_dir(self) -> Path:
         return self.home / "pki"
 
+    def served_models(self) -> list[ModelSettings]:
+        """Every model to serve, in order; without [[models]] tables, the one model of [engine]."""
+        if self.models:
+            return self.models
+        return [ModelSettings(self.engine.served_model_name, self.engine)]
 
-SECTIONS = {f.name: f.type for f in dataclasses.fields(Settings) if f.name not in ("home", "environ")}
+
+SECTIONS = {
+    f.name: f.type for f in dataclasses.fields(Settings) if f.name not in ("home", "environ", "models", "aliases")
+}
 
 
 def load_settings(config_file: Path | None = None, environ: Mapping[str, str] | None = None) -> Settings:
@@ -168,8 +203,10 @@ def load_settings(config_file: Path | None = None, environ: Mapping[str, str] | 
     hints = typing.get_type_hints(Settings)
     settings = Settings(environ=dict(environ))
     for key in raw:
-        if key != "home" and key not in SECTIONS:
-            raise SettingsError(f"unknown setting {key!r} in {config_file}; known: home, {', '.join(SECTIONS)}")
+        if key not in ("home", "models", "aliases") and key not in SECTIONS:
+            raise SettingsError(
+                f"unknown setting {key!r} in {config_file}; known: home, {', '.join(SECTIONS)}, models, aliases"
+            )
     home = environ.get("TIANMEN_HOME", raw.get("home"))
     if home is not None:
         settings.home = _cast("home", home, Path)
@@ -190,8 +227,117 @@ def load_settings(config_file: Path | None = None, environ: Mapping[str, str] | 
                 if key not in fields:
                     raise SettingsError(f"unknown setting {env_key} (no {section}.{key}); known: {', '.join(fields)}")
                 setattr(target, key, _cast(env_key, value, fields[key]))
+    settings.models = _models(raw.get("models", []), settings.engine)
+    settings.aliases = _cast("aliases", raw.get("aliases", {}), dict)
     _validate(settings)
+    _validate_models(settings)
     return settings
+
+
+def _models(tables: Any, defaults: EngineSettings) -> list[ModelSettings]:
+    """[[models]] tables: each one's engine knobs over [engine]'s (TIANMEN_ENGINE_* included)."""
+    if not isinstance(tables, list) or not all(isinstance(t, dict) for t in tables):
+        raise SettingsError("models must be an array of tables: [[models]]")
+    if tables and (defaults.model is not None or defaults.served_model_name is not None):
+        raise SettingsError(
+            "engine.model / engine.served_model_name (or TIANMEN_ENGINE_MODEL) name the one model of a single-model "
+            "config; with [[models]] tables give each its path and name there"
+        )
+    knobs = typing.get_type_hints(EngineSettings)
+    out = []
+    for i, table in enumerate(tables):
+        where = f"models[{i}]"
+        if not isinstance(table.get("name"), str) or not table["name"]:
+            raise SettingsError(f"{where}.name: every [[models]] table needs a name (what clients send as `model`)")
+        name = table["name"]
+        where = f"models[{name!r}]"
+        engine = dataclasses.replace(defaults, served_model_name=name, model=None)
+        for key, value in table.items():
+            if key == "path":
+                engine.model = _cast(f"{where}.path", value, Path)
+            elif key in knobs and key not in ("model", "served_model_name"):
+                setattr(engine, key, _cast(f"{where}.{key}", value, knobs[key]))
+            elif key not in MODEL_KEYS:
+                known = ", ".join([*MODEL_KEYS, *(k for k in knobs if k not in ("model", "served_model_name"))])
+                raise SettingsError(f"unknown setting {where}.{key}; known: {known}")
+        tenants = _strings(f"{where}.warmup_tenants", table.get("warmup_tenants", []))
+        warmup = table.get("warmup_prompts", [])
+        if not isinstance(warmup, list):
+            raise SettingsError(f"{where}.warmup_prompts must be a list")
+        ratelimit = table.get("ratelimit")
+        if ratelimit is not None and not isinstance(ratelimit, dict):
+            raise SettingsError(f"{where}.ratelimit must be a table: [models.ratelimit]")
+        prompts = [_warmup(f"{where}.warmup_prompts[{j}]", w, tenants) for j, w in enumerate(warmup)]
+        out.append(ModelSettings(name, engine, prompts, ratelimit))
+    return out
+
+
+def _strings(name: str, value: Any) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise SettingsError(f"{name} must be a list of non-empty strings")
+    return list(value)
+
+
+def _warmup(name: str, value: Any, default_tenants: list[str]) -> WarmupPrompt:
+    """A string is a system prompt for the model's warmup_tenants; a table says what it is and may name tenants."""
+    if isinstance(value, str):
+        value = {"system": value}
+    if not isinstance(value, dict):
+        raise SettingsError(f"{name} must be a string (a system prompt) or a table")
+    unknown = set(value) - {"system", "messages", "prompt", "tenants"}
+    if unknown:
+        raise SettingsError(f"unknown setting {name}.{sorted(unknown)[0]}; known: system, messages, prompt, tenants")
+    kinds = [k for k in ("system", "messages", "prompt") if k in value]
+    if len(kinds) != 1:
+        raise SettingsError(f"{name} needs exactly one of system, messages, prompt")
+    tenants = _strings(f"{name}.tenants", value["tenants"]) if "tenants" in value else default_tenants
+    if not tenants:
+        raise SettingsError(
+            f"{name}: name the tenants it is for (tenants = [...], or the model's warmup_tenants): the prefix cache "
+            "is partitioned per tenant, so a warmed prefix serves only the tenants it was prefilled for"
+        )
+    w = WarmupPrompt(tenants)
+    if "messages" in value:
+        messages = value["messages"]
+        ok = isinstance(messages, list) and messages
+        ok = ok and all(
+            isinstance(m, dict) and set(m) == {"role", "content"} and all(isinstance(v, str) for v in m.values())
+            for m in messages
+        )
+        if not ok:
+            raise SettingsError(f"{name}.messages must be a non-empty list of {{role = ..., content = ...}} tables")
+        w.messages = [dict(m) for m in messages]
+    elif not isinstance(value[kinds[0]], str) or not value[kinds[0]]:
+        raise SettingsError(f"{name}.{kinds[0]} must be a non-empty string")
+    else:
+        setattr(w, kinds[0], value[kinds[0]])
+    return w
+
+
+def _validate_models(s: Settings) -> None:
+    names = [m.name for m in s.models]
+    for name in names:
+        if len(name) > 256:
+            raise SettingsError(f"models: a name has {len(name)} characters; at most 256 (what a request may send)")
+        if names.count(name) > 1:
+            raise SettingsError(f"models: two [[models]] tables are named {name!r}; names must be unique")
+    for alias, target in s.aliases.items():
+        if not isinstance(target, str):
+            raise SettingsError(f"aliases.{alias}: expected the name of a served model, got {target!r}")
+        if alias in names:
+            raise SettingsError(f"aliases.{alias}: {alias!r} is already a served model's name")
+        if names and target not in names:  # one-model case: its name is known once its path is (at start)
+            raise SettingsError(f"aliases.{alias}: no served model is named {target!r}; served: {', '.join(names)}")
+        if len(alias) > 256:
+            raise SettingsError(f"aliases: an alias has {len(alias)} characters; at most 256")
+    for m in s.models:
+        if m.warmup_prompts and s.server.prefix_cache_per_subject:
+            raise SettingsError(
+                f"models[{m.name!r}].warmup_prompts cannot serve anyone with server.prefix_cache_per_subject = true: "
+                "the cache is then partitioned per user, and a warm-up is prefilled per tenant"
+            )
+        if m.warmup_prompts and not m.engine.enable_prefix_caching:
+            raise SettingsError(f"models[{m.name!r}].warmup_prompts need enable_prefix_caching = true")
 
 
 def _cast(name: str, value: Any, typ: Any) -> Any:
@@ -247,6 +393,8 @@ def _validate(s: Settings) -> None:
             raise SettingsError(f"server.{name} must be > 0, got {getattr(s.server, name)}")
     if s.server.max_connections < 1:
         raise SettingsError(f"server.max_connections must be >= 1, got {s.server.max_connections}")
+    if s.server.max_model_memory_bytes is not None and s.server.max_model_memory_bytes < 1:
+        raise SettingsError("server.max_model_memory_bytes must be >= 1, or none: what the device has free")
     if s.server.shutdown_grace_s < 0:
         raise SettingsError(f"server.shutdown_grace_s must be >= 0, got {s.server.shutdown_grace_s}")
     if s.auth.jwks_file is not None and s.auth.jwks_url is not None:

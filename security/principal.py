@@ -16,5 +16,9 @@ class Principal:
     def may_use(self, model: str) -> bool:
         return self.models is None or model in self.models
 
+    def may_use_any(self, names: tuple[str, ...] | list[str]) -> bool:
+        """A model known by several names (its served name, its aliases): the token naming any one of them."""
+        return self.models is None or any(n in self.models for n in names)
+
     def has_scope(self, scope: str) -> bool:
         return scope in self.scopes

@@ -36,7 +36,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 Limit = Literal["requests", "tokens", "concurrency"]
-Scope = Literal["subject", "tenant"]
+Scope = Literal["subject", "tenant", "model"]
 CONCURRENCY_RETRY_S = 1.0  # a slot frees when some call ends, which no clock predicts
 T = TypeVar("T")
 _DIMS: tuple[Limit, ...] = ("requests", "tokens", "concurrency")
@@ -68,6 +68,9 @@ class RateLimitConfig:
     default_tier: str = "default"  # per subject, when the token names no tier
     tenant_tiers: dict[str, str] = field(default_factory=dict)  # tenant id -> tier shared by the whole tenant
     default_tenant_tier: str | None = None  # tenant-wide tier for tenants not in tenant_tiers; None: none
+    # model -> {tier name: tier}: per subject on that model, counted apart and on top of the rest; "default" for
+    # tokens whose tier the model does not name
+    model_tiers: dict[str, dict[str, RateLimitTier]] = field(default_factory=dict)
     on_redis_error: Literal["closed", "open"] = "closed"
     key_prefix: str = "tianmen:rl:"
     lease_ttl_s: float = 120.0  # a crashed replica's concurrency slots come back after this
@@ -87,6 +90,9 @@ class RateLimitConfig:
                 raise ValueError(f"rate-limit tenant_tiers[{tenant!r}] names unknown tier {name!r}")
         if self.default_tenant_tier is not None and self.default_tenant_tier not in self.tiers:
             raise ValueError(f"rate-limit default_tenant_tier {self.default_tenant_tier!r} is not one of tiers")
+        for model, tiers in self.model_tiers.items():
+            if not all(isinstance(t, RateLimitTier) for t in tiers.values()):
+                raise ValueError(f"rate-limit model_tiers[{model!r}] must map tier names to RateLimitTier")
         if self.on_redis_error not in ("closed", "open"):
             raise ValueError(f"rate-limit on_redis_error must be 'closed' or 'open', got {self.on_redis_error!r}")
         if not self.key_prefix:
@@ -149,10 +155,12 @@ class RateLimiter:
         self._warned_tiers: set[str] = set()
         self._pending: set[asyncio.Task[Any]] = set()
 
-    async def admit(self, tenant: str, subject: str, tier: str | None, est_tokens: int) -> Admission:
+    async def admit(
+        self, tenant: str, subject: str, tier: str | None, est_tokens: int, model: str | None = None
+    ) -> Admission:
         if est_tokens < 0:
             raise ValueError("est_tokens must be >= 0")
-        scopes = self._scopes(tenant, subject, tier)
+        scopes = self._scopes(tenant, subject, tier, model)
         if not scopes:
             return Admission(True)
         buckets = tuple(b for _, _, b in scopes)
@@ -208,7 +216,9 @@ class RateLimiter:
         task.add_done_callback(self._pending.discard)
         return task
 
-    def _scopes(self, tenant: str, subject: str, tier: str | None) -> list[tuple[Scope, RateLimitTier, Bucket]]:
+    def _scopes(
+        self, tenant: str, subject: str, tier: str | None, model: str | None = None
+    ) -> list[tuple[Scope, RateLimitTier, Bucket]]:
         cfg = self.config
         if tier is not None and tier not in cfg.tiers and tier not in self._warned_tiers:
             self._warned_tiers.add(tier)
@@ -222,6 +232,12 @@ class RateLimiter:
         if tenant_tier_name is not None:
             tenant_tier = cfg.tiers[tenant_tier_name]
             scopes.append(("tenant", tenant_tier, _bucket(f"{tenant_key}:t", tenant_tier)))
+        per_model = cfg.model_tiers.get(model) if model is not None else None
+        if per_model:
+            model_tier = per_model.get(tier) if tier in per_model else per_model.get("default")
+            if model_tier is not None:
+                key = f"{tenant_key}:m:{quote(model, safe='')}:s:{quote(subject, safe='')}"  # type: ignore[arg-type]
+                scopes.append(("model", model_tier, _bucket(key, model_tier)))
         return [s for s in scopes if not s[1].unlimited]
 
     async def _decide(self, buckets: tuple[Bucket, ...], cost: int, lease_id: str) -> tuple[RateLimitStore, Verdict]:
@@ -315,7 +331,7 @@ def _admission(scopes: Sequence[tuple[Scope, RateLimitTier, Bucket]], verdict: V
     adm.oversize, retry_us, i, d = worst
     scope, tier, _ = scopes[i]
     adm.limit, adm.scope = _DIMS[d], scope
-    who = "this user" if scope == "subject" else "this tenant"
+    who = {"subject": "this user", "tenant": "this tenant", "model": "this user on this model"}[scope]
     if adm.oversize:
         adm.message = (
             f"Request too large: it needs {cost} tokens, more than the {tier.tokens_per_minute} tokens per minute "

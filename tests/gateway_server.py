@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from gateway.models import ModelRegistry
 from gateway.server import Server, build_app_and_config, connection_limits
 from gateway.settings import Settings, load_settings
 from security.devpki import DevPKI, ensure_dev_pki, mint_token
@@ -27,15 +28,19 @@ class RunningGateway:
     port: int
     settings: Settings
     pki: DevPKI
-    engine: object
+    engine: object  # the first model's
     model: str
+    models: ModelRegistry  # every served model
 
     def token(self, sub: str = "alice", tenant: str = "acme", **kw: object) -> str:
         return mint_token(self.pki.jwt_key, self.pki.kid, sub=sub, tenant=tenant, **kw)  # type: ignore[arg-type]
 
 
 @contextmanager
-def run_gateway(home: Path, model: Path | None, env: dict[str, str] | None = None) -> Iterator[RunningGateway]:
+def run_gateway(
+    home: Path, model: Path | None, env: dict[str, str] | None = None, config: Path | None = None
+) -> Iterator[RunningGateway]:
+    """`model` None: the demo model, or what `config` (a TOML file, e.g. with [[models]] tables) names."""
     port = free_port()
     environ = {
         "TIANMEN_HOME": str(home),
@@ -47,9 +52,9 @@ def run_gateway(home: Path, model: Path | None, env: dict[str, str] | None = Non
     if model is not None:  # None: the embedded default's sealed demo model
         environ["TIANMEN_ENGINE_MODEL"] = str(model)
     environ.update(env or {})
-    settings = load_settings(environ=environ)
-    config, engine = build_app_and_config(settings)
-    server = Server(config, None, connection_limits(settings))
+    settings = load_settings(config, environ=environ)
+    uv_config, engine = build_app_and_config(settings)
+    server = Server(uv_config, None, connection_limits(settings))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     for _ in range(600):
@@ -66,6 +71,7 @@ def run_gateway(home: Path, model: Path | None, env: dict[str, str] | None = Non
             ensure_dev_pki(home),
             engine,
             engine.model_name,
+            uv_config.app.state.deps.models,  # type: ignore[union-attr]
         )
     finally:
         server.should_exit = True

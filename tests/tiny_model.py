@@ -23,7 +23,8 @@ CORPUS = [
 ] * 20
 
 
-def build_tiny_chat_model(path: Path, seed: int = 0) -> Path:
+def build_tiny_chat_model(path: Path, seed: int = 0, tied: bool = True) -> Path:
+    """tied=False: a random LM head of its own (a tied tiny model mostly repeats its prompt's last token)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     path.mkdir(parents=True, exist_ok=True)
@@ -52,7 +53,7 @@ def build_tiny_chat_model(path: Path, seed: int = 0) -> Path:
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=512,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tied,
         eos_token_id=eos,
         bos_token_id=None,
     )
