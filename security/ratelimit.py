@@ -220,7 +220,8 @@ class RateLimiter:
         self, tenant: str, subject: str, tier: str | None, model: str | None = None
     ) -> list[tuple[Scope, RateLimitTier, Bucket]]:
         cfg = self.config
-        if tier is not None and tier not in cfg.tiers and tier not in self._warned_tiers:
+        known = tier is None or tier in cfg.tiers or any(tier in t for t in cfg.model_tiers.values())
+        if not known and tier not in self._warned_tiers:
             self._warned_tiers.add(tier)
             log.warning("rate limiter: unknown tier %r, using default tier %r", tier, cfg.default_tier)
         tenant_key = f"{cfg.key_prefix}{{{quote(tenant, safe='')}}}"  # {hash tag}: one cluster slot per tenant

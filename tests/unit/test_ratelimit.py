@@ -170,6 +170,26 @@ async def test_tenant_tier_limits_all_subjects_together() -> None:
     assert (await rl.admit("other", "a", None, 0)).allowed
 
 
+async def test_model_tiers_count_per_model_and_follow_the_claimed_tier() -> None:
+    clock = Clock()
+    rl = limiter(
+        clock,
+        RateLimitTier(requests_per_minute=100),
+        model_tiers={
+            "big": {"default": RateLimitTier(requests_per_minute=2), "gold": RateLimitTier(requests_per_minute=4)}
+        },
+    )
+    big = [await rl.admit("acme", "a", None, 0, "big") for _ in range(3)]
+    assert [a.allowed for a in big] == [True, True, False]
+    assert (big[-1].limit, big[-1].scope) == ("requests", "model") and "on this model" in big[-1].message
+    assert all([(await rl.admit("acme", "a", None, 0, "small")).allowed for _ in range(5)])  # no limit of its own
+    assert sum([(await rl.admit("acme", "b", "gold", 0, "big")).allowed for _ in range(6)]) == 4
+    assert sum([(await rl.admit("acme", "c", None, 0, "big")).allowed for _ in range(3)]) == 2  # per subject
+    # the general per-subject limit still counts every model: a's 2 + 5 calls above and this one (a refusal
+    # charges nothing), of 100
+    assert (await rl.admit("acme", "a", None, 0, "small")).headers["x-ratelimit-remaining-requests"] == "92"
+
+
 async def test_claimed_tier_and_unknown_tier(caplog: pytest.LogCaptureFixture) -> None:
     clock = Clock()
     rl = limiter(clock, RateLimitTier(requests_per_minute=1), tiers={"gold": RateLimitTier(requests_per_minute=5)})
