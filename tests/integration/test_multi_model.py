@@ -181,6 +181,24 @@ def test_limits_configured_for_a_model_are_counted_for_it_alone(gw: RunningGatew
         chat(c, "beta", "hi")  # another user has his own
 
 
+def test_metrics_and_the_profiler_know_every_model(gw: RunningGateway) -> None:
+    admin = {"Authorization": f"Bearer {gw.token(sub='ops', scopes=['admin'])}"}
+    with httpx.Client(base_url=gw.url, verify=client_ssl_context(gw.pki.ca_cert), timeout=60) as c:
+        text = c.get("/metrics", headers=admin).text
+        pinned = {
+            line.split('"')[1]: float(line.split()[-1])
+            for line in text.splitlines()
+            if line.startswith("tianmen:kv_cache_pinned_blocks{")
+        }
+        assert pinned["alpha"] >= 2 and pinned["beta"] == 0
+        assert c.post("/admin/profile", json={"steps": 1, "model": "chat"}, headers=admin).json()["model"] == "alpha"
+        r = c.post("/admin/profile", json={"steps": 1, "model": "gamma"}, headers=admin)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        assert c.post("/admin/profile", json={"steps": 1, "model": ["beta"]}, headers=admin).status_code == 400
+    with client(gw) as oc:
+        chat(oc, "alpha", "hi")  # one step of alpha's ends its trace
+
+
 # ---- start-up -------------------------------------------------------------------------------------------------
 def engine_threads() -> int:
     return sum(t.name == "tianmen-engine" and t.is_alive() for t in threading.enumerate())
