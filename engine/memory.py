@@ -43,7 +43,9 @@ def plan_memory(config: EngineConfig, files: ModelFiles) -> MemoryPlan:
     """Weights and KV cache of `config`'s model, from its config.json alone (no weight is read)."""
     hf_config = read_json(files, "config.json")
     dtype = config.torch_dtype
-    model = build_model(hf_config, torch.device("meta"), dtype, bf16_weight_storage(config))
+    # bf16 storage keeps only the checkpoint's bf16 tensors bf16 (others widen): config.json says which it holds
+    stored = hf_config.get("dtype", hf_config.get("torch_dtype"))
+    model = build_model(hf_config, torch.device("meta"), dtype, bf16_weight_storage(config) and stored == "bfloat16")
     seen: set[int] = set()
     weights = 0
     for t in [*model.parameters(), *model.buffers()]:

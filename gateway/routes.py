@@ -28,20 +28,14 @@ async def completions(request: Request) -> Response:
 async def models(request: Request) -> Response:
     """The models this token may use: each served model, then each alias (with the model it names now)."""
     deps, principal = request.app.state.deps, request.scope["principal"]
-    data = []
-    for m in deps.models:
-        if not deps.models.allowed(principal, m):
-            continue
-        quantization = getattr(getattr(m.engine, "config", None), "quantization", "none")  # none | w8a8 | w4a16
-        card = {"id": m.name, "object": "model", "created": deps.started, "owned_by": "tianmen"}
-        data.append({**card, "quantization": quantization})
+    card = {"object": "model", "created": deps.started, "owned_by": "tianmen"}
+    served, aliases = [], []
     for m in deps.models:
         if deps.models.allowed(principal, m):
-            data += [
-                {"id": a, "object": "model", "created": deps.started, "owned_by": "tianmen", "alias_of": m.name}
-                for a in m.aliases
-            ]
-    return JSONResponse({"object": "list", "data": data})
+            quantization = getattr(getattr(m.engine, "config", None), "quantization", "none")  # none | w8a8 | w4a16
+            served.append({"id": m.name, **card, "quantization": quantization})
+            aliases += [{"id": a, **card, "alias_of": m.name} for a in m.aliases]
+    return JSONResponse({"object": "list", "data": served + aliases})
 
 
 async def health(request: Request) -> Response:
@@ -118,8 +112,6 @@ def _route(models: ModelRegistry, principal: Principal, model: str) -> ServedMod
 
 async def _complete(request: Request, chat: bool) -> Response:
     deps = request.app.state.deps
-    if not deps.models.ready:
-        raise APIError(503, "the engine is not ready; retry shortly", headers={"Retry-After": "5"})
     principal: Principal = request.scope["principal"]
     state: RequestState = request.scope["request_state"]
     raw = await _body(request)

@@ -48,7 +48,6 @@ class _Opened:
     spec: ModelSettings
     config: EngineConfig
     files: ModelFiles | None
-    plan: MemoryPlan | None = None
 
     @property
     def name(self) -> str:
@@ -77,20 +76,19 @@ def _open(settings: Settings, spec: ModelSettings) -> _Opened:
         raise StartupError(f"model {name!r}: cannot load the model: {e}") from None
 
 
-def check_memory(opened: list[_Opened], limit: int | None) -> None:
-    """Refuse to start when the models' planned weights + KV caches exceed what each device has."""
-    by_device: dict[str, list[_Opened]] = {}
-    for o in opened:
-        assert o.plan is not None
-        by_device.setdefault(o.plan.device, []).append(o)
+def check_memory(plans: dict[str, MemoryPlan], limit: int | None) -> None:
+    """Refuse to start when the models' planned weights + KV caches exceed what their device has."""
+    by_device: dict[str, dict[str, MemoryPlan]] = {}
+    for name, plan in plans.items():
+        by_device.setdefault(plan.device, {})[name] = plan
     for device, group in by_device.items():
-        total = sum(o.plan.total_bytes for o in group)  # type: ignore[union-attr]
+        total = sum(p.total_bytes for p in group.values())
         have = limit if limit is not None else available_bytes(device)
         if have is None or total <= have:
             continue
         sizes = "; ".join(
-            f"{o.name}: {format_bytes(o.plan.weights_bytes)} weights + {format_bytes(o.plan.kv_bytes)} KV cache"  # type: ignore[union-attr]
-            for o in group
+            f"{name}: {format_bytes(p.weights_bytes)} weights + {format_bytes(p.kv_bytes)} KV cache"
+            for name, p in group.items()
         )
         source = "server.max_model_memory_bytes" if limit is not None else "free"
         raise StartupError(
@@ -107,26 +105,28 @@ def build_models(settings: Settings) -> ModelRegistry:
     names = [o.name for o in opened]
     if len(set(names)) != len(names):
         raise StartupError(f"two models are served as {sorted({n for n in names if names.count(n) > 1})}")
+    plans: dict[str, MemoryPlan] = {}
     for o in opened:
         try:
-            o.plan = plan_memory(o.config, o.files or DirectoryFiles(o.config.model))
+            plans[o.name] = plan_memory(o.config, o.files or DirectoryFiles(o.config.model))
         except (EngineError, ValueError) as e:
             raise StartupError(f"model {o.name!r}: cannot load the model: {e}") from None
-    check_memory(opened, settings.server.max_model_memory_bytes)
+    check_memory(plans, settings.server.max_model_memory_bytes)
     served: list[ServedModel] = []
     try:
         for o in opened:
-            served.append(ServedModel(o.name, _load(o)))
-        return ModelRegistry(served, settings.aliases)
-    except ValueError as e:  # an alias of the one-model case, whose name was known only now
-        _stop([m.engine for m in served])
-        raise StartupError(f"aliases: {e}") from None
+            served.append(ServedModel(o.name, _load(o, plans[o.name])))
     except BaseException:
         _stop([m.engine for m in served])
         raise
+    try:
+        return ModelRegistry(served, settings.aliases)
+    except ValueError as e:  # an alias of the one-model case, whose model's name was known only now
+        _stop([m.engine for m in served])
+        raise StartupError(f"aliases: {e}") from None
 
 
-def _load(o: _Opened) -> AsyncEngine:
+def _load(o: _Opened, plan: MemoryPlan) -> AsyncEngine:
     before = resident_bytes()
     try:
         engine = AsyncEngine.from_config(o.config, o.files)
@@ -139,8 +139,7 @@ def _load(o: _Opened) -> AsyncEngine:
     except WarmupError as e:
         _stop([engine])
         raise StartupError(f"model {o.name!r}: {e}") from None
-    after, plan = resident_bytes(), o.plan
-    assert plan is not None
+    after = resident_bytes()
     grew = f", resident +{format_bytes(after - before)} after loading" if before and after else ""
     log.info(
         "model %s on %s: %s weights + %s KV cache (%d blocks)%s; %d warm-up tokens pinned",

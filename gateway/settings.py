@@ -1,7 +1,8 @@
 """Settings: one TOML file plus TIANMEN_* environment overrides, read once and validated.
 
 `TIANMEN_<SECTION>_<KEY>` overrides `[section] key` (e.g. TIANMEN_SERVER_PORT=9443); `TIANMEN_HOME`
-overrides `home`. This is the only module that reads os.environ.
+overrides `home`. `[[models]]` tables (several served models) and `[aliases]` have no variables of their own:
+TIANMEN_ENGINE_* set the `[engine]` defaults they inherit. This is the only module that reads os.environ.
 """
 
 from __future__ import annotations

@@ -40,7 +40,10 @@ def warm_up(engine: Any, prompts: list[WarmupPrompt]) -> int:
     the settings require with warm-up prompts). WarmupError names the prompt that the engine refused."""
     pinned = 0
     for i, w in enumerate(prompts):
-        ids = prefix_ids(engine.tokenizer, w)
+        try:
+            ids = prefix_ids(engine.tokenizer, w)  # InvalidRequestError: the chat template refused the messages
+        except EngineError as e:
+            raise WarmupError(f"warmup_prompts[{i}]: {e}") from None
         for tenant in w.tenants:
             try:
                 pinned += engine.pin_prefix(ids, cache_salt(tenant, "", per_subject=False))
