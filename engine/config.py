@@ -41,6 +41,10 @@ class EngineConfig:
     # while other requests run or wait, one prompt's prefill takes at most this many tokens a step (0: no cap),
     # so a long prompt delays neither the running streams' next tokens nor a newcomer's first
     long_prefill_token_threshold: int = 512
+    # while other requests run or wait, all prefill chunks of one step together take at most this many tokens
+    # (0: no cap). Prompts that arrive together are then prefilled a few at a time, and the first of them start
+    # streaming while the rest prefill, instead of all waiting for one step that prefills every one of them
+    max_prefill_tokens_per_step: int = 1024
     max_model_len: int = 2048  # capped by the model's max_position_embeddings
     block_size: int = 16
     kv_cache_bytes: int | None = None  # None: room for max_num_seqs full-length sequences, at most 4 GiB
@@ -75,6 +79,8 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "max_waiting"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1; got {getattr(self, name)}")
+        if self.max_prefill_tokens_per_step < 0:
+            raise ConfigError(f"max_prefill_tokens_per_step must be >= 0; got {self.max_prefill_tokens_per_step}")
         if self.long_prefill_token_threshold < 0:
             raise ConfigError(f"long_prefill_token_threshold must be >= 0; got {self.long_prefill_token_threshold}")
         if self.block_size & (self.block_size - 1):

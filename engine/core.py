@@ -50,6 +50,7 @@ class EngineCore:
             max_model_len=self.max_model_len,
             max_waiting=config.max_waiting,
             long_prefill_token_threshold=config.long_prefill_token_threshold,
+            max_prefill_tokens_per_step=config.max_prefill_tokens_per_step,
         )
 
     def make_request(

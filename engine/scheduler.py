@@ -14,7 +14,9 @@ class Scheduler:
     Requests carry `num_computed_tokens` and `num_tokens`; a step gives each one a chunk of its
     uncomputed tokens (a decode is a chunk of one), so prefill chunks and decodes mix freely. Every decode is
     served before any prefill chunk, and while others run or wait a prefill chunk is at most
-    `long_prefill_token_threshold` tokens, so a long prompt neither stalls the streams nor the newcomers.
+    `long_prefill_token_threshold` tokens, so a long prompt neither stalls the streams nor the newcomers, and the
+    step's prefill chunks together at most `max_prefill_tokens_per_step`, so prompts that arrive together are
+    prefilled a few at a time (shortest time to first token on average) rather than all in one long step.
     When blocks run out, the newest running request is preempted and later recomputed.
     """
 
@@ -26,9 +28,11 @@ class Scheduler:
         max_model_len: int,
         max_waiting: int = 1024,
         long_prefill_token_threshold: int = 0,
+        max_prefill_tokens_per_step: int = 0,
     ) -> None:
         self.bm = block_manager
         self.long_prefill_token_threshold = long_prefill_token_threshold  # 0: a chunk takes what the budget allows
+        self.max_prefill_tokens_per_step = max_prefill_tokens_per_step  # 0: prefills share the whole budget
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -82,25 +86,29 @@ class Scheduler:
             break
 
         cap = self._prefill_cap()
+        prefill_left = self._prefill_budget()
         for req in self.running:  # prefills under way (chunked, or recomputed), oldest first
-            if budget <= 0:
+            if min(budget, prefill_left) <= 0:
                 break
             remaining = req.num_tokens - req.num_computed_tokens
             if remaining <= 1:
                 continue
-            num_new = min(remaining, budget, cap)
+            num_new = min(remaining, budget, prefill_left, cap)
             if not self.bm.can_allocate(req, num_new):
                 break  # blocks are short: the next step's decodes will preempt if they must
             self.bm.allocate(req, num_new)
             scheduled.append((req, num_new))
             budget -= num_new
+            prefill_left -= num_new
 
         # NOTE: after a preemption nothing new is admitted, or it would be preempted again at once.
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while (
+            not preempted and self.waiting and min(budget, prefill_left) > 0 and len(self.running) < self.max_num_seqs
+        ):
             req = self.waiting[0]
             computed = self.bm.get_computed_blocks(req)
             num_computed = len(computed) * self.bm.block_size
-            num_new = min(req.num_tokens - num_computed, budget, cap)
+            num_new = min(req.num_tokens - num_computed, budget, prefill_left, cap)
             if not self.bm.can_allocate(req, num_new, computed):
                 break
             self.bm.allocate(req, num_new, computed)
@@ -112,6 +120,7 @@ class Scheduler:
             self.running.append(req)
             scheduled.append((req, num_new))
             budget -= num_new
+            prefill_left -= num_new
 
         decodes = [self._seq(r, n) for r, n in scheduled if n == 1]
         prefills = [self._seq(r, n) for r, n in scheduled if n > 1]
@@ -125,6 +134,12 @@ class Scheduler:
         )
         self.finished_req_ids = []
         return out
+
+    def _prefill_budget(self) -> int:
+        """The most tokens all prefill chunks of this step may take together: capped only while others wait too."""
+        if self.max_prefill_tokens_per_step <= 0 or len(self.running) + len(self.waiting) <= 1:
+            return self.max_num_batched_tokens
+        return self.max_prefill_tokens_per_step
 
     def _prefill_cap(self) -> int:
         """The most tokens one prefill chunk may take this step: capped only while it would hold others up."""

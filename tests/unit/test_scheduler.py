@@ -155,3 +155,31 @@ def test_a_long_prefill_is_capped_while_others_run_but_not_alone() -> None:
     add(s, "later", 30)
     out = s.schedule()
     assert [(q.req_id, len(q.token_ids)) for q in out.seqs] == [("long", 1), ("new", 1), ("later", 8)]
+
+
+def test_prompts_that_arrive_together_are_prefilled_a_few_at_a_time() -> None:
+    s = Scheduler(BlockManager(256, 4, False), 16, 4096, 128, max_prefill_tokens_per_step=250)
+    for i in range(6):
+        add(s, f"r{i}", 100)
+    out = s.schedule()  # 250 prefill tokens: two whole prompts and a chunk of the third, not all six
+    assert [(q.req_id, len(q.token_ids), q.sample) for q in out.seqs] == [
+        ("r0", 100, True),
+        ("r1", 100, True),
+        ("r2", 50, False),
+    ]
+    finish_step(s, out)
+    out = s.schedule()  # the first two decode (outside the cap) while the next prompts prefill
+    assert [(q.req_id, len(q.token_ids)) for q in out.seqs] == [
+        ("r0", 1),
+        ("r1", 1),
+        ("r2", 50),
+        ("r3", 100),
+        ("r4", 100),
+    ]
+    assert out.num_tokens == 252
+
+
+def test_the_prefill_budget_does_not_slow_a_prompt_that_is_alone() -> None:
+    s = Scheduler(BlockManager(256, 4, False), 16, 4096, 128, max_prefill_tokens_per_step=16)
+    add(s, "alone", 100)
+    assert [len(q.token_ids) for q in s.schedule().seqs] == [100]
