@@ -49,6 +49,8 @@ class AuditEvent:
     error_type: str | None = None  # "invalid_token", "rate_limited", "client_disconnected", ...
     phase: str = "complete"
     content: dict[str, Any] = field(default_factory=dict, repr=False)
+    # the privacy policies that fired: [{direction, policy, action, count}], never what they matched
+    policy_hits: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """The ECS document; client-controlled strings are cut to `audit.bounds.FIELD_LIMITS`."""
@@ -87,6 +89,8 @@ class AuditEvent:
         }
         if cut:
             doc["tianmen"]["truncated"] = [t.to_dict() for t in cut]
+        if self.policy_hits:
+            doc["tianmen"]["policy"] = policy_fields(self.policy_hits)
         if v["tls_client_subject"] is not None:
             doc["tls"]["client"] = {"subject": v["tls_client_subject"]}
         return _prune(doc)
@@ -104,6 +108,18 @@ def content_fields(policy: ContentPolicy, prompt: str | bytes | None, response: 
         if policy == "full":
             out[name]["text"] = value if isinstance(value, str) else value.decode("utf-8", "replace")
     return out
+
+
+def policy_fields(hits: list[dict[str, Any]]) -> dict[str, Any]:
+    """`tianmen.policy`: each (direction, policy, action) with its count, plus flat lists to aggregate on (an
+    array of objects is flattened by Elasticsearch, so "which policies fired" needs its own keyword list)."""
+    rows = sorted(hits, key=lambda h: (h["direction"], h["policy"], h["action"]))
+    return {
+        "hits": [{k: h[k] for k in ("direction", "policy", "action", "count")} for h in rows],
+        "fired": sorted({h["policy"] for h in rows}),
+        "actions": sorted({h["action"] for h in rows}),
+        "count": sum(int(h["count"]) for h in rows),
+    }
 
 
 def format_timestamp(ts: datetime) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-TEMPLATE_VERSION = 2
+TEMPLATE_VERSION = 3
 TEMPLATE_NAME = "tianmen-audit"
 POLICY_NAME = "tianmen-audit-retention"
 
@@ -46,6 +46,7 @@ MAPPINGS: dict[str, Any] = {
             prompt=_obj(sm3=_K, text={"type": "text"}),
             response=_obj(sm3=_K, text={"type": "text"}),
             chain=_obj(writer=_K, seq=_L, prev=_K, hash=_K),
+            policy=_obj(hits=_obj(direction=_K, policy=_K, action=_K, count=_L), fired=_K, actions=_K, count=_L),
             checkpoint=_obj(seq=_L, hash=_K, key_id=_K, signature={"type": "keyword", "index": False}),
         ),
     },

@@ -20,6 +20,7 @@ from gateway.errors import APIError, api_error_handler, http_exception_handler, 
 from gateway.metrics import Metrics
 from gateway.middleware import Auth, BodyLimit, RequestContext, StateHook
 from gateway.models import ModelRegistry
+from gateway.privacy import Privacy
 from security.jwt import TokenVerifier
 from security.ratelimit import RateLimiter
 
@@ -43,6 +44,7 @@ class Deps:
     auth_guard: FailedAuthLimiter | None = None  # failed authentications per source IP → 429
     cache_salt_per_subject: bool = False  # prefix cache shared by a tenant (False) or by one subject only
     report_cached_tokens: bool = True  # usage.prompt_tokens_details.cached_tokens in responses
+    privacy: Privacy | None = None  # personal-information detectors, term lists and their per-tenant actions
     startup: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
     shutdown: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
     started: int = field(default_factory=lambda: int(time.time()))

@@ -115,6 +115,9 @@ class AuditHook:
             ratelimit_decision=state.ratelimit,
             error_type=state.error or state.auth_failure,
             phase=phase,
+            policy_hits=[
+                {"direction": d, "policy": p, "action": a, "count": n} for (d, p, a), n in state.policy_hits.items()
+            ],
             content=self.auditor.content_fields(state.prompt_text, None if phase == "open" else state.response_text)
             if state.prompt_text is not None
             else {},

@@ -17,6 +17,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from engine import EngineError, RequestOutput, SamplingParams
 from gateway.admission import Lease
 from gateway.errors import engine_error, error_body, error_payload
+from gateway.privacy import CompletionGuard, PrivacySession
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.state import RequestState
 from gateway.streaming import DONE, ResponseBuilder, merge, sse
@@ -36,6 +37,7 @@ async def run(
     params: list[SamplingParams],
     lease: Lease,
     engine: Any,
+    privacy: PrivacySession | None = None,
 ) -> Response:
     """`engine`: the served model's (gateway.models routes the request to it)."""
     deps, state = request.app.state.deps, request.scope["request_state"]
@@ -48,7 +50,10 @@ async def run(
     principal = request.scope["principal"]
     salt = cache_salt(principal.tenant, principal.subject, deps.cache_salt_per_subject)
     started = time.monotonic()
+    guard = privacy.completion(body.n) if privacy is not None else None  # None: the text passes untouched
     stream = _generate(engine, prompt, params, req_id, salt)
+    if guard is not None:
+        stream = _guarded(stream, guard)
     first = await _first(stream)
     state.ttft_ms = (time.monotonic() - started) * 1e3
     gaps = state.itl_s
@@ -80,6 +85,8 @@ async def run(
                         finished = True
                         if body.include_usage:
                             chunks.append(builder.usage_chunk())
+                        if guard is not None and guard.blocked is not None:  # named in-band, as OpenAI does errors
+                            chunks.append(sse(guard.error()))
                         yield b"".join([*chunks, DONE])
                         return
                     if chunks:
@@ -92,7 +99,7 @@ async def run(
                 finished = True  # NOTE: not reached while the engine keeps its contract (every choice finishes)
                 yield (builder.usage_chunk() if body.include_usage else b"") + DONE
             finally:
-                _record(state, builder, None if finished or state.error else "client_disconnected")
+                _record(state, builder, None if finished or state.error else "client_disconnected", guard)
                 await stream.aclose()
                 await lease.settle(state.total_tokens)
 
@@ -116,7 +123,7 @@ async def run(
         completed = await _until_disconnect(request, collect())
     finally:
         await stream.aclose()
-        _record(state, builder, None)
+        _record(state, builder, None, guard)
     if not completed:
         state.finish_reason = "client_disconnected"
         return Response(status_code=499)  # nobody is listening any more; recorded for the audit trail
@@ -131,13 +138,27 @@ def _in_band(e: Exception, state: RequestState) -> dict[str, Any]:
     return error_body(500, "internal error; the request id in x-request-id identifies it in the logs")
 
 
-def _record(state: RequestState, builder: ResponseBuilder, override: str | None) -> None:
+def _record(
+    state: RequestState, builder: ResponseBuilder, override: str | None, guard: CompletionGuard | None = None
+) -> None:
     usage = builder.usage()
     state.completion_tokens = usage["completion_tokens"]
     state.total_tokens = usage["total_tokens"]
     state.cached_tokens = builder.cached_tokens()
     state.finish_reason = override or ",".join(sorted({c.finish_reason or "none" for c in builder.choices}))
-    state.response_text = "".join(c.text for c in builder.choices)
+    # the audit trail keeps the answer as the policy rewrote it (a tokenized prompt's placeholders not restored)
+    state.response_text = guard.audit_text() if guard is not None else "".join(c.text for c in builder.choices)
+
+
+async def _guarded(
+    stream: AsyncIterator[list[tuple[int, RequestOutput]]], guard: CompletionGuard
+) -> AsyncIterator[list[tuple[int, RequestOutput]]]:
+    """The engine's deltas through the privacy policy (gateway.privacy); closing it closes the engine's."""
+    try:
+        async for ready in stream:
+            yield guard.apply(ready)
+    finally:
+        await stream.aclose()
 
 
 async def _generate(

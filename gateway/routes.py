@@ -127,16 +127,21 @@ async def _complete(request: Request, chat: bool) -> Response:
     if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
         params = ("messages", "max_completion_tokens")
     _check_context(prompt.token_range(body, bounds)[0], requested, limit, params)  # before any tokenizing
+    privacy = deps.privacy.session(principal.tenant, state) if deps.privacy is not None else None
+    if privacy is not None:
+        privacy.check_request(body)
     lease = await admission.admit(
         deps.limiter, principal, prompt.reservation(body, bounds, limit), state, model=served.name
     )
     try:
+        if privacy is not None:  # what the model sees, and what the audit trail keeps of the prompt
+            body = await privacy.screen_async(body, engine.tokenizer)
         ids, state.prompt_text = await asyncio.to_thread(_tokenize, engine.tokenizer, body)
         state.prompt_tokens = len(ids)
         _check_context(len(ids), requested, limit, params)
         max_tokens = limit - len(ids) if requested is None else requested
         sampling = [body.sampling_params(max_tokens, body.num_logprobs(), i) for i in range(body.n)]
-        return await completion.run(request, body, ids, sampling, lease, engine)
+        return await completion.run(request, body, ids, sampling, lease, engine, privacy)
     finally:  # a stream settles when it ends; everything else (done, failed, cut) settles here
         if not state.settled_by_stream:
             await lease.settle(state.total_tokens)

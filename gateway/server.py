@@ -21,6 +21,7 @@ from gateway.demo import dev_key_spec, ensure_demo_model
 from gateway.lifecycle import Server, note_shutdown
 from gateway.metrics import Metrics
 from gateway.models import ModelRegistry, ServedModel
+from gateway.privacy import build_privacy
 from gateway.settings import ModelSettings, Settings, SettingsError
 from gateway.state import RequestState
 from gateway.warmup import WarmupError, warm_up
@@ -266,6 +267,7 @@ def build_app_and_config(settings: Settings) -> tuple[uvicorn.Config, AsyncEngin
     verifier = build_verifier(settings, pki)
     ssl_kwargs = {} if settings.server.insecure_http else uvicorn_ssl_kwargs(tls_config(settings, pki))
     limiter = build_limiter(settings)
+    privacy = build_privacy(settings.privacy)
     auditor = Auditor(audit_config(settings))
     hook = AuditHook(auditor)
     models = build_models(settings)
@@ -302,8 +304,9 @@ def build_app_and_config(settings: Settings) -> tuple[uvicorn.Config, AsyncEngin
         admin_scope=settings.auth.admin_scope,
         profile_dir=settings.home / "profiles",
         audit_precheck=hook.check,
-        startup=[auditor.start],
-        shutdown=[auditor.stop, *(m.engine.shutdown for m in models), limiter.aclose],
+        privacy=privacy,
+        startup=[auditor.start, privacy.start],
+        shutdown=[privacy.stop, auditor.stop, *(m.engine.shutdown for m in models), limiter.aclose],
     )
     config = uvicorn.Config(
         create_app(deps),

@@ -142,6 +142,18 @@ class AuditSettings:
 
 
 @dataclass
+class PrivacySettings:
+    """Personal-information detectors and term lists, and what each does per tenant (see gateway.privacy)."""
+
+    passport_pattern: str | None = None  # None: the PRC ordinary passport (security.pii_detectors)
+    term_lists: dict | None = None  # {name: path}: UTF-8, one term per line, reloaded when the file changes
+    terms_check_interval_s: float = 2.0  # how often the term files are looked at
+    default: dict | None = None  # {prompt: {policy: action}, completion: {...}}; "*" names every policy
+    tenants: dict | None = None  # {tenant: {prompt: {...}, completion: {...}}} laid over default
+    mask: dict | None = None  # {policy: [keep_first, keep_last]}
+
+
+@dataclass
 class WarmupPrompt:
     """A prefix every call of an application repeats, prefilled at start and pinned in its tenants' prefix cache."""
 
@@ -174,6 +186,7 @@ class Settings:
     audit: AuditSettings = field(default_factory=AuditSettings)
     models: list[ModelSettings] = field(default_factory=list)  # [[models]]; empty: the one model of [engine]
     aliases: dict[str, str] = field(default_factory=dict)  # [aliases]: a name clients may send -> a served model
+    privacy: PrivacySettings = field(default_factory=PrivacySettings)
     environ: dict[str, str] = field(default_factory=dict, repr=False)  # for env: key providers
 
     @property
@@ -413,5 +426,7 @@ def _validate(s: Settings) -> None:
         raise SettingsError(f"audit.content_policy must be none, sm3 or full, got {s.audit.content_policy!r}")
     if s.ratelimit.on_redis_error not in ("closed", "open"):
         raise SettingsError(f"ratelimit.on_redis_error must be closed or open, got {s.ratelimit.on_redis_error!r}")
+    if not s.privacy.terms_check_interval_s > 0:
+        raise SettingsError(f"privacy.terms_check_interval_s must be > 0, got {s.privacy.terms_check_interval_s}")
     if s.server.log_level not in ("critical", "error", "warning", "info", "debug"):
         raise SettingsError(f"server.log_level must be critical|error|warning|info|debug, got {s.server.log_level!r}")

@@ -34,6 +34,8 @@ class RequestState:
     response_text: str | None = None
     # decisions
     ratelimit: str | None = None
+    # the privacy policies that fired (gateway.privacy): (direction, policy, action) → count; never the text
+    policy_hits: dict[tuple[str, str, str], int] = field(default_factory=dict)
     error: str | None = None
     settled_by_stream: bool = False
     # audit (gateway.audit_hook): a streamed response gets an opening and a closing record

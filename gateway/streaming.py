@@ -22,7 +22,8 @@ def sse(obj: dict[str, Any]) -> bytes:
 
 
 def finish_reason(reason: str | None) -> str | None:
-    return None if reason is None else ("length" if reason == "length" else "stop")
+    """The engine's reason in OpenAI's terms; content_filter comes from the gateway's privacy policy."""
+    return None if reason is None else (reason if reason in ("length", "content_filter") else "stop")
 
 
 def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None) -> dict[str, Any]:
