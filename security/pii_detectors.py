@@ -88,7 +88,8 @@ MOBILE = Detector(
     "mobile",
     "MOBILE",
     # the hit is the number itself (group "id"): a +86 / 0086 / 86 in front is matched but not masked
-    r"(?<![0-9A-Za-z+])(?:(?:\+|00)?86[ \-]?)?(?P<id>1[3-9][0-9](?P<s>[ \-]?)[0-9]{4}(?P=s)[0-9]{4})" + _ALNUM_AFTER,
+    r"(?<![0-9A-Za-z+])(?<![0-9][ \-])(?:(?:\+|00)?86[ \-]?)?(?P<id>1[3-9][0-9](?P<s>[ \-]?)[0-9]{4}(?P=s)[0-9]{4})"
+    + _ALNUM_AFTER,
     _always,
     (3, 4),
     r"1[3-9][0-9]",
@@ -96,8 +97,10 @@ MOBILE = Detector(
 LANDLINE = Detector(
     "landline",
     "PHONE",
-    # area code 010, 02x or 0[3-9]xx, bare or in parentheses, then a 7-8 digit number that does not start with 0/1
+    # area code 010, 02x or 0[3-9]xx, bare or in parentheses, then a 7-8 digit number that does not start with 0/1;
+    # not after a digit and a separator (the middle of a grouped card number)
     _ALNUM_BEFORE
+    + r"(?<![0-9][ \-])"
     + r"(?:\(0(?:10|2[0-9]|[3-9][0-9]{2})\)[ \-]?|0(?:10|2[0-9]|[3-9][0-9]{2})[ \-]?)[2-9][0-9]{2,3}[ \-]?[0-9]{4}"
     + _ALNUM_AFTER,
     _always,
