@@ -25,24 +25,36 @@ MAX_PATTERN_CHARS = 512  # a configured passport pattern's source; LIMITS.md
 
 
 @dataclass(frozen=True)
+class Zone:
+    """Where a match can lie: from `before` characters ahead of a run of at least `min_digits` ASCII digits
+    (min_digits 0: of an "@") to `after` characters past its start. A whole text is searched only in its zones
+    (found with numpy), which keeps a 2,000-character prompt in tens of microseconds. `before` is the most a
+    match can start ahead of its first such run ("+86 " before "138…"), `after` the most it reaches past it."""
+
+    min_digits: int
+    before: int
+    after: int
+    tail: str = "[0-9A-Za-z]*"  # a zone never ends inside a run of these (the pattern's lookahead must see it)
+
+
+@dataclass(frozen=True)
 class Detector:
     name: str  # the policy key in the config: id_card, bank_card, …
     label: str  # the placeholder's stem under `tokenize`: [CARD_1]
     source: str  # the regex over NFKC text, boundaries included
     validate: Callable[[str], bool]  # on the matched NFKC text
     keep: tuple[int, int]  # default `mask`: characters left visible at the start and the end
-    needs: str  # a character class the text must contain for the pattern to possibly match (a cheap pre-check)
+    zone: Zone | None  # None: search the whole text (a configured pattern of unknown shape)
     pattern: re.Pattern[str] = field(init=False, repr=False)
     partial: regex.Pattern[str] = field(init=False, repr=False)
-    prefilter: re.Pattern[str] = field(init=False, repr=False)
+    tail: re.Pattern[str] = field(init=False, repr=False)
+    core: int | str = field(init=False, repr=False)  # the group that is the identifier (a prefix may not be)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "core", "id" if "(?P<id>" in self.source else 0)
         object.__setattr__(self, "pattern", re.compile(self.source))
         object.__setattr__(self, "partial", regex.compile(self.source, regex.V0))
-        object.__setattr__(self, "prefilter", re.compile(self.needs))
-
-    def may_occur(self, text: str, pos: int = 0) -> bool:
-        return self.prefilter.search(text, pos) is not None
+        object.__setattr__(self, "tail", re.compile(self.zone.tail if self.zone else ""))
 
 
 def _always(_: str) -> bool:
@@ -72,7 +84,7 @@ ID_CARD = Detector(
     + _ALNUM_AFTER,
     _id_ok,
     (6, 4),
-    r"[0-9]{6}",
+    Zone(4, 0, 24),
 )
 BANK_CARD = Detector(
     "bank_card",
@@ -82,7 +94,7 @@ BANK_CARD = Detector(
     + _ALNUM_AFTER,
     _card_ok,
     (6, 4),
-    r"[0-9]{4}",
+    Zone(4, 0, 24),
 )
 MOBILE = Detector(
     "mobile",
@@ -92,7 +104,7 @@ MOBILE = Detector(
     + _ALNUM_AFTER,
     _always,
     (3, 4),
-    r"1[3-9][0-9]",
+    Zone(3, 5, 24),
 )
 LANDLINE = Detector(
     "landline",
@@ -105,7 +117,7 @@ LANDLINE = Detector(
     + _ALNUM_AFTER,
     _always,
     (3, 2),
-    r"0[1-9]",
+    Zone(3, 1, 24),
 )
 USCC = Detector(
     "uscc",
@@ -114,7 +126,7 @@ USCC = Detector(
     _ALNUM_BEFORE + rf"[1-9ANYany][1-9][1-8][0-9]{{5}}{_USCC_CHAR}{{10}}" + _ALNUM_AFTER,
     lambda s: valid_uscc(s.upper()),
     (2, 4),
-    r"[0-9]{6}",
+    Zone(6, 2, 24),
 )
 EMAIL = Detector(
     "email",
@@ -123,7 +135,7 @@ EMAIL = Detector(
     r"(?:[A-Za-z0-9](?:[A-Za-z0-9\-]{0,61}[A-Za-z0-9])?\.){1,8}[A-Za-z]{2,24}(?![A-Za-z0-9\-])",
     _always,
     (1, 0),
-    "@",
+    Zone(0, 66, 8 * 64 + 26, r"[A-Za-z0-9.\-]*"),
 )
 IPV4 = Detector(
     "ipv4",
@@ -132,7 +144,7 @@ IPV4 = Detector(
     r"(?![0-9]|\.[0-9])",
     _always,
     (0, 0),
-    r"[0-9]\.[0-9]",
+    Zone(1, 0, 16, r"[0-9.]*"),
 )
 # the People's Republic's ordinary passport: E + 8 digits, E + a letter + 7 digits (since 2017), G + 8 digits
 DEFAULT_PASSPORT = r"[EG][0-9]{8}|E[A-HJ-NP-Z][0-9]{7}"
@@ -149,7 +161,8 @@ def passport(pattern: str = DEFAULT_PASSPORT) -> Detector:
         raise ValueError(f"passport_pattern is not a valid regular expression: {e}") from None
     if re.compile(pattern).fullmatch(""):
         raise ValueError("passport_pattern must not match the empty string")
-    return Detector("passport", "PASSPORT", _ALNUM_BEFORE + f"(?:{pattern})" + _ALNUM_AFTER, _always, (1, 2), r".")
+    zone = Zone(7, 2, 12) if pattern == DEFAULT_PASSPORT else None  # 7 digits in either form
+    return Detector("passport", "PASSPORT", _ALNUM_BEFORE + f"(?:{pattern})" + _ALNUM_AFTER, _always, (1, 2), zone)
 
 
 # the order breaks ties: an 18-digit number that is a valid ID and passes Luhn is an ID

@@ -9,9 +9,10 @@ still grow (a 16-digit card that a 17th digit would turn into another number), a
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from security.pii_detectors import Detector
 from security.pii_terms import TermMatcher
@@ -40,13 +41,17 @@ class Scanner:
 
     def scan(self, text: str, start: int = 0, final: bool = True) -> tuple[list[Hit], int]:
         norm = normalize(text)
-        nstart = _to_normalized(norm, start)
+        nstart = norm.to_normalized(start)
         hits: list[Hit] = []
         nhold = len(norm.text)
+        zones = _Zones(norm, nstart) if final else None
         for rank, det in enumerate(self.detectors):
-            if final and not det.may_occur(norm.text, nstart):  # (a tail may hold the start of what it needs)
-                continue
-            found, h = _detect(det, norm.text, nstart, final)
+            if zones is not None and det.zone is not None:
+                found, h = [], len(norm.text)
+                for a, b in zones.around(det):
+                    found += _detect(det, norm.text, a, True, b)[0]
+            else:  # a stream's tail is short: all of it, with partial matching
+                found, h = _detect(det, norm.text, nstart, final)
             nhold = min(nhold, h)
             hits.extend(Hit(*norm.span(s, e), det.name, rank, det.label) for s, e in found)
         base = len(self.detectors)
@@ -58,19 +63,48 @@ class Scanner:
         return hits, hold
 
 
-def _to_normalized(norm: Normalized, start: int) -> int:
-    """The first normalised index whose character comes from original index >= start."""
-    if norm.origin is None or start == 0:
-        return start
-    return bisect.bisect_left(norm.origin, start, 0, len(norm.text))
+class _Zones:
+    """The runs of digits and the "@"s of one text, found once (numpy), and the zones around them (plain Python:
+    a prompt has a handful of runs, and numpy's per-call cost would dominate)."""
+
+    def __init__(self, norm: Normalized, start: int) -> None:
+        self.text, self.start = norm.text, start
+        cps = norm.cps
+        digit = np.zeros(len(cps) + 2, dtype=np.int8)
+        digit[1:-1] = (cps >= 48) & (cps <= 57)
+        edges = np.diff(digit)
+        self.runs = list(zip(np.flatnonzero(edges == 1).tolist(), np.flatnonzero(edges == -1).tolist()))
+        self.ats = [(i, i + 1) for i in np.flatnonzero(cps == 64).tolist()] if "@" in self.text else []
+        self._merged: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
+
+    def around(self, det: Detector) -> list[tuple[int, int]]:
+        zone = det.zone
+        assert zone is not None
+        key = (zone.min_digits, zone.before, zone.after)
+        merged = self._merged.get(key)
+        if merged is None:  # detectors with the same zone shape share it
+            anchors = [r for r in self.runs if r[1] - r[0] >= zone.min_digits] if zone.min_digits else self.ats
+            merged = []
+            for s, _ in anchors:
+                lo, hi = max(self.start, s - zone.before), min(len(self.text), s + zone.after)
+                if merged and lo <= merged[-1][1]:
+                    merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+                else:
+                    merged.append((lo, hi))
+            self._merged[key] = merged
+        n = len(self.text)
+        # never end a zone inside a run the pattern's lookahead looks at
+        return [(a, b if b >= n else det.tail.match(self.text, b).end()) for a, b in merged]  # type: ignore[union-attr]
 
 
-def _detect(det: Detector, text: str, start: int, final: bool) -> tuple[list[tuple[int, int]], int]:
-    """Validated matches of one detector in text[start:], and where its undecided tail begins."""
+def _detect(
+    det: Detector, text: str, start: int, final: bool, end: int | None = None
+) -> tuple[list[tuple[int, int]], int]:
+    """Validated matches of one detector in text[start:end], and where its undecided tail begins."""
     found: list[tuple[int, int]] = []
-    core = "id" if "id" in det.pattern.groupindex else 0  # a pattern may match more than the identifier
+    core = det.core
     if final:
-        for m in det.pattern.finditer(text, start):
+        for m in det.pattern.finditer(text, start, len(text) if end is None else end):
             if det.validate(m.group(core)):
                 found.append(m.span(core))
         return found, len(text)

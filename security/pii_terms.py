@@ -16,14 +16,14 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import sys
 import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 
 import ahocorasick
+import numpy as np
 
-from security.pii_text import Normalized
+from security.pii_text import Normalized, codes, normalize
 
 log = logging.getLogger(__name__)
 
@@ -33,18 +33,21 @@ MAX_FILE_BYTES = 64 << 20
 
 
 @functools.cache
-def ignored() -> dict[int, None]:
-    """The deletion table (built once, when the first list loads: a pass over every code point)."""
-    return {
-        cp: None
-        for cp in range(sys.maxunicode + 1)
-        if unicodedata.category(chr(cp))[0] in "ZP" or unicodedata.category(chr(cp)) in ("Cc", "Cf")
-    }
+def ignored() -> np.ndarray:
+    """table[cp]: deleted before matching (categories Z*, P*, Cc, Cf); built once, when the first list loads.
+    Planes 0-1 and 14 (the tag characters) hold every such code point."""
+    table = np.zeros(0x110000, dtype=bool)
+    for cp in (*range(0x20000), *range(0xE0000, 0xE0080)):
+        cat = unicodedata.category(chr(cp))
+        if cat[0] in "ZP" or cat in ("Cc", "Cf"):
+            table[cp] = True
+    return table
 
 
 def fold(normalized: str) -> str:
     """NFKC text → what terms are matched on: ignored characters deleted, case folded."""
-    return normalized.translate(ignored()).casefold()
+    cps = codes(normalized)
+    return cps[~ignored()[cps]].tobytes().decode("utf-32-le", "surrogatepass").casefold()
 
 
 @dataclass(frozen=True)
@@ -61,7 +64,7 @@ class TermMatcher:
         self.count = 0
         self.longest = 0
         for term in terms:
-            key = fold(unicodedata.normalize("NFKC", term))
+            key = fold(normalize(term).text)
             if not key or len(key) > MAX_TERM_CHARS:
                 continue
             if self.automaton.add_word(key, len(key)):
@@ -75,9 +78,12 @@ class TermMatcher:
         longest tail that is still the beginning of a term (len(text) when `final`)."""
         text = norm.text
         hold = len(text)
-        if not self.count:
+        if not self.count or start >= len(text):
             return [], hold
-        folded = fold(text[start:])
+        cps = norm.cps[start:]
+        kept = np.flatnonzero(~ignored()[cps])
+        stripped = cps[kept].tobytes().decode("utf-32-le", "surrogatepass")
+        folded = stripped.casefold()
         found = list(self.automaton.iter(folded)) if folded else []
         tail = 0
         if not final:
@@ -87,23 +93,18 @@ class TermMatcher:
                     break
         if not found and not tail:
             return [], hold
-        where = _positions(text, start, len(folded))
+        where = (kept + start).tolist() if len(folded) == len(stripped) else _positions(stripped, kept, start)
         hits = [TermHit(where[end - n + 1], where[end] + 1) for end, n in found]
         if tail:
             hold = where[len(folded) - tail]
         return hits, hold
 
 
-def _positions(text: str, start: int, folded_len: int) -> list[int]:
-    """For each folded character, the index in `text` of the character it came from (hits only: a Python loop)."""
+def _positions(stripped: str, kept: np.ndarray, start: int) -> list[int]:
+    """Where each folded character came from when case folding changed lengths (ß → ss): a Python loop."""
     out: list[int] = []
-    table = ignored()
-    for i in range(start, len(text)):
-        ch = text[i]
-        if ord(ch) in table:
-            continue
-        out.extend([i] * len(ch.casefold()))
-    assert len(out) == folded_len, "fold() and _positions() disagree"
+    for ch, i in zip(stripped, kept.tolist()):
+        out.extend([i + start] * len(ch.casefold()))
     return out
 
 

@@ -151,3 +151,38 @@ def test_random_short_digit_runs_are_nothing() -> None:
         n = rng.choice([3, 4, 5, 6, 8, 9, 10])
         run = rng.choice("23456789") + "".join(rng.choice("0123456789") for _ in range(n - 1))
         assert found(f"金额{run}元") == [], run
+
+
+def test_searching_only_the_zones_finds_what_searching_everything_finds() -> None:
+    """The scanner searches around digit runs and "@"s only; on mixed text it must agree with a full search."""
+    from security.pii_text import normalize
+
+    rng = random.Random(7)
+    pieces = [
+        lambda: gen.card(rng, rng.randint(16, 19)),
+        lambda: gen.grouped(gen.card(rng), rng.choice(" -")),
+        lambda: gen.id18(rng),
+        lambda: gen.id15(rng),
+        lambda: gen.uscc(rng),
+        lambda: "+86 " + gen.mobile(rng),
+        lambda: "(010)62345678",
+        lambda: "a.b-c@ex-ample.com.cn",
+        lambda: "E12345678",
+        lambda: "192.168.1.1.5",
+        lambda: "10.0.0.1",
+        lambda: gen.luhn_invalid(rng, 17),
+        lambda: str(rng.randrange(10**6)),
+        lambda: rng.choice(["，", "。", " ", "abc", "客户", "-", "@", ".", "x" * 30, "1" * 40]),
+    ]
+    for _ in range(300):
+        text = "".join(rng.choice(pieces)() for _ in range(rng.randint(1, 12)))
+        text = gen.fullwidth(text) if rng.random() < 0.2 else text
+        norm = normalize(text)
+        expected = set()
+        for rank, det in enumerate(SCANNER.detectors):
+            core = "id" if "id" in det.pattern.groupindex else 0
+            for m in det.pattern.finditer(norm.text):
+                if det.validate(m.group(core)):
+                    expected.add((*norm.span(*m.span(core)), det.name, rank))
+        got = {(h.start, h.end, h.policy, h.rank) for h in SCANNER.scan(text)[0]}
+        assert got == expected, text
