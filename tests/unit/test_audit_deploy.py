@@ -55,6 +55,7 @@ def test_template_maps_every_field_an_event_can_carry() -> None:
         error_type="none",
         phase="close",
         content=content_fields("full", "p", "r"),
+        policy_hits=[{"direction": "prompt", "policy": "bank_card", "action": "mask", "count": 2}],
     ).to_dict()
     cut = AuditEvent(request_id="r", action="chat", model="m" * 300).to_dict()
     assert cut["tianmen"]["truncated"]
@@ -66,7 +67,11 @@ def test_template_maps_every_field_an_event_can_carry() -> None:
     def leaves(d: dict[str, Any], prefix: str = "") -> set[str]:
         out: set[str] = set()
         for k, v in d.items():
-            out |= leaves(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k}
+            if isinstance(v, list) and v and all(isinstance(x, dict) for x in v):  # a list of objects
+                for x in v:
+                    out |= leaves(x, f"{prefix}{k}.")
+            else:
+                out |= leaves(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k}
         return out
 
     assert leaves(record) | leaves(checkpoint) | leaves(stub) <= FIELDS
@@ -110,6 +115,7 @@ def test_data_view_matches_the_template_and_every_field_exists() -> None:
             used |= set(re.findall(r"([\w@.]+)\s*:", json.loads(meta)["query"]["query"]))
     assert used - FIELDS == set()
     assert {"event.outcome", "error.type", "organization.id", "tianmen.model", "user.id", "event.duration"} <= used
+    assert {"tianmen.policy.fired", "tianmen.policy.actions", "tianmen.policy.count"} <= used  # hits by tenant
 
 
 def test_kibana_shows_one_event_per_request() -> None:

@@ -76,3 +76,19 @@ def test_content_lands_in_the_document_but_never_in_repr() -> None:
     event = AuditEvent("r", "a", content=content_fields("full", "secret prompt", "secret answer"))
     assert event.to_dict()["tianmen"]["response"]["text"] == "secret answer"
     assert "secret" not in repr(event)
+
+
+def test_policy_hits_are_counts_never_text() -> None:
+    hits = [
+        {"direction": "prompt", "policy": "id_card", "action": "tokenize", "count": 1},
+        {"direction": "completion", "policy": "bank_card", "action": "mask", "count": 2},
+        {"direction": "prompt", "policy": "bank_card", "action": "mask", "count": 3},
+    ]
+    doc = AuditEvent(request_id="r", action="chat", policy_hits=hits).to_dict()
+    assert doc["tianmen"]["policy"] == {
+        "hits": sorted(hits, key=lambda h: (h["direction"], h["policy"])),
+        "fired": ["bank_card", "id_card"],
+        "actions": ["mask", "tokenize"],
+        "count": 6,
+    }
+    assert "policy" not in AuditEvent(request_id="r", action="chat").to_dict()["tianmen"]
