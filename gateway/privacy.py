@@ -190,12 +190,21 @@ class CompletionGuard:
         self.filters = [StreamFilter(session.completion_scanner, session.policy.completion) for _ in range(n)]
         self.restorers = [Restorer(session.vault) for _ in range(n)]
         self.ended = [False] * n
+        # only audit (the default): the text is counted, never held back; the stream is what it was without us
+        self.passthrough = not session.policy.completion.transforms
 
     def apply(self, ready: list[tuple[int, RequestOutput]]) -> list[tuple[int, RequestOutput]]:
         return [(i, self._one(i, out)) for i, out in ready]
 
     def _one(self, i: int, out: RequestOutput) -> RequestOutput:
         f, restorer = self.filters[i], self.restorers[i]
+        if self.passthrough:
+            f.feed(out.new_text)  # counts what fired; what it holds back is only for the count
+            if out.finished:
+                f.finish()
+            self.session.record("completion", f.take_fired())
+            text = restorer.feed(out.new_text) + (restorer.finish() if out.finished else "")
+            return out if text == out.new_text else replace(out, new_text=text)
         if self.ended[i]:  # blocked before: count its tokens, send nothing
             return replace(out, new_text="", finish_reason=None, logprobs=None, stop_reason=None)
         text = f.feed(out.new_text)
@@ -225,4 +234,6 @@ class CompletionGuard:
 
     def audit_text(self) -> str:
         """What the trail may keep of the answers: rewritten, placeholders not restored."""
+        if self.passthrough:  # the text is the model's: what was counted, and what a cut stream left uncounted
+            return "".join(f.text + f.pending for f in self.filters)
         return "".join(f.text for f in self.filters)

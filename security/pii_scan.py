@@ -63,9 +63,15 @@ class Scanner:
         return hits, hold
 
 
+MANY_ZONES = 64  # beyond this many zones one pass over the whole text costs fewer calls than a pass per zone
+
+
 class _Zones:
-    """The runs of digits and the "@"s of one text, found once (numpy), and the zones around them (plain Python:
-    a prompt has a handful of runs, and numpy's per-call cost would dominate)."""
+    """The runs of digits and the "@"s of one text, found once (numpy), and each zone shape's merged zones.
+
+    Few anchors (the usual prompt): plain Python, numpy's per-call cost would dominate. Many (a text made of
+    numbers, an adversary's "1 1 1 …"): vectorised, and past MANY_ZONES the whole text is one zone, so the cost
+    stays linear in the text with a small constant whatever it holds."""
 
     def __init__(self, norm: Normalized, start: int) -> None:
         self.text, self.start = norm.text, start
@@ -73,9 +79,29 @@ class _Zones:
         digit = np.zeros(len(cps) + 2, dtype=np.int8)
         digit[1:-1] = (cps >= 48) & (cps <= 57)
         edges = np.diff(digit)
-        self.runs = list(zip(np.flatnonzero(edges == 1).tolist(), np.flatnonzero(edges == -1).tolist()))
-        self.ats = [(i, i + 1) for i in np.flatnonzero(cps == 64).tolist()] if "@" in self.text else []
+        self.run_start, self.run_end = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+        self.ats = np.flatnonzero(cps == 64) if "@" in self.text else np.zeros(0, dtype=np.int64)
         self._merged: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
+
+    def _merge(self, anchors: np.ndarray, before: int, after: int) -> list[tuple[int, int]]:
+        n = len(self.text)
+        if len(anchors) <= MANY_ZONES:
+            merged: list[tuple[int, int]] = []
+            for s in anchors.tolist():
+                lo, hi = max(self.start, s - before), min(n, s + after)
+                if merged and lo <= merged[-1][1]:
+                    merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+                else:
+                    merged.append((lo, hi))
+            return merged
+        lo = np.maximum(anchors - before, self.start)
+        hi = np.maximum.accumulate(np.minimum(anchors + after, n))
+        breaks = np.flatnonzero(lo[1:] > hi[:-1])
+        if len(breaks) >= MANY_ZONES:
+            return [(max(self.start, int(lo[0])), n)]
+        starts = lo[np.concatenate(([0], breaks + 1))].tolist()
+        ends = hi[np.concatenate((breaks, [len(hi) - 1]))].tolist()
+        return list(zip(starts, ends))
 
     def around(self, det: Detector) -> list[tuple[int, int]]:
         zone = det.zone
@@ -83,15 +109,11 @@ class _Zones:
         key = (zone.min_digits, zone.before, zone.after)
         merged = self._merged.get(key)
         if merged is None:  # detectors with the same zone shape share it
-            anchors = [r for r in self.runs if r[1] - r[0] >= zone.min_digits] if zone.min_digits else self.ats
-            merged = []
-            for s, _ in anchors:
-                lo, hi = max(self.start, s - zone.before), min(len(self.text), s + zone.after)
-                if merged and lo <= merged[-1][1]:
-                    merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
-                else:
-                    merged.append((lo, hi))
-            self._merged[key] = merged
+            if zone.min_digits:
+                anchors = self.run_start[(self.run_end - self.run_start) >= zone.min_digits]
+            else:
+                anchors = self.ats
+            merged = self._merged[key] = self._merge(anchors, zone.before, zone.after)
         n = len(self.text)
         # never end a zone inside a run the pattern's lookahead looks at
         return [(a, b if b >= n else det.tail.match(self.text, b).end()) for a, b in merged]  # type: ignore[union-attr]

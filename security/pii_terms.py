@@ -94,10 +94,30 @@ class TermMatcher:
         if not found and not tail:
             return [], hold
         where = (kept + start).tolist() if len(folded) == len(stripped) else _positions(stripped, kept, start)
-        hits = [TermHit(where[end - n + 1], where[end] + 1) for end, n in found]
+        hits = [TermHit(where[s], where[e] + 1) for s, e in _union(found)]
         if tail:
             hold = where[len(folded) - tail]
         return hits, hold
+
+
+def _union(found: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Overlapping occurrences as one span (folded offsets, end inclusive): a text can hold a term at every
+    position ("aaaa…" and the term "aaaa"); the spans stay few, one per region to hide. The automaton reports
+    by end position, so a stack merges them in one pass."""
+    spans: list[list[int]] = []
+    for end, n in found:
+        s = end - n + 1
+        if spans and s <= spans[-1][1]:
+            last = spans[-1]
+            last[1] = end  # ends only grow
+            if s < last[0]:  # a longer term reaching back over earlier spans
+                while len(spans) > 1 and s <= spans[-2][1]:
+                    spans.pop()
+                    spans[-1][1] = end
+                spans[-1][0] = min(s, spans[-1][0])
+        else:
+            spans.append([s, end])
+    return [(a, b) for a, b in spans]
 
 
 def _positions(stripped: str, kept: np.ndarray, start: int) -> list[int]:

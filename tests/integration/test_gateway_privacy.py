@@ -36,6 +36,10 @@ completion = {{ bank_card = "mask" }}
 [privacy.tenants.strict]
 prompt = {{ bank_card = "block" }}
 completion = {{ bank_card = "block" }}
+
+[privacy.tenants.watch]
+prompt = {{ "*" = "audit" }}
+completion = {{ "*" = "audit" }}
 """
 
 
@@ -231,6 +235,22 @@ def test_completion_is_masked_streamed_or_not_identically(gw: RunningGateway, es
         {"direction": "completion", "policy": "bank_card", "action": "mask", "count": 1}
     ]
     assert ev["tianmen"]["response"]["text"] == "000000******0000"
+
+
+def test_audit_only_changes_nothing_in_the_stream_and_counts(gw: RunningGateway, es: EsServer) -> None:
+    c = client(gw, tenant="watch")
+    extra = zeros_body(gw)
+    raw = c.completions.with_raw_response.create(
+        model=gw.model, prompt=f"卡号{CARD}", stream=True, extra_body={"ignore_eos": True}, **extra_args(extra)
+    )
+    texts = [ch.choices[0].text for ch in raw.parse() if ch.choices]
+    assert texts[:16] == ["0"] * 16  # one chunk per token, as without a policy: nothing held back
+    rid = raw.headers["x-request-id"]
+    ev = audit_events(es, [rid])[rid]
+    assert sorted(ev["tianmen"]["policy"]["hits"], key=lambda h: h["direction"]) == [
+        {"direction": "completion", "policy": "bank_card", "action": "audit", "count": 1},
+        {"direction": "prompt", "policy": "bank_card", "action": "audit", "count": 1},
+    ]
 
 
 def test_completion_block_ends_the_stream_with_content_filter(gw: RunningGateway, es: EsServer) -> None:
