@@ -82,3 +82,10 @@ def test_unreadable_file_at_start_is_refused_without_its_content(tmp_path: Path)
     with pytest.raises(TermListError, match="not UTF-8") as e:
         TermList("x", bad)
     assert "秘密" not in str(e.value)
+
+
+def test_overlapping_occurrences_become_one_span_each_region() -> None:
+    m = TermMatcher(["aaaa", "内部", "部代号"])
+    assert terms_in(m, "a" * 5000) == ["a" * 5000]  # every position holds the term: one span, not 4,997 hits
+    assert terms_in(m, "x内部代号y内部z") == ["内部代号", "内部"]
+    assert terms_in(m, "aaa-a b aaaa") == ["aaa-a", "aaaa"]  # ignored characters join what they separate
