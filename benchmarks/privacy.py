@@ -7,6 +7,9 @@ an ID, a mobile number and an e-mail address in it) goes through `PrivacySession
 and a term list of 10,000 terms: the policy object built per request, detection, masking, the new body. Rows:
 every policy `audit` (the default: detect and count), and `mask`.
 
+Adversarial (--adversarial): one scan of 1 MiB texts built to be expensive ("1 1 1 …", "@@@…", a term that
+overlaps itself at every position, 1 MiB of valid card numbers), every detector and a term list on.
+
 Stream: an answer of about 2,000 characters fed to the completion filter in chunks of 1-6 characters (about a
 token each), every detector and the term list on, `mask`. Per chunk: the filter's CPU time, and the hold-back
 delay: for each character, how many chunks after its own it was released (0: in the chunk it came in).
@@ -118,6 +121,23 @@ def bench_stream(settings: PrivacySettings, text: str, rng: random.Random, runs:
     }
 
 
+def bench_adversarial() -> None:
+    from security.pii_detectors import detectors
+    from security.pii_scan import Scanner
+    from security.pii_terms import TermMatcher
+
+    scanner = Scanner(detectors(), [("t", TermMatcher([f"词{i}" for i in range(1000)] + ["a" * 10]))])
+    scanner.scan("１@ a 1")  # builds the NFKC and folding tables once
+    print("| 1 MiB of | scan s | hits |")
+    print("|---|---|---|")
+    cases = ["1 ", "@", "1.", "a@", "a" * 60 + "@", "x123456789012345678901234567890", "6222021234567894 ", "客户"]
+    for unit in cases:
+        text = unit * ((1 << 20) // len(unit))
+        t = time.perf_counter()
+        hits, _ = scanner.scan(text)
+        print(f"| `{unit[:20]}`… | {time.perf_counter() - t:.3f} | {len(hits)} |")
+
+
 def cpu() -> str:
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
@@ -132,7 +152,12 @@ def main() -> None:
     ap.add_argument("--terms", type=int, default=10_000)
     ap.add_argument("--chars", type=int, default=2000)
     ap.add_argument("--stream-runs", type=int, default=20)
+    ap.add_argument("--adversarial", action="store_true", help="only the 1 MiB adversarial scans")
     args = ap.parse_args()
+    if args.adversarial:
+        print(f"CPU: {cpu()}; Python {platform.python_version()}")
+        bench_adversarial()
+        return
     rng = random.Random(0)
     text = prompt_text(rng, args.chars)
     print(f"CPU: {cpu()}; Python {platform.python_version()}; {args.chars}-character prompt, {args.terms} terms")
