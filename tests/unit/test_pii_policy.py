@@ -122,3 +122,23 @@ def test_tokenize_gives_each_value_one_placeholder() -> None:
     r = redact(text, scanner.scan(text)[0], pol, vault)
     assert r.text == "卡[CARD_1]和卡[CARD_2]，再说一遍[CARD_1]"
     assert vault.restore(r.text) == text and dict(r.fired) == {("bank_card", "tokenize"): 3}
+
+
+def test_the_documented_examples_are_valid_configs(tmp_path: Path) -> None:
+    """Every ```toml block of README.md and docs/PRIVACY.md with a [privacy] table builds (term files stubbed)."""
+    import re
+
+    root = Path(__file__).resolve().parents[2]
+    terms = tmp_path / "terms.txt"
+    terms.write_text("内部代号\n", encoding="utf-8")
+    blocks = []
+    for doc in ("README.md", "docs/PRIVACY.md"):
+        text = (root / doc).read_text(encoding="utf-8")
+        blocks += [b for b in re.findall(r"```toml\n(.*?)```", text, re.S) if "[privacy" in b]
+    assert len(blocks) >= 3
+    for block in blocks:
+        table = block[block.index("[privacy") :]  # the [privacy] tables are last in each block
+        config = tmp_path / "c.toml"
+        config.write_text(re.sub(r'"/etc/tianmen/terms.txt"', f'"{terms}"', table), encoding="utf-8")
+        privacy = build_privacy(load_settings(config, environ={}).privacy)
+        assert privacy.book.default.prompt.actions
