@@ -54,6 +54,7 @@ class AsyncEngine:
         self._profile_left, self._profile_path = 0, Path()
         self._thread = threading.Thread(target=self._run, name="tianmen-engine", daemon=True)
         self._thread.start()
+        core.on_failure(self._fail)  # a tensor-parallel rank died: fail now, whatever the step thread is doing
 
     @classmethod
     def from_config(
@@ -142,7 +143,7 @@ class AsyncEngine:
     async def abort(self, request_id: str) -> None:
         self._send("abort", request_id)
 
-    def stats(self) -> dict[str, float | int]:
+    def stats(self) -> dict[str, Any]:
         return self.core.stats()
 
     def profile(self, steps: int, trace_path: str | Path) -> None:
@@ -155,6 +156,15 @@ class AsyncEngine:
         self._stop = True
         self._wake.set()
         await asyncio.to_thread(self._thread.join, 30)
+        await asyncio.to_thread(self.core.close)
+
+    def _fail(self, error: BaseException) -> None:
+        """From any thread: the engine can serve nothing more; every waiting caller hears so at once."""
+        if self._dead is None:
+            self._dead = error
+        self._wake.set()
+        why = f"{_DEAD} ({error})"
+        self._deliver([(req_id, EngineDeadError(why)) for req_id in list(self._collectors)])
 
     def _send(self, kind: str, payload: Any) -> None:
         self._inbox.put((kind, payload))
@@ -204,7 +214,7 @@ class AsyncEngine:
     # ---- the engine thread --------------------------------------------------------------------------
     def _run(self) -> None:
         try:
-            while not self._stop:
+            while not self._stop and self._dead is None:
                 self._drain_inbox()
                 if not self._loop.has_unfinished():
                     self._wake.wait()
@@ -216,7 +226,8 @@ class AsyncEngine:
                 self._deliver([(out.req_id, out) for out in outputs])
         except BaseException as e:  # NOTE: every waiting caller must hear of it, or it would hang forever
             log.exception("an engine step failed; the engine is stopped")
-            self._dead = e  # set before the broadcast: generate() checks it after registering its collector
+            if self._dead is None:
+                self._dead = e  # set before the broadcast: generate() checks it after registering its collector
         why = _DEAD if self._dead is not None else _SHUT_DOWN
         self._deliver([(req_id, EngineDeadError(why)) for req_id in list(self._collectors)])
 

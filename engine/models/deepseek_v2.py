@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine.errors import ConfigError
 from engine.layers.linear import Linear
 from engine.layers.mla import MLAttention
 from engine.layers.mlp import GatedMLP
@@ -16,6 +17,7 @@ from engine.layers.moe import MoE, MoEGate
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding, rope_parameters, yarn_mscale
 from engine.models.decoder import DecoderLayer, DecoderModel, embedding
+from engine.parallel.group import Group, SingleGroup
 
 
 @dataclass(slots=True)
@@ -143,9 +145,12 @@ class DeepseekModel(DecoderModel):
 class DeepseekV2ForCausalLM(nn.Module):
     ignored_weights = ("rotary_emb.inv_freq",)
 
-    def __init__(self, hf_config: dict[str, Any]) -> None:
+    def __init__(self, hf_config: dict[str, Any], group: Group | None = None) -> None:
         super().__init__()
         a = self.args = DeepseekArgs.from_hf(hf_config)
+        self.group = group or SingleGroup()
+        if self.group.size > 1:
+            raise ConfigError("tensor_parallel_size > 1 is not implemented for DeepSeek models yet")
         # checkpoint name -> (our parameter name, shard); routed experts stay one module each (experts.N.*)
         self.packed_modules_mapping = {"gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
         if a.q_lora_rank:
