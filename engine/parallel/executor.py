@@ -23,13 +23,16 @@ import torch
 import torch.multiprocessing as mp
 
 from engine.config import EngineConfig
-from engine.errors import EngineDeadError, ModelLoadError
+from engine.errors import ConfigError, EngineDeadError, ModelLoadError
 from engine.loader import ModelFiles
 from engine.model_runner import ModelRunner
+from engine.models.registry import model_class
 from engine.outputs import ModelOutput, SchedulerOutput
 from engine.parallel import control
+from engine.parallel.group import Group
 from engine.parallel.launch import env_store, local_store, open_groups, torchrun_rank
 from engine.parallel.worker import WorkerSpec, rank_config, rank_stats, serve, spawned_main
+from engine.quant.spec import quant_spec
 
 log = logging.getLogger(__name__)
 POLL_S = 0.05
@@ -72,6 +75,7 @@ def make_executor(config: EngineConfig, files: ModelFiles, hf_config: dict[str, 
     process exits when rank 0 stops (SystemExit): the same command line starts every rank."""
     if config.tensor_parallel_size == 1:
         return LocalExecutor(ModelRunner(config, files, hf_config, max_model_len))
+    check_shardable(hf_config, config.tensor_parallel_size)
     rank = torchrun_rank()
     if rank is not None and rank != 0:
         world = config.tensor_parallel_size
@@ -80,6 +84,26 @@ def make_executor(config: EngineConfig, files: ModelFiles, hf_config: dict[str, 
         serve(store, rank, world, config, files, hf_config, max_model_len, ranks_here)
         raise SystemExit(0)
     return TensorParallelExecutor(config, files, hf_config, max_model_len)
+
+
+class _Shape(Group):
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.size = size
+
+
+def check_shardable(hf_config: dict[str, Any], size: int) -> None:
+    """ConfigError now, before any worker starts, if the model does not split over `size` ranks: the model is
+    built on the meta device (no memory), where its layers check their splits."""
+    if quant_spec(hf_config) is not None:
+        raise ConfigError("tensor_parallel_size > 1 does not load quantized checkpoints yet")
+    try:
+        with torch.device("meta"):
+            model_class(hf_config)(hf_config, _Shape(size))
+    except ConfigError:
+        raise
+    except (KeyError, TypeError, ValueError) as e:
+        raise ModelLoadError(f"config.json is missing or has a bad field: {e}") from None
 
 
 class TensorParallelExecutor:
