@@ -109,8 +109,6 @@ class EngineConfig:
             raise ConfigError(f"distributed_timeout_s must be > 0; got {self.distributed_timeout_s}")
         if self.data_parallel_size > 1:
             raise ConfigError("data_parallel_size > 1 is not implemented yet")
-        if self.enable_expert_parallel:
-            raise ConfigError("enable_expert_parallel is not implemented yet")
         if self.tensor_parallel_size > 1 and self.device.startswith("npu"):
             raise ConfigError("tensor_parallel_size > 1 on npu (HCCL) is not implemented yet")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:

@@ -161,6 +161,7 @@ def load_model(
     dtype: torch.dtype,
     bf16_storage: bool = False,
     group: Group | None = None,
+    expert_parallel: bool = False,
 ) -> nn.Module:
     """The model with its checkpoint loaded, in `dtype`; with a tensor-parallel `group`, this rank's part of it.
 
@@ -177,7 +178,7 @@ def load_model(
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = cls(hf_config, group)
+            model = cls(hf_config, group, expert_parallel)
     except ConfigError:
         raise
     except (KeyError, TypeError, ValueError) as e:

@@ -53,7 +53,15 @@ class ModelRunner:
         cpu = self.device.type == "cpu"
         compact = cpu and self.dtype == torch.float32 and config.compact_weights and config.cpu_kernels
         compact = compact and wbf16.kernel() is not None  # bf16 storage only where the bf16-weight kernel runs
-        self.model = load_model(files, hf_config, self.device, self.dtype, bf16_storage=compact, group=self.group)
+        self.model = load_model(
+            files,
+            hf_config,
+            self.device,
+            self.dtype,
+            bf16_storage=compact,
+            group=self.group,
+            expert_parallel=config.enable_expert_parallel,
+        )
         loaded = getattr(self.model, "quantization", "none")
         if config.quantization not in ("auto", loaded):
             raise ConfigError(f"quantization={config.quantization} but the checkpoint holds {loaded} weights")

@@ -45,10 +45,12 @@ def split(total: int, group: Group, what: str) -> tuple[int, int]:
     return group.rank * n, n
 
 
-def column_linear(in_features: int, out_features: int, bias: bool, group: Group, what: str = "") -> Linear:
+def column_linear(
+    in_features: int, out_features: int, bias: bool, group: Group, what: str = "", cls: type[Linear] = Linear
+) -> Linear:
     """This rank's rows of the output: y[:, rows] = x W[rows]^T (+ b[rows])."""
     start, n = split(out_features, group, what or f"the output size {out_features}")
-    lin = Linear(in_features, n, bias)
+    lin = cls(in_features, n, bias)
     if group.size > 1:
         lin.tp_slices = {"weight": Part(0, start, n), "bias": Part(0, start, n)}  # type: ignore[attr-defined]
     return lin

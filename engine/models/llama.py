@@ -124,7 +124,8 @@ class LlamaForCausalLM(nn.Module):
     }
     ignored_weights = ("rotary_emb.inv_freq",)
 
-    def __init__(self, hf_config: dict[str, Any], group: Group | None = None) -> None:
+    def __init__(self, hf_config: dict[str, Any], group: Group | None = None, expert_parallel: bool = False) -> None:
+        # expert_parallel: a dense model has no experts to spread
         super().__init__()
         a = self.args = LlamaArgs.from_hf(hf_config)
         self.group = group or SingleGroup()

@@ -75,7 +75,7 @@ def make_executor(config: EngineConfig, files: ModelFiles, hf_config: dict[str, 
     process exits when rank 0 stops (SystemExit): the same command line starts every rank."""
     if config.tensor_parallel_size == 1:
         return LocalExecutor(ModelRunner(config, files, hf_config, max_model_len))
-    check_shardable(hf_config, config.tensor_parallel_size)
+    check_shardable(hf_config, config.tensor_parallel_size, config.enable_expert_parallel)
     rank = torchrun_rank()
     if rank is not None and rank != 0:
         world = config.tensor_parallel_size
@@ -92,14 +92,14 @@ class _Shape(Group):
         self.size = size
 
 
-def check_shardable(hf_config: dict[str, Any], size: int) -> None:
+def check_shardable(hf_config: dict[str, Any], size: int, expert_parallel: bool) -> None:
     """ConfigError now, before any worker starts, if the model does not split over `size` ranks: the model is
     built on the meta device (no memory), where its layers check their splits."""
     if quant_spec(hf_config) is not None:
         raise ConfigError("tensor_parallel_size > 1 does not load quantized checkpoints yet")
     try:
         with torch.device("meta"):
-            model_class(hf_config)(hf_config, _Shape(size))
+            model_class(hf_config)(hf_config, _Shape(size), expert_parallel)
     except ConfigError:
         raise
     except (KeyError, TypeError, ValueError) as e:
