@@ -6,7 +6,7 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -20,6 +20,9 @@ from engine.params import SamplingParams
 from engine.request import Request
 from engine.sampler import SamplerFn
 from engine.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from engine.data_parallel import DataParallelEngine
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +62,13 @@ class AsyncEngine:
     @classmethod
     def from_config(
         cls, config: EngineConfig, files: ModelFiles | None = None, sampler: SamplerFn | None = None
-    ) -> AsyncEngine:
+    ) -> AsyncEngine | DataParallelEngine:
+        """The engine `config` asks for: with data_parallel_size > 1, a front over that many replicas with the
+        same surface (engine.data_parallel)."""
+        if config.data_parallel_size > 1:
+            from engine.data_parallel import DataParallelEngine  # it builds on this module
+
+            return DataParallelEngine.from_config(config, files, sampler)
         core = EngineCore(config, files, sampler)
         return cls(core, Tokenizer.from_files(core.files.read))
 
@@ -71,6 +80,11 @@ class AsyncEngine:
     @property
     def ready(self) -> bool:
         return self.healthy and not self._stop
+
+    @property
+    def num_active(self) -> int:
+        """Requests between generate() and their end: the load a data-parallel front balances."""
+        return len(self._collectors)
 
     # ---- requests --------------------------------------------------------------------------------
     async def generate(

@@ -107,8 +107,6 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be an integer >= 1; got {getattr(self, name)!r}")
         if not self.distributed_timeout_s > 0:
             raise ConfigError(f"distributed_timeout_s must be > 0; got {self.distributed_timeout_s}")
-        if self.data_parallel_size > 1:
-            raise ConfigError("data_parallel_size > 1 is not implemented yet")
         if self.tensor_parallel_size > 1 and self.device.startswith("npu"):
             raise ConfigError("tensor_parallel_size > 1 on npu (HCCL) is not implemented yet")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:

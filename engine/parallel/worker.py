@@ -48,8 +48,8 @@ def rank_config(config: EngineConfig, rank: int, ranks_here: int) -> EngineConfi
     """A rank's own settings: its device (cuda:LOCAL_RANK) and, on CPU, its share of this machine's cores."""
     changes: dict[str, Any] = {}
     device = config.torch_device
-    if device.type == "cuda" and device.index is None:
-        changes["device"] = f"cuda:{local_rank(rank)}"
+    if device.type == "cuda":  # a data-parallel replica's ranks start at its first device (cuda:N)
+        changes["device"] = f"cuda:{(device.index or 0) + local_rank(rank)}"
     if device.type == "cpu" and config.num_threads is None and ranks_here > 1:
         changes["num_threads"] = max(1, len(os.sched_getaffinity(0)) // ranks_here)
     return dataclasses.replace(config, **changes) if changes else config
