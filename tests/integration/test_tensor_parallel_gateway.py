@@ -48,6 +48,14 @@ def _serve_then_kill(gw: RunningGateway, client: openai.OpenAI, verify: ssl.SSLC
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     served = client.chat.completions.create(model=gw.model, messages=messages, max_tokens=8)  # type: ignore[arg-type]
     assert served.usage is not None and served.usage.completion_tokens > 0
+    admin = {"Authorization": f"Bearer {gw.token(sub='prom', scopes=['admin'])}"}
+    with httpx.Client(base_url=gw.url, verify=verify, timeout=WAIT_S, headers=admin) as c:
+        _until(lambda: 'rank="1"' in c.get("/metrics").text, "rank 1's figures reach /metrics")
+        lines = c.get("/metrics").text.splitlines()
+    for rank in ("0", "1"):
+        for metric in ("tianmen:engine_steps_total", "tianmen:engine_comm_seconds_total"):
+            line = next(x for x in lines if x.startswith(metric) and f'rank="{rank}"' in x)
+            assert float(line.split()[-1]) > 0, line
 
     outcome: list[BaseException | object] = []
 
