@@ -13,6 +13,7 @@ import datetime
 import json
 import logging
 import os
+import pickle
 import threading
 import time
 from collections.abc import Callable
@@ -106,6 +107,18 @@ def check_shardable(hf_config: dict[str, Any], size: int, expert_parallel: bool)
         raise ModelLoadError(f"config.json is missing or has a bad field: {e}") from None
 
 
+def _check_portable(files: ModelFiles) -> None:
+    """Spawned workers open the model from a copy of `files`: one that cannot be copied is refused here, with a
+    message, not deep inside torch.multiprocessing."""
+    try:
+        pickle.dumps(files)
+    except Exception:
+        raise ConfigError(
+            f"tensor_parallel_size > 1 cannot hand these model files ({type(files).__name__}, e.g. a sealed model) "
+            "to the worker processes it starts; start the ranks with torchrun, where each opens the model itself"
+        ) from None
+
+
 class TensorParallelExecutor:
     def __init__(self, config: EngineConfig, files: ModelFiles, hf_config: dict[str, Any], max_model_len: int) -> None:
         world = self.world = config.tensor_parallel_size
@@ -119,6 +132,7 @@ class TensorParallelExecutor:
             self.store, _ = env_store(world, self.timeout)
             ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         else:
+            _check_portable(files)
             self.store = local_store(world, self.timeout)
             ranks_here = world
             ctx = mp.get_context("spawn")
