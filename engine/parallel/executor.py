@@ -9,6 +9,7 @@ meets the dead rank (gloo: its sockets close), or at the collective timeout for 
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import json
 import logging
@@ -16,6 +17,7 @@ import os
 import pickle
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from multiprocessing.connection import wait
 from typing import Any, Protocol
@@ -37,6 +39,15 @@ from engine.quant.spec import quant_spec
 
 log = logging.getLogger(__name__)
 POLL_S = 0.05
+_OPEN: weakref.WeakSet[TensorParallelExecutor] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open() -> None:
+    # NOTE: an engine nobody closed still stops its workers and drops its groups before the interpreter goes
+    # (multiprocessing's own exit handler, registered earlier, runs after this one)
+    for executor in list(_OPEN):
+        executor.close()
 
 
 class Executor(Protocol):
@@ -141,6 +152,7 @@ class TensorParallelExecutor:
                 p = ctx.Process(target=spawned_main, args=(spec,), name=f"tianmen-tp{rank}", daemon=True)
                 p.start()
                 self.procs.append(p)
+        _OPEN.add(self)
         self._watch_stop = threading.Event()
         self._watchdog = threading.Thread(target=self._watch, name="tianmen-tp-watchdog", daemon=True)
         self._watchdog.start()
