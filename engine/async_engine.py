@@ -8,7 +8,7 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -22,6 +22,9 @@ from engine.params import SamplingParams
 from engine.request import Request
 from engine.sampler import SamplerFn
 from engine.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from engine.data_parallel import DataParallelEngine
 
 log = logging.getLogger(__name__)
 
@@ -58,11 +61,18 @@ class AsyncEngine:
         self._profile_left, self._profile_path = 0, Path()
         self._thread = threading.Thread(target=self._run, name="tianmen-engine", daemon=True)
         self._thread.start()
+        core.on_failure(self._fail)  # a tensor-parallel rank died: fail now, whatever the step thread is doing
 
     @classmethod
     def from_config(
         cls, config: EngineConfig, files: ModelFiles | None = None, sampler: SamplerFn | None = None
-    ) -> AsyncEngine:
+    ) -> AsyncEngine | DataParallelEngine:
+        """The engine `config` asks for: with data_parallel_size > 1, a front over that many replicas with the
+        same surface (engine.data_parallel)."""
+        if config.data_parallel_size > 1:
+            from engine.data_parallel import DataParallelEngine  # it builds on this module
+
+            return DataParallelEngine.from_config(config, files, sampler)
         core = EngineCore(config, files, sampler)
         return cls(core, Tokenizer.from_files(core.files.read))
 
@@ -74,6 +84,11 @@ class AsyncEngine:
     @property
     def ready(self) -> bool:
         return self.healthy and not self._stop
+
+    @property
+    def num_active(self) -> int:
+        """Requests between generate() and their end: the load a data-parallel front balances."""
+        return len(self._collectors)
 
     # ---- requests --------------------------------------------------------------------------------
     async def generate(
@@ -165,7 +180,7 @@ class AsyncEngine:
     async def abort(self, request_id: str) -> None:
         self._send("abort", request_id)
 
-    def stats(self) -> dict[str, float | int]:
+    def stats(self) -> dict[str, Any]:
         return self.core.stats()
 
     def profile(self, steps: int, trace_path: str | Path) -> None:
@@ -178,6 +193,15 @@ class AsyncEngine:
         self._stop = True
         self._wake.set()
         await asyncio.to_thread(self._thread.join, 30)
+        await asyncio.to_thread(self.core.close)
+
+    def _fail(self, error: BaseException) -> None:
+        """From any thread: the engine can serve nothing more; every waiting caller hears so at once."""
+        if self._dead is None:
+            self._dead = error
+        self._wake.set()
+        why = f"{_DEAD} ({error})"
+        self._deliver([(req_id, EngineDeadError(why)) for req_id in list(self._collectors)])
 
     def _send(self, kind: str, payload: Any) -> None:
         self._inbox.put((kind, payload))
@@ -249,7 +273,7 @@ class AsyncEngine:
     # ---- the engine thread --------------------------------------------------------------------------
     def _run(self) -> None:
         try:
-            while not self._stop:
+            while not self._stop and self._dead is None:
                 self._drain_inbox()
                 if not self._loop.has_unfinished():
                     self._wake.wait()
@@ -261,7 +285,8 @@ class AsyncEngine:
                 self._deliver([(out.req_id, out) for out in outputs])
         except BaseException as e:  # NOTE: every waiting caller must hear of it, or it would hang forever
             log.exception("an engine step failed; the engine is stopped")
-            self._dead = e  # set before the broadcast: generate() checks it after registering its collector
+            if self._dead is None:
+                self._dead = e  # set before the broadcast: generate() checks it after registering its collector
         why = _DEAD if self._dead is not None else _SHUT_DOWN
         self._deliver([(req_id, EngineDeadError(why)) for req_id in [*self._collectors, *self._pins]])
 

@@ -57,6 +57,19 @@ class BlockManager:
             hashes.append(hashlib.sha256(parent + array("q", tokens[i * bs : (i + 1) * bs]).tobytes()).digest())
         return hashes
 
+    def cached_prefix_blocks(self, token_ids: Sequence[int], salt: str | None) -> int:
+        """How many leading full blocks of these tokens (for this tenant) the cache holds now; read-only, so a
+        data-parallel front may ask from another thread (a stale answer only routes less well)."""
+        if not self.enable_prefix_caching:
+            return 0
+        bs, parent, n = self.block_size, self._root(salt), 0
+        for i in range(len(token_ids) // bs):
+            parent = hashlib.sha256(parent + array("q", token_ids[i * bs : (i + 1) * bs]).tobytes()).digest()
+            if parent not in self.cached:
+                break
+            n += 1
+        return n
+
     def get_computed_blocks(self, req: Request) -> list[Block]:
         """Longest cached prefix of a request that has computed nothing yet, leaving >= 1 token to compute."""
         if not self.enable_prefix_caching or req.num_computed_tokens:

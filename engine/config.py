@@ -67,6 +67,14 @@ class EngineConfig:
     # what the checkpoint's quantization_config holds (engine.quant): auto takes it; none | w8a8 | w4a16 insist on
     # it (a checkpoint holding something else is refused). After loading: what was loaded, never auto
     quantization: str = "auto"
+    # tensor parallel: the model split over this many ranks (processes, one device each), which the engine starts
+    # itself (torch.multiprocessing) or finds started by torchrun (RANK / WORLD_SIZE in the environment)
+    tensor_parallel_size: int = 1
+    # DeepSeek MoE: routed experts spread whole over the tensor-parallel ranks instead of each split across them
+    enable_expert_parallel: bool = False
+    data_parallel_size: int = 1  # whole engine replicas behind one front; a request goes to one of them
+    # a collective that waits longer than this fails the engine (a hung rank); a dead rank fails it at once
+    distributed_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         self.model = Path(self.model)
@@ -96,6 +104,13 @@ class EngineConfig:
             raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {self.quantization!r}")
         if self.gemm_layouts < 1:
             raise ConfigError(f"gemm_layouts must be >= 1; got {self.gemm_layouts}")
+        for name in ("tensor_parallel_size", "data_parallel_size"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be an integer >= 1; got {getattr(self, name)!r}")
+        if not self.distributed_timeout_s > 0:
+            raise ConfigError(f"distributed_timeout_s must be > 0; got {self.distributed_timeout_s}")
+        if self.tensor_parallel_size > 1 and self.device.startswith("npu"):
+            raise ConfigError("tensor_parallel_size > 1 on npu (HCCL) is not implemented yet")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise ConfigError(f"kv_cache_bytes must be > 0; got {self.kv_cache_bytes}")
 

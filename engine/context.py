@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -32,19 +33,23 @@ class AttentionContext:
     decode_context_lens: torch.Tensor | None = None  # [D] int64: cached tokens per decode, this step's included
 
 
-_CONTEXT: AttentionContext | None = None
+class _Current(threading.local):
+    ctx: AttentionContext | None = None
+
+
+# NOTE: per thread: data-parallel replicas step their models at the same time, each in its own thread
+_CURRENT = _Current()
 
 
 def set_context(ctx: AttentionContext) -> None:
-    global _CONTEXT
-    _CONTEXT = ctx
+    _CURRENT.ctx = ctx
 
 
 def get_context() -> AttentionContext:
-    assert _CONTEXT is not None, "attention ran outside ModelRunner.execute"
-    return _CONTEXT
+    ctx = _CURRENT.ctx
+    assert ctx is not None, "attention ran outside ModelRunner.execute"
+    return ctx
 
 
 def reset_context() -> None:
-    global _CONTEXT
-    _CONTEXT = None
+    _CURRENT.ctx = None

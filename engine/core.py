@@ -1,13 +1,14 @@
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.errors import ConfigError, InvalidRequestError
 from engine.loader import DirectoryFiles, ModelFiles, eos_token_ids, read_json
-from engine.model_runner import ModelRunner
 from engine.outputs import EngineOutput
+from engine.parallel.executor import make_executor
 from engine.params import SamplingParams
 from engine.request import Request, check_prompt
 from engine.sampler import SamplerFn
@@ -28,7 +29,10 @@ def model_max_len(config: EngineConfig, hf_config: dict) -> int:
 
 
 class EngineCore:
-    """schedule → execute → update, synchronously, on token ids only. `sampler` replaces the runner's (tests)."""
+    """schedule → execute → update, synchronously, on token ids only. `sampler` replaces the runner's (tests).
+
+    With tensor_parallel_size > 1 the executor runs each step on every rank (engine.parallel); `close()` stops
+    those ranks. Under torchrun, constructing it on a rank other than 0 serves as that worker and exits."""
 
     def __init__(self, config: EngineConfig, files: ModelFiles | None = None, sampler: SamplerFn | None = None) -> None:
         self.config = config
@@ -38,7 +42,8 @@ class EngineCore:
         if config.max_num_batched_tokens < config.block_size:
             raise ConfigError("max_num_batched_tokens must be >= block_size")
         self.eos_token_ids = eos_token_ids(self.files, self.hf_config)
-        self.runner = ModelRunner(config, self.files, self.hf_config, self.max_model_len)
+        self.executor = make_executor(config, self.files, self.hf_config, self.max_model_len)
+        self.runner = self.executor.runner  # rank 0's
         if sampler is not None:
             self.runner.sampler = sampler  # type: ignore[assignment]
         self.vocab_size: int = self.runner.model.args.vocab_size  # the logits' width: every token id is below it
@@ -96,11 +101,26 @@ class EngineCore:
         sched = self.scheduler.schedule()
         if sched.empty:
             return []
-        return self.scheduler.update_from_output(sched, self.runner.execute(sched))
+        return self.scheduler.update_from_output(sched, self.executor.execute(sched))
 
-    def stats(self) -> dict[str, float | int]:
+    @property
+    def failure(self) -> BaseException | None:
+        """Why the engine can no longer run steps (a tensor-parallel rank died), or None."""
+        return self.executor.failure
+
+    def on_failure(self, callback: Callable[[BaseException], None]) -> None:
+        """Call `callback` (from any thread) the moment the engine fails outside a step, e.g. a rank dies."""
+        self.executor.on_failure(callback)
+
+    def close(self) -> None:
+        """Stop the other ranks, if any; the core runs no step after it."""
+        self.executor.close()
+
+    def stats(self) -> dict[str, Any]:
+        """Scheduler and cache figures; "ranks": per rank its steps, step and communication seconds (totals)."""
         s, bm = self.scheduler, self.block_manager
         return {
+            "ranks": self.executor.rank_stats(),
             "num_running": len(s.running),
             "num_waiting": len(s.waiting),
             "kv_blocks_total": bm.num_blocks,

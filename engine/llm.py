@@ -70,6 +70,16 @@ class LLM:
                     self._loop.abort(req_id)
         return list(results.values())
 
+    def close(self) -> None:
+        """Stop the tensor-parallel worker ranks, if any (they also end with this process)."""
+        self.core.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def chat(self, messages: list[dict], params: SamplingParams | None = None) -> Completion:
         if self.tokenizer is None:
             raise InvalidRequestError("this model has no tokenizer", param="messages")

@@ -13,8 +13,10 @@ from safetensors import safe_open
 from safetensors.torch import load as load_safetensors
 from torch import nn
 
-from engine.errors import ModelLoadError
+from engine.errors import ConfigError, ModelLoadError
+from engine.layers.parallel import Part
 from engine.models.registry import model_class
+from engine.parallel.group import Group, SingleGroup
 from engine.quant.modules import finish_loading, quantize_modules
 from engine.quant.spec import quant_spec
 
@@ -27,6 +29,50 @@ class ModelFiles(Protocol):
     def names(self) -> list[str]: ...
     def read(self, name: str) -> bytes: ...  # FileNotFoundError when absent
     def tensors(self, name: str) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+
+class LazyTensor(Protocol):
+    """A checkpoint tensor not read yet: a tensor-parallel rank reads only its part of it."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+    def full(self) -> torch.Tensor: ...
+    def part(self, dim: int, start: int, length: int) -> torch.Tensor: ...
+
+
+class _InMemory:
+    """A tensor already read whole (a sealed file decrypts into memory): parts are views of it."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.tensor.shape)
+
+    def full(self) -> torch.Tensor:
+        return self.tensor
+
+    def part(self, dim: int, start: int, length: int) -> torch.Tensor:
+        return self.tensor.narrow(dim, start, length)
+
+
+class _SafetensorsSlice:
+    """A tensor of an open safetensors file: `part` reads only the bytes of its rows (or columns)."""
+
+    def __init__(self, handle: Any, key: str) -> None:
+        self.handle, self.key = handle, key
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.handle.get_slice(self.key).get_shape())
+
+    def full(self) -> torch.Tensor:
+        return self.handle.get_tensor(self.key)
+
+    def part(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = (slice(None),) * dim + (slice(start, start + length),)
+        return self.handle.get_slice(self.key)[index]
 
 
 class DirectoryFiles:
@@ -47,6 +93,23 @@ class DirectoryFiles:
         with safe_open(self.path / name, framework="pt") as f:
             for key in f.keys():  # noqa: SIM118  # safe_open is not iterable
                 yield key, f.get_tensor(key)
+
+    def lazy_tensors(self, name: str) -> Iterator[tuple[str, LazyTensor]]:
+        """As tensors(), read on demand: valid while the iteration is at that tensor."""
+        with safe_open(self.path / name, framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118  # safe_open is not iterable
+                yield key, _SafetensorsSlice(f, key)
+
+
+def lazy_tensors(files: ModelFiles, name: str) -> Iterator[tuple[str, LazyTensor]]:
+    """A file's tensors read on demand where `files` can (DirectoryFiles), else read whole (sealed files: each
+    tensor-parallel rank decrypts the whole file, then keeps its parts)."""
+    lazy = getattr(files, "lazy_tensors", None)
+    if lazy is not None:
+        yield from lazy(name)
+        return
+    for key, tensor in files.tensors(name):
+        yield key, _InMemory(tensor)
 
 
 def tensors_from_bytes(data: bytes | bytearray | memoryview) -> Iterator[tuple[str, torch.Tensor]]:
@@ -92,34 +155,51 @@ def weight_files(files: ModelFiles) -> list[str]:
 
 
 def load_model(
-    files: ModelFiles, hf_config: dict[str, Any], device: torch.device, dtype: torch.dtype, bf16_storage: bool = False
+    files: ModelFiles,
+    hf_config: dict[str, Any],
+    device: torch.device,
+    dtype: torch.dtype,
+    bf16_storage: bool = False,
+    group: Group | None = None,
+    expert_parallel: bool = False,
 ) -> nn.Module:
-    """The model with its checkpoint loaded, in `dtype`.
+    """The model with its checkpoint loaded, in `dtype`; with a tensor-parallel `group`, this rank's part of it.
 
     bf16_storage (float32 math only): Linear and embedding weights start as bf16 and stay so where the
     checkpoint's tensor is bf16, for the bf16-weight kernel; others widen to float32 as they arrive. No float32
     copy of a bf16 checkpoint is ever made (measured: load peak 2.1 GiB instead of 3.1 for Qwen2-0.5B)."""
-    model = build_model(hf_config, device, dtype, bf16_storage)
+    model = build_model(hf_config, device, dtype, bf16_storage, group, expert_parallel)
     load_weights(model, files, widen_to=dtype)
     finish_loading(model, dtype)
     return model.eval()
 
 
 def build_model(
-    hf_config: dict[str, Any], device: torch.device, dtype: torch.dtype, bf16_storage: bool = False
+    hf_config: dict[str, Any],
+    device: torch.device,
+    dtype: torch.dtype,
+    bf16_storage: bool = False,
+    group: Group | None = None,
+    expert_parallel: bool = False,
 ) -> nn.Module:
     """The model's modules, weights not loaded; on the meta device it costs no memory (engine.memory sizes it)."""
     cls = model_class(hf_config)
+    group = group or SingleGroup()
+    spec = quant_spec(hf_config)  # checkpoint-format layers replace the linear layers it quantizes
+    if spec is not None and group.size > 1:
+        # NOTE: engine.quant's layers load whole tensors and know nothing of the parallel layouts
+        raise ConfigError(f"tensor_parallel_size > 1 does not load quantized ({spec.scheme}) checkpoints yet")
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = cls(hf_config)
+            model = cls(hf_config, group, expert_parallel)
+    except ConfigError:
+        raise
     except (KeyError, TypeError, ValueError) as e:
         raise ModelLoadError(f"config.json is missing or has a bad field: {e}") from None
     finally:
         torch.set_default_dtype(default_dtype)
-    spec = quant_spec(hf_config)  # checkpoint-format layers replace the linear layers it quantizes
     model.quantization = spec.scheme if spec is not None and quantize_modules(model, spec) else "none"
     if bf16_storage and dtype == torch.float32:
         _store_weights_as_bf16(model)
@@ -144,12 +224,16 @@ def load_weights(model: nn.Module, files: ModelFiles, widen_to: torch.dtype | No
     mapping: dict[str, tuple[str, str]] = getattr(model, "packed_modules_mapping", {})
     ignored: tuple[str, ...] = getattr(model, "ignored_weights", ())  # name suffixes
     ignored_prefixes: tuple[str, ...] = getattr(model, "ignored_prefixes", ())  # e.g. layers serving never runs
+    elsewhere = getattr(model, "held_elsewhere", None)  # expert parallel: another rank's experts
     loaded: set[str] = set()
     for fname in weight_files(files):
         try:
-            tensors = files.tensors(fname)
+            tensors = lazy_tensors(files, fname)
             for name, tensor in tensors:
                 if name.endswith(ignored) or name.startswith(ignored_prefixes):
+                    continue
+                if elsewhere is not None and elsewhere(name):
+                    loaded.add(name)
                     continue
                 _load_one(model, params, mapping, name, tensor, fname, widen_to)
                 loaded.add(name)
@@ -171,7 +255,7 @@ def _load_one(
     params: dict[str, nn.Parameter],
     mapping: dict[str, tuple[str, str]],
     name: str,
-    tensor: torch.Tensor,
+    lazy: LazyTensor,
     fname: str,
     widen_to: torch.dtype | None = None,
 ) -> None:
@@ -181,11 +265,13 @@ def _load_one(
             param = params.get(pname)
             if param is None:
                 break
-            _widen_if_needed(param, tensor, widen_to)
             module = model.get_submodule(pname.rsplit(".", 1)[0])
+            rows = getattr(module, "checkpoint_rows", lambda _: None)(shard)
             try:
+                tensor = lazy.full() if rows is None else lazy.part(0, *rows)
+                _widen_if_needed(param, tensor, widen_to)
                 module.load_shard(param, tensor, shard)  # type: ignore[operator]
-            except (AssertionError, RuntimeError) as e:
+            except (AssertionError, RuntimeError, ValueError) as e:
                 raise ModelLoadError(f"{fname}: weight {name} does not fit the model: {e}") from None
             return
     param = params.get(name)
@@ -193,10 +279,37 @@ def _load_one(
         if name == "lm_head.weight" and getattr(getattr(model, "args", None), "tie_word_embeddings", False):
             return  # a tied checkpoint that still stores the head
         raise ModelLoadError(f"{fname}: unexpected weight {name} (does config.json match the checkpoint?)")
-    if param.shape != tensor.shape:
-        raise ModelLoadError(f"{fname}: weight {name} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+    prefix, _, leaf = name.rpartition(".")
+    part: Part | None = getattr(model.get_submodule(prefix), "tp_slices", {}).get(leaf)
+    if part is None:
+        tensor = lazy.full()
+        if param.shape != tensor.shape:
+            raise ModelLoadError(
+                f"{fname}: weight {name} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
+            )
+        _widen_if_needed(param, tensor, widen_to)
+        param.data.copy_(tensor)
+        return
+    _load_part(param, lazy, part, name, fname, widen_to)
+
+
+def _load_part(
+    param: nn.Parameter, lazy: LazyTensor, part: Part, name: str, fname: str, widen_to: torch.dtype | None
+) -> None:
+    """A tensor-parallel rank's part of a checkpoint tensor; the parameter's rows past it are zero padding."""
+    if part.zero:
+        param.data.zero_()
+        return
+    shape = lazy.shape
+    fits = len(shape) == param.dim() and part.start + part.length <= shape[part.dim]
+    if not fits or any(shape[d] != param.shape[d] for d in range(param.dim()) if d != part.dim):
+        raise ModelLoadError(f"{fname}: weight {name} has shape {shape}, which does not fit this rank's part")
+    tensor = lazy.part(part.dim, part.start, part.length)
     _widen_if_needed(param, tensor, widen_to)
-    param.data.copy_(tensor)
+    param.data.narrow(part.dim, 0, part.length).copy_(tensor)
+    pad = param.shape[part.dim] - part.length
+    if pad:
+        param.data.narrow(part.dim, part.length, pad).zero_()
 
 
 def _widen_if_needed(param: nn.Parameter, tensor: torch.Tensor, widen_to: torch.dtype | None) -> None:

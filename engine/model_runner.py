@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from typing import Any
 
 import torch
@@ -17,6 +18,7 @@ from engine.kernels.op_choice import choose_kernels
 from engine.loader import ModelFiles, load_model
 from engine.malloc import keep_freed_memory
 from engine.outputs import ModelOutput, ScheduledSeq, SchedulerOutput
+from engine.parallel.group import Group, SingleGroup
 from engine.params import torch_seed
 from engine.sampler import Sampler
 
@@ -26,10 +28,22 @@ MAX_DEFAULT_KV_BYTES = 4 << 30
 
 
 class ModelRunner:
-    """Owns the model, its paged KV cache and the sampler; runs one SchedulerOutput per call."""
+    """Owns the model, its paged KV cache and the sampler; runs one SchedulerOutput per call.
 
-    def __init__(self, config: EngineConfig, files: ModelFiles, hf_config: dict[str, Any], max_model_len: int) -> None:
+    With a tensor-parallel `group`, this rank's part of the model and of the KV cache: every rank runs every step
+    (the same SchedulerOutput), and only rank 0 samples."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        files: ModelFiles,
+        hf_config: dict[str, Any],
+        max_model_len: int,
+        group: Group | None = None,
+    ) -> None:
         self.config = config
+        self.group = group or SingleGroup()
+        self.num_steps, self.step_seconds = 0, 0.0
         self.device, self.dtype = config.torch_device, config.torch_dtype
         if config.num_threads and self.device.type == "cpu":
             torch.set_num_threads(config.num_threads)
@@ -38,7 +52,15 @@ class ModelRunner:
         self.block_size = config.block_size
         cpu = self.device.type == "cpu"
         compact = bf16_weight_storage(config)
-        self.model = load_model(files, hf_config, self.device, self.dtype, bf16_storage=compact)
+        self.model = load_model(
+            files,
+            hf_config,
+            self.device,
+            self.dtype,
+            bf16_storage=compact,
+            group=self.group,
+            expert_parallel=config.enable_expert_parallel,
+        )
         loaded = getattr(self.model, "quantization", "none")
         if config.quantization not in ("auto", loaded):
             raise ConfigError(f"quantization={config.quantization} but the checkpoint holds {loaded} weights")
@@ -87,8 +109,16 @@ class ModelRunner:
         return bind_cpu_kernels(self.model, [self.sampler], kernels, selector, c.max_num_seqs)
 
     # ---- one step -----------------------------------------------------------------------------
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
+        t0 = time.perf_counter()
+        try:
+            return self._execute(sched)
+        finally:
+            self.num_steps += 1
+            self.step_seconds += time.perf_counter() - t0
+
+    @torch.inference_mode()
+    def _execute(self, sched: SchedulerOutput) -> ModelOutput:
         for req_id in sched.finished_req_ids:
             self.generators.pop(req_id, None)
         input_ids, positions, ctx, sample_rows = self._prepare(sched)
@@ -100,7 +130,10 @@ class ModelRunner:
         sampled = [s for s in sched.seqs if s.sample]
         if not sampled:
             return ModelOutput([], [])
-        return self._sample(sampled, self.model.compute_logits(hidden[sample_rows]))
+        logits = self.model.compute_logits(hidden[sample_rows])  # every rank: the vocabulary's all-gather
+        if self.group.rank != 0:
+            return ModelOutput([], [])
+        return self._sample(sampled, logits)
 
     def _sample(self, seqs: list[ScheduledSeq], logits: torch.Tensor) -> ModelOutput:
         """Sample every row at once; if that raises, row by row, so that only the rows that raise fail."""

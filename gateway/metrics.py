@@ -48,6 +48,7 @@ class _StatsCollector(Collector):
             for model, s in stats.items():
                 c.add_metric([model], float(s[key]))
             yield c
+        yield from _rank_metrics({model: s.get("ranks") or [] for model, s in stats.items()})
         if self.audit_stats is not None:
             a = self.audit_stats()
             for name, key, doc in (
@@ -61,6 +62,23 @@ class _StatsCollector(Collector):
             last = a.get("last_ship_time")
             lag.add_metric([], time.time() - float(last) if isinstance(last, (int, float)) else float("nan"))
             yield lag
+
+
+def _rank_metrics(ranks_by_model: Mapping[str, list[dict[str, Any]]]):  # type: ignore[no-untyped-def]
+    """Per engine rank (tensor-parallel rank, data-parallel replica): steps, and seconds stepping and in
+    collectives; a worker's figures are at most a second old, and absent until its first step."""
+    labels = ["model", "replica", "rank"]
+    for name, key, doc in (
+        ("tianmen:engine_steps", "steps", "Model steps run by this rank."),
+        ("tianmen:engine_step_seconds", "step_seconds", "Seconds this rank spent in model steps."),
+        ("tianmen:engine_comm_seconds", "comm_seconds", "Seconds of those in tensor-parallel collectives."),
+    ):
+        c = CounterMetricFamily(name, doc, labels=labels)
+        for model, ranks in ranks_by_model.items():
+            for r in ranks:
+                if key in r:
+                    c.add_metric([model, str(r.get("replica", 0)), str(r["rank"])], float(r[key]))
+        yield c
 
 
 class Metrics:

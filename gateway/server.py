@@ -13,6 +13,7 @@ import uvicorn
 from audit import Auditor
 from engine import AsyncEngine, DirectoryFiles, EngineConfig, EngineError, ModelFiles
 from engine.memory import MemoryPlan, available_bytes, format_bytes, plan_memory, resident_bytes
+from engine.parallel.launch import torchrun_rank
 from gateway.app import Deps, create_app
 from gateway.audit_hook import AuditHook, audit_config
 from gateway.auth_guard import FailedAuthLimiter
@@ -263,6 +264,8 @@ def connection_limits(settings: Settings) -> ConnectionLimits:
 
 
 def build_app_and_config(settings: Settings) -> tuple[uvicorn.Config, AsyncEngine]:
+    if torchrun_rank() not in (None, 0):  # torchrun: a rank other than 0 only runs its part of the model
+        build_engine(settings)  # serves as that rank until rank 0 stops, then exits (SystemExit)
     pki = ensure_dev_pki(settings.home) if needs_dev_pki(settings) else None
     verifier = build_verifier(settings, pki)
     ssl_kwargs = {} if settings.server.insecure_http else uvicorn_ssl_kwargs(tls_config(settings, pki))

@@ -99,6 +99,10 @@ class EngineSettings:
     gemm_path: str = "auto"  # auto: measured per weight shape on this CPU; onednn|torch|bf16mm|amxmm|wbf16 forces one
     gemm_layouts: int = 2  # at most this many packed copies of one weight
     seed: int = 0
+    tensor_parallel_size: int = 1  # ranks the model is split over (local worker processes, or torchrun's ranks)
+    enable_expert_parallel: bool = False  # DeepSeek MoE: routed experts spread over the ranks
+    data_parallel_size: int = 1  # engine replicas behind one front
+    distributed_timeout_s: float = 120.0  # a collective waiting longer fails the engine
     # sealed models: file:PATH | env:VAR | pkcs11:module=...;token=...;key=...;pin-file=...
     key_provider: str | None = None
     decrypt_threads: int | None = None

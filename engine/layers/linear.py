@@ -33,15 +33,30 @@ class Linear(nn.Module):
 
 
 class MergedLinear(Linear):
-    """Several projections of the same input stored as one matrix (q/k/v, gate/up): one GEMM instead of 2-3."""
+    """Several projections of the same input stored as one matrix (q/k/v, gate/up): one GEMM instead of 2-3.
 
-    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool = False) -> None:
+    `checkpoint_starts` (tensor parallel): where this rank's rows of each projection begin in the checkpoint's
+    tensor; the loader reads only those `shard_sizes[name]` rows."""
+
+    def __init__(
+        self,
+        in_features: int,
+        shard_sizes: dict[str, int],
+        bias: bool = False,
+        checkpoint_starts: dict[str, int] | None = None,
+    ) -> None:
         super().__init__(in_features, sum(shard_sizes.values()), bias)
+        self.checkpoint_starts = checkpoint_starts or {}
         self.shard_offsets: dict[str, tuple[int, int]] = {}
         offset = 0
         for name, size in shard_sizes.items():
             self.shard_offsets[name] = (offset, size)
             offset += size
+
+    def checkpoint_rows(self, shard: str) -> tuple[int, int] | None:
+        """The checkpoint rows (start, count) of `shard` this rank loads; None: the whole tensor."""
+        start = self.checkpoint_starts.get(shard)
+        return None if start is None else (start, self.shard_offsets[shard][1])
 
     def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard: str) -> None:
         offset, size = self.shard_offsets[shard]

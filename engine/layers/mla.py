@@ -9,7 +9,9 @@ from torch import nn
 from engine.context import PrefillMeta, get_context
 from engine.layers.linear import Linear, MergedLinear
 from engine.layers.norm import RMSNorm
+from engine.layers.parallel import column_linear, row_linear, split
 from engine.layers.rotary import apply_rotary, apply_rotary_interleaved
+from engine.parallel.group import Group, SingleGroup
 
 
 class _UnpackedLinear(Linear):
@@ -23,6 +25,10 @@ class MLAttention(nn.Module):
 
     Prefill up-projects the latents to per-head K/V (kv_b_proj) for SDPA. Decode never does: W_UK is absorbed
     into the query (q_nope W_UK scores against c directly) and W_UV is applied after attending over c.
+
+    Tensor parallel: each rank holds its heads of the query and KV up-projections (column-parallel) and of O
+    (row-parallel, one all-reduce); the latent projections are replicated, so every rank caches every token's
+    whole latent, as one rank alone would.
     """
 
     def __init__(
@@ -38,23 +44,27 @@ class MLAttention(nn.Module):
         scale: float,
         rope_interleave: bool,
         scratch: torch.Tensor | None = None,
+        group: Group | None = None,
     ) -> None:
         super().__init__()
+        g = self.group = group or SingleGroup()
+        all_heads, (_, num_heads) = num_heads, split(num_heads, g, "num_attention_heads")
         self.num_heads, self.q_lora_rank, self.kv_lora_rank = num_heads, q_lora_rank, kv_lora_rank
         self.nope, self.rope, self.v_dim, self.scale = qk_nope_head_dim, qk_rope_head_dim, v_head_dim, scale
         self.rotate = apply_rotary_interleaved if rope_interleave else apply_rotary
-        q_size, kv_a_size = num_heads * (qk_nope_head_dim + qk_rope_head_dim), kv_lora_rank + qk_rope_head_dim
+        q_size, kv_a_size = all_heads * (qk_nope_head_dim + qk_rope_head_dim), kv_lora_rank + qk_rope_head_dim
         # transformers builds both latent norms with its default eps, not rms_norm_eps
         if q_lora_rank:
             self.qkv_a_proj = MergedLinear(hidden_size, {"q_a": q_lora_rank, "kv_a": kv_a_size}, bias)
             self.q_a_layernorm = RMSNorm(q_lora_rank, 1e-6)
-            self.q_b_proj = Linear(q_lora_rank, q_size)
+            self.q_b_proj = column_linear(q_lora_rank, q_size, False, g)
         else:
-            self.q_proj = Linear(hidden_size, q_size)
+            self.q_proj = column_linear(hidden_size, q_size, False, g)
             self.kv_a_proj_with_mqa = Linear(hidden_size, kv_a_size, bias)
         self.kv_a_layernorm = RMSNorm(kv_lora_rank, 1e-6)
-        self.kv_b_proj = _UnpackedLinear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim))
-        self.o_proj = Linear(num_heads * v_head_dim, hidden_size, bias)
+        kv_b_size = all_heads * (qk_nope_head_dim + v_head_dim)
+        self.kv_b_proj = column_linear(kv_lora_rank, kv_b_size, False, g, cls=_UnpackedLinear)
+        self.o_proj = row_linear(all_heads * v_head_dim, hidden_size, bias, g)
         self.kv_cache = torch.empty(0)
         # NOTE: gathered cache rows land in one buffer the model's layers share (they run one at a time):
         # a fresh tensor per layer and step costs page faults once it outgrows malloc's mmap threshold
@@ -84,7 +94,7 @@ class MLAttention(nn.Module):
                 out[:nd] = self._decode(q_nope[:nd], q_pe[:nd], ctx.decode_block_tables, ctx.decode_mask)
             for p in ctx.prefills:
                 out[p.start : p.end] = self._prefill(q_nope[p.start : p.end], q_pe[p.start : p.end], latent, p)
-        return self.o_proj(out.flatten(1))
+        return self.group.all_reduce(self.o_proj(out.flatten(1)))
 
     def _decode(
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, block_tables: torch.Tensor, mask: torch.Tensor

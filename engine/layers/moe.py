@@ -1,4 +1,12 @@
-"""DeepSeekMoE: a router over routed experts plus always-on shared experts."""
+"""DeepSeekMoE: a router over routed experts plus always-on shared experts.
+
+Over several ranks the router is replicated (every rank routes every token alike) and the MoE's output is one
+all-reduce of partial outputs. Tensor parallel: every expert, shared ones included, holds a slice of its
+intermediate size. Expert parallel: each rank holds whole experts, a contiguous 1/ranks of them, and runs only
+the (token, expert) pairs routed to those; the shared experts are replicated and added once, by rank 0. The
+tokens are replicated across ranks already (attention's all-reduce), so no dispatch is needed before the experts:
+the all-reduce is the combine, the same one collective tensor parallel pays (benchmarks/parallel.py measures it).
+An all-to-all dispatch pays off only where attention is data parallel (tokens split over ranks), not built yet."""
 
 from __future__ import annotations
 
@@ -7,6 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.layers.mlp import GatedMLP
+from engine.layers.parallel import split
+from engine.parallel.group import Group, SingleGroup
 
 
 class MoEGate(nn.Module):
@@ -55,6 +65,10 @@ class MoEGate(nn.Module):
         return weights * self.routed_scaling_factor, ids
 
 
+class _Elsewhere(nn.Module):
+    """A routed expert that another expert-parallel rank holds: no weights here, never run here."""
+
+
 class MoE(nn.Module):
     def __init__(
         self,
@@ -64,17 +78,32 @@ class MoE(nn.Module):
         num_shared_experts: int,
         hidden_act: str,
         shared_bias: bool = False,
+        group: Group | None = None,
+        expert_parallel: bool = False,
     ) -> None:
         super().__init__()
-        self.gate = gate
-        num_experts = gate.weight.shape[0]
+        self.gate, g = gate, group or SingleGroup()
+        self.group = g
+        self.num_experts = gate.weight.shape[0]
+        ep = expert_parallel and g.size > 1
+        self.first, local = split(self.num_experts, g, "n_routed_experts") if ep else (0, self.num_experts)
+        inner = SingleGroup() if ep else g  # an expert parallel rank holds whole experts
+        self.num_local = local
+        # NOTE: every expert keeps its checkpoint number (experts.N.*); another rank's is an empty placeholder
         self.experts = nn.ModuleList(
-            GatedMLP(hidden_size, moe_intermediate_size, hidden_act) for _ in range(num_experts)
+            GatedMLP(hidden_size, moe_intermediate_size, hidden_act, group=inner, reduce=False)
+            if self.first <= e < self.first + local
+            else _Elsewhere()
+            for e in range(self.num_experts)
         )
         self.shared_experts = None
+        self.shared_here = not ep or g.rank == 0  # replicated under expert parallel: rank 0 adds them once
         if num_shared_experts:
             size = moe_intermediate_size * num_shared_experts
-            self.shared_experts = GatedMLP(hidden_size, size, hidden_act, shared_bias)
+            self.shared_experts = GatedMLP(hidden_size, size, hidden_act, shared_bias, inner, reduce=False)
+
+    def holds_expert(self, e: int) -> bool:
+        return self.first <= e < self.first + self.num_local
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)  # [T, K]
@@ -82,15 +111,21 @@ class MoE(nn.Module):
         # Group the T * K (token, expert) pairs by expert so each expert runs once, on just its tokens.
         flat = ids.flatten()
         order = flat.argsort(stable=True)  # [T * K]
-        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        lo = sum(counts[: self.first])  # the pairs of this rank's experts: rows [lo, hi) in expert-major order
+        hi = lo + sum(counts[self.first : self.first + self.num_local])
+        order = order[lo:hi]
         tokens = order // top_k
-        xs = x[tokens]  # [T * K, hidden], expert-major
+        xs = x[tokens]  # [pairs, hidden], expert-major
         ys = torch.empty_like(xs)
         start = 0
-        for expert, n in zip(self.experts, counts, strict=True):
+        mine = slice(self.first, self.first + self.num_local)
+        for expert, n in zip(self.experts[mine], counts[mine], strict=True):
             if n:
                 ys[start : start + n] = expert(xs[start : start + n])
                 start += n
         ys = (ys.float() * weights.flatten()[order].unsqueeze(1)).to(x.dtype)
         out = torch.zeros_like(x).index_add_(0, tokens, ys)  # [T, hidden]
-        return out if self.shared_experts is None else out + self.shared_experts(x)
+        if self.shared_experts is not None and self.shared_here:
+            out += self.shared_experts(x)
+        return self.group.all_reduce(out)

@@ -9,12 +9,6 @@ from torch import nn
 from engine.layers.norm import RMSNorm
 
 
-def embedding(vocab_size: int, hidden_size: int) -> nn.Embedding:
-    """A frozen, uninitialised table: the checkpoint fills it, so random init would only touch memory for nothing."""
-    table = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
-    return nn.Embedding(vocab_size, hidden_size, _weight=table, _freeze=True)
-
-
 class DecoderLayer(nn.Module):
     """norm → attention → norm → MLP, the residual add fused into each RMSNorm."""
 

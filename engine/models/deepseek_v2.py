@@ -1,21 +1,29 @@
 """DeepSeek-V2, V2-Lite, V2.5 and V3: MLA over a latent paged cache + DeepSeekMoE. V3 differs by config:
-sigmoid routing with e_score_correction_bias (noaux_tc). Parameter names follow the HF checkpoints."""
+sigmoid routing with e_score_correction_bias (noaux_tc). Parameter names follow the HF checkpoints.
+
+Tensor parallel: MLA's heads split (engine.layers.mla), dense MLPs and experts split by intermediate size, the
+vocabulary split; with expert_parallel the routed experts are spread whole over the ranks instead
+(engine.layers.moe)."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from engine.layers.linear import Linear
 from engine.layers.mla import MLAttention
 from engine.layers.mlp import GatedMLP
 from engine.layers.moe import MoE, MoEGate
 from engine.layers.norm import RMSNorm
+from engine.layers.parallel import VocabEmbedding, gather_logits, vocab_head
 from engine.layers.rotary import RotaryEmbedding, rope_parameters, yarn_mscale
-from engine.models.decoder import DecoderLayer, DecoderModel, embedding
+from engine.models.decoder import DecoderLayer, DecoderModel
+from engine.parallel.group import Group, SingleGroup
+
+_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.")
 
 
 @dataclass(slots=True)
@@ -97,7 +105,7 @@ class DeepseekArgs:
 
 
 class DeepseekDecoderLayer(DecoderLayer):
-    def __init__(self, a: DeepseekArgs, index: int, scratch: torch.Tensor) -> None:
+    def __init__(self, a: DeepseekArgs, index: int, scratch: torch.Tensor, group: Group, expert_parallel: bool) -> None:
         super().__init__()
         self.self_attn = MLAttention(
             a.hidden_size,
@@ -111,10 +119,11 @@ class DeepseekDecoderLayer(DecoderLayer):
             a.softmax_scale,
             a.rope_interleave,
             scratch,
+            group,
         )
         self.mlp: nn.Module
         if index < a.first_k_dense_replace:
-            self.mlp = GatedMLP(a.hidden_size, a.intermediate_size, a.hidden_act, a.mlp_bias)
+            self.mlp = GatedMLP(a.hidden_size, a.intermediate_size, a.hidden_act, a.mlp_bias, group)
         else:
             gate = MoEGate(
                 a.hidden_size,
@@ -126,26 +135,38 @@ class DeepseekDecoderLayer(DecoderLayer):
                 a.norm_topk_prob,
                 a.routed_scaling_factor,
             )
-            self.mlp = MoE(gate, a.hidden_size, a.moe_intermediate_size, a.num_shared_experts, a.hidden_act, a.mlp_bias)
+            self.mlp = MoE(
+                gate,
+                a.hidden_size,
+                a.moe_intermediate_size,
+                a.num_shared_experts,
+                a.hidden_act,
+                a.mlp_bias,
+                group,
+                expert_parallel,
+            )
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
 
 class DeepseekModel(DecoderModel):
-    def __init__(self, a: DeepseekArgs) -> None:
+    def __init__(self, a: DeepseekArgs, group: Group, expert_parallel: bool) -> None:
         super().__init__()
-        self.embed_tokens = embedding(a.vocab_size, a.hidden_size)
+        self.embed_tokens = VocabEmbedding(a.vocab_size, a.hidden_size, group)
         scratch = torch.empty(0)  # cache rows gathered for attention, reused by every layer
-        self.layers = nn.ModuleList(DeepseekDecoderLayer(a, i, scratch) for i in range(a.num_layers))
+        self.layers = nn.ModuleList(
+            DeepseekDecoderLayer(a, i, scratch, group, expert_parallel) for i in range(a.num_layers)
+        )
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
 
 class DeepseekV2ForCausalLM(nn.Module):
     ignored_weights = ("rotary_emb.inv_freq",)
 
-    def __init__(self, hf_config: dict[str, Any]) -> None:
+    def __init__(self, hf_config: dict[str, Any], group: Group | None = None, expert_parallel: bool = False) -> None:
         super().__init__()
         a = self.args = DeepseekArgs.from_hf(hf_config)
+        self.group = group or SingleGroup()
         # checkpoint name -> (our parameter name, shard); routed experts stay one module each (experts.N.*)
         self.packed_modules_mapping = {"gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
         if a.q_lora_rank:
@@ -157,9 +178,9 @@ class DeepseekV2ForCausalLM(nn.Module):
         self.ignored_prefixes = tuple(
             f"model.layers.{i}." for i in range(a.num_layers, a.num_layers + a.num_mtp_layers)
         )
-        self.model = DeepseekModel(a)
+        self.model = DeepseekModel(a, self.group, expert_parallel)
         self.rotary = RotaryEmbedding(a.qk_rope_head_dim, a.max_position, a.rope)
-        self.lm_head = Linear(a.hidden_size, a.vocab_size)
+        self.lm_head = vocab_head(a.hidden_size, a.vocab_size, self.group)
         if a.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -168,7 +189,18 @@ class DeepseekV2ForCausalLM(nn.Module):
         return self.model(input_ids, cos, sin)  # [T, hidden]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()  # [B, vocab]
+        return gather_logits(self.lm_head(hidden).float(), self.args.vocab_size, self.group)  # [B, vocab]
+
+    def held_elsewhere(self, name: str) -> bool:
+        """Expert parallel: a checkpoint tensor of a routed expert that another rank holds."""
+        m = _EXPERT.search(name)
+        if m is None:
+            return False
+        layer = int(m.group(1))
+        if layer >= len(self.model.layers):
+            return False
+        mlp = self.model.layers[layer].mlp
+        return isinstance(mlp, MoE) and not mlp.holds_expert(int(m.group(2)))
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> list[tuple[str, tuple[int, ...]]]:
         """Per attention layer, one latent cache: [blocks, block_size, kv_lora_rank + qk_rope_head_dim]."""

@@ -1,4 +1,8 @@
-"""Llama family: Llama 2/3, Qwen2 (qkv bias), Mistral. Parameter names follow the HF checkpoints."""
+"""Llama family: Llama 2/3, Qwen2 (qkv bias), Mistral. Parameter names follow the HF checkpoints.
+
+Tensor parallel (a `group` of several ranks): each rank holds its query heads and their KV heads (QKV
+column-parallel), its slice of the MLP, and its slice of the vocabulary; O and down are row-parallel with one
+all-reduce each (engine.layers.parallel)."""
 
 from __future__ import annotations
 
@@ -10,11 +14,13 @@ from torch import nn
 
 from engine.kernels.pointwise import PointwiseKernels
 from engine.layers.attention import PagedAttention
-from engine.layers.linear import Linear, MergedLinear
+from engine.layers.linear import MergedLinear
 from engine.layers.mlp import GatedMLP
 from engine.layers.norm import RMSNorm
+from engine.layers.parallel import VocabEmbedding, gather_logits, row_linear, split_heads, vocab_head
 from engine.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
-from engine.models.decoder import DecoderLayer, DecoderModel, embedding
+from engine.models.decoder import DecoderLayer, DecoderModel
+from engine.parallel.group import Group, SingleGroup
 
 if TYPE_CHECKING:
     from engine.kernels.kernel_set import CpuKernels
@@ -61,15 +67,21 @@ class LlamaArgs:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, a: LlamaArgs, scratch: tuple[torch.Tensor, torch.Tensor]) -> None:
+    def __init__(self, a: LlamaArgs, scratch: tuple[torch.Tensor, torch.Tensor], group: Group) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
-        self.q_size, self.kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        heads, d = split_heads(a.num_heads, a.num_kv_heads, group), a.head_dim  # this rank's heads
+        self.group = group
+        self.num_heads, self.num_kv_heads, self.head_dim = heads.num_heads, heads.num_kv_heads, d
+        self.q_size, self.kv_size = heads.num_heads * d, heads.num_kv_heads * d
+        starts = {"q": heads.q_start * d, "k": heads.kv_start * d, "v": heads.kv_start * d}
         self.qkv_proj = MergedLinear(
-            a.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}, a.qkv_bias
+            a.hidden_size,
+            {"q": self.q_size, "k": self.kv_size, "v": self.kv_size},
+            a.qkv_bias,
+            starts if group.size > 1 else None,
         )
-        self.o_proj = Linear(self.q_size, a.hidden_size, a.o_bias)
-        self.attn = PagedAttention(a.num_heads, a.num_kv_heads, a.head_dim, a.head_dim**-0.5, scratch)
+        self.o_proj = row_linear(a.num_heads * d, a.hidden_size, a.o_bias, group)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, d**-0.5, scratch)
         self.kernel: PointwiseKernels | None = None  # RoPE in place
 
     def bind_kernels(self, kernels: CpuKernels) -> None:
@@ -80,24 +92,24 @@ class LlamaAttention(nn.Module):
         qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         qk = qk.view(-1, h + kv, d)  # q and k side by side: one rotation, [T, H + KV, D]
         qk = self.kernel.rotary(qk, cos, sin) if self.kernel is not None else apply_rotary(qk, cos, sin)
-        return self.o_proj(self.attn(qk[:, :h], qk[:, h:], v.view(-1, kv, d)))
+        return self.group.all_reduce(self.o_proj(self.attn(qk[:, :h], qk[:, h:], v.view(-1, kv, d))))
 
 
 class LlamaDecoderLayer(DecoderLayer):
-    def __init__(self, a: LlamaArgs, scratch: tuple[torch.Tensor, torch.Tensor]) -> None:
+    def __init__(self, a: LlamaArgs, scratch: tuple[torch.Tensor, torch.Tensor], group: Group) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(a, scratch)
-        self.mlp = GatedMLP(a.hidden_size, a.intermediate_size, a.hidden_act, a.mlp_bias)
+        self.self_attn = LlamaAttention(a, scratch, group)
+        self.mlp = GatedMLP(a.hidden_size, a.intermediate_size, a.hidden_act, a.mlp_bias, group)
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
 
 class LlamaModel(DecoderModel):
-    def __init__(self, a: LlamaArgs) -> None:
+    def __init__(self, a: LlamaArgs, group: Group) -> None:
         super().__init__()
-        self.embed_tokens = embedding(a.vocab_size, a.hidden_size)
+        self.embed_tokens = VocabEmbedding(a.vocab_size, a.hidden_size, group)
         scratch = (torch.empty(0), torch.empty(0))  # K/V gathered from the cache, reused by every layer
-        self.layers = nn.ModuleList(LlamaDecoderLayer(a, scratch) for _ in range(a.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(a, scratch, group) for _ in range(a.num_layers))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
 
@@ -112,12 +124,14 @@ class LlamaForCausalLM(nn.Module):
     }
     ignored_weights = ("rotary_emb.inv_freq",)
 
-    def __init__(self, hf_config: dict[str, Any]) -> None:
+    def __init__(self, hf_config: dict[str, Any], group: Group | None = None, expert_parallel: bool = False) -> None:
+        # expert_parallel: a dense model has no experts to spread
         super().__init__()
         a = self.args = LlamaArgs.from_hf(hf_config)
-        self.model = LlamaModel(a)
+        self.group = group or SingleGroup()
+        self.model = LlamaModel(a, self.group)
         self.rotary = RotaryEmbedding(a.head_dim, a.max_position, a.rope)
-        self.lm_head = Linear(a.hidden_size, a.vocab_size)
+        self.lm_head = vocab_head(a.hidden_size, a.vocab_size, self.group)
         if a.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -126,11 +140,12 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, cos, sin)  # [T, hidden]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()  # [B, vocab]
+        return gather_logits(self.lm_head(hidden).float(), self.args.vocab_size, self.group)  # [B, vocab]
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> list[tuple[str, tuple[int, ...]]]:
-        """Per attention layer, the cache tensors it owns: K and V of [blocks, block_size, KV heads, head_dim]."""
-        shape = (num_blocks, block_size, self.args.num_kv_heads, self.args.head_dim)
+        """Per attention layer, the cache tensors it owns: K and V of [blocks, block_size, KV heads, head_dim]
+        (this rank's KV heads)."""
+        shape = (num_blocks, block_size, self.model.layers[0].self_attn.num_kv_heads, self.args.head_dim)
         return [("k_cache", shape), ("v_cache", shape)]
 
     def attention_layers(self) -> list[PagedAttention]:

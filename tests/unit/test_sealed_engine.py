@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.errors import ModelLoadError
+from engine.core import EngineCore
+from engine.errors import ConfigError, ModelLoadError
 from engine.llm import LLM
 from engine.loader import DirectoryFiles, load_model, read_json
 from engine.params import SamplingParams
@@ -73,3 +74,12 @@ def test_damaged_weights_stop_the_engine(model: tuple[Path, Path, FileKeyProvide
     (sealed / "tokenizer.json").write_text(json.dumps(tok))
     with pytest.raises(SealError, match=r"tokenizer\.json does not match its SM3 digest"):
         SealedFiles(sealed, kek)
+
+
+def test_tensor_parallel_workers_it_would_spawn_cannot_take_a_sealed_model(
+    model: tuple[Path, Path, FileKeyProvider],
+) -> None:
+    _, sealed, kek = model
+    config = EngineConfig(model=sealed, dtype="float32", device="cpu", tensor_parallel_size=2)
+    with pytest.raises(ConfigError, match="torchrun"):
+        EngineCore(config, SealedFiles(sealed, kek))
