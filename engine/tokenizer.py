@@ -15,6 +15,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 import jinja2.parser
 import jinja2.sandbox
@@ -120,6 +121,24 @@ class Tokenizer:
     def from_dir(cls, path: str | Path) -> Tokenizer:
         root = Path(path)
         return cls.from_files(lambda name: (root / name).read_bytes())
+
+    def backend_json(self) -> str:
+        """The tokenizer as tokenizer.json text, special tokens added here included (for the grammar engine)."""
+        return self._tok.to_str()
+
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the chat template itself renders `tools` (else the caller describes tools in the messages)."""
+        if "tool_use" in self._templates:
+            return True
+        source = self.chat_template
+        if source is None:
+            return False
+        env = _template_environment()
+        try:
+            return "tools" in jinja2.meta.find_undeclared_variables(env.parse(source))
+        except jinja2.TemplateError:
+            return False
 
     def find_control_token(self, text: str) -> str | None:
         return next((t for t in self.control_tokens if t in text), None)
