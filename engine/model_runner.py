@@ -7,7 +7,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import llguidance
-
 import torch
 
 from engine.block_manager import cdiv
