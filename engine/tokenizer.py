@@ -76,6 +76,11 @@ class Tokenizer:
                 self._templates[name] = env.from_string(source)
             except jinja2.TemplateError as e:
                 raise ModelLoadError(f"chat template {name!r} does not compile: {e}") from e
+        # whether the template itself renders `tools` (else a caller describes the tools in the messages)
+        self.renders_tools: bool = "tool_use" in chat_templates or (
+            self.chat_template is not None
+            and "tools" in jinja2.meta.find_undeclared_variables(env.parse(self.chat_template))
+        )
 
     @classmethod
     def from_files(cls, read: Callable[[str], bytes]) -> Tokenizer:
@@ -126,19 +131,6 @@ class Tokenizer:
         """The tokenizer as tokenizer.json text, special tokens added here included (for the grammar engine)."""
         return self._tok.to_str()
 
-    @property
-    def renders_tools(self) -> bool:
-        """Whether the chat template itself renders `tools` (else the caller describes tools in the messages)."""
-        if "tool_use" in self._templates:
-            return True
-        source = self.chat_template
-        if source is None:
-            return False
-        env = _template_environment()
-        try:
-            return "tools" in jinja2.meta.find_undeclared_variables(env.parse(source))
-        except jinja2.TemplateError:
-            return False
 
     def find_control_token(self, text: str) -> str | None:
         return next((t for t in self.control_tokens if t in text), None)
