@@ -131,7 +131,6 @@ class Tokenizer:
         """The tokenizer as tokenizer.json text, special tokens added here included (for the grammar engine)."""
         return self._tok.to_str()
 
-
     def find_control_token(self, text: str) -> str | None:
         return next((t for t in self.control_tokens if t in text), None)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass
 
-from gateway.tools.parsers.base import CallPiece, ToolParser
+from gateway.tools.parsers.base import CallPiece, Markup, ToolParser
 
 
 @dataclass(slots=True, frozen=True)
@@ -26,24 +26,36 @@ def call_id() -> str:
 
 
 def split(
-    parser: ToolParser, text: str, final: bool, declared: frozenset[str], parallel: bool
+    parser: ToolParser, text: str, final: bool, declared: frozenset[str], parallel: bool, started: int = 0
 ) -> tuple[str, list[CallPiece]]:
-    """(the content's text so far, unstripped; the calls so far). Not final: a call still being written is among
-    the calls once its declared name is known; one whose name is not known yet is in neither, for now."""
-    content: list[str] = []
+    """(the content's text so far, unstripped; the calls so far).
+
+    Not final: a call still being written is among the calls once its declared name is known; one whose name is
+    not known yet is in neither, for now. The first `started` calls are calls whatever they turn out to be: a
+    stream has sent them (a call cut by max_tokens stays a call there, as OpenAI's streams do). When no call is
+    found, the markup is content too, so the content is the whole text."""
+    pieces = parser.scan(text, final)
     calls: list[CallPiece] = []
-    for piece in parser.scan(text, final):
-        if isinstance(piece, str):
-            content.append(piece)
+    kept: list[str | Markup] = []
+    for piece in pieces:
+        if not isinstance(piece, CallPiece):
+            kept.append(piece)
+        elif piece.name in declared and len(calls) < started:
+            calls.append(piece)
         elif piece.complete:
             if piece.valid and piece.name in declared:
                 if parallel or not calls:
-                    calls.append(piece)
+                    calls.append(piece)  # (a second call without parallel_tool_calls is dropped)
             else:
-                content.append(piece.raw)
+                kept.append(piece.raw)
         elif piece.name in declared and (parallel or not calls):
             calls.append(piece)
-    return "".join(content), calls
+    if calls:
+        kept = [p for p in kept if isinstance(p, str)]
+    elif not final:  # markup with no call yet: it and what follows wait for the end (or for a call)
+        first = next((i for i, p in enumerate(kept) if isinstance(p, Markup)), len(kept))
+        kept = kept[:first]
+    return "".join(p.text if isinstance(p, Markup) else p for p in kept), calls
 
 
 def parse(parser: ToolParser, text: str, declared: frozenset[str], parallel: bool) -> tuple[str | None, list[ToolCall]]:

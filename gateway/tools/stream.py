@@ -29,7 +29,7 @@ class ToolStream:
             self.parts.append(new_text)
         text = "".join(self.parts)
         self.parts = [text]
-        content, calls = split(self.parser, text, final, self.declared, self.parallel)
+        content, calls = split(self.parser, text, final, self.declared, self.parallel, len(self.sent))
         visible = content.strip() if final else content.lstrip().rstrip(" \t\r\n")
         delta = ""
         if visible.startswith(self.sent_content) and len(visible) > len(self.sent_content):

@@ -26,7 +26,15 @@ class CallPiece:
     valid: bool = False  # complete, a name, and arguments that are a JSON object
 
 
-Piece = str | CallPiece  # text outside any call, or a call
+@dataclass(slots=True, frozen=True)
+class Markup:
+    """The format's own text around calls ([TOOL_CALLS][, separators): content only where no call is found."""
+
+    text: str
+
+
+# text outside any call, markup, or a call: the pieces of a final scan join to the whole text, losslessly
+Piece = str | Markup | CallPiece
 
 
 @dataclass(slots=True, frozen=True)

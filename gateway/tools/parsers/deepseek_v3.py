@@ -11,6 +11,7 @@ from gateway.tools.parsers.base import (
     CallPiece,
     FunctionSpec,
     Literal,
+    Markup,
     Piece,
     ToolParser,
     hold_back,
@@ -34,14 +35,19 @@ class DeepSeekV3(ToolParser):
         if i < 0:
             return [text if final else hold_back(text, CALLS_BEGIN)]
         pieces: list[Piece] = [text[:i]]
+        mark = i  # where the markup not yet in a piece starts
         pos = i + len(CALLS_BEGIN)
         while True:
             b = text.find(CALL_BEGIN, pos)
             close = text.find(CALLS_END, pos)
             if b < 0 or (0 <= close < b):
                 if close >= 0:
-                    pieces.append(text[close + len(CALLS_END) :])
+                    end = close + len(CALLS_END)
+                    pieces += [Markup(text[mark:end]), text[end:]]
+                elif final:
+                    pieces.append(Markup(text[mark:]))
                 return pieces
+            pieces.append(Markup(text[mark:b]))
             e = text.find(CALL_END, b)
             closed = e >= 0
             body = text[b + len(CALL_BEGIN) : e if closed else len(text)]
@@ -50,7 +56,7 @@ class DeepSeekV3(ToolParser):
             pieces.append(piece)
             if not closed:
                 return pieces
-            pos = e + len(CALL_END)
+            pos = mark = e + len(CALL_END)
 
     def grammar(self, functions: Sequence[FunctionSpec], parallel: bool, lit: Literal) -> str:
         calls = 'call ("\\n" call)*' if parallel else "call"

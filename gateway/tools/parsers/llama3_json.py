@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from gateway.tools.parsers.base import (
     FunctionSpec,
     Literal,
+    Markup,
     Piece,
     ToolParser,
     alternatives,
@@ -35,7 +36,7 @@ class Llama3Json(ToolParser):
             return [text] if final else []
         if text[k] != "{":
             return [text]
-        pieces: list[Piece] = []
+        pieces: list[Piece] = [Markup(text[:k])]
         pos = k
         while True:
             piece, end = call_object(text, pos, final)
@@ -44,13 +45,16 @@ class Llama3Json(ToolParser):
                 return pieces
             q = skip_ws(text, end)
             if q < len(text) and text[q] == ";":
-                pos = skip_ws(text, q + 1)
-                if pos < len(text) and text[pos] == "{":
+                nxt = skip_ws(text, q + 1)
+                if nxt < len(text) and text[nxt] == "{":
+                    pieces.append(Markup(text[end:nxt]))
+                    pos = nxt
                     continue
-                if pos >= len(text):
-                    return pieces
-            if text[end:].strip():
-                pieces.append(text[end:])  # text after the calls
+            rest = text[end:]
+            if not final and not rest.replace(";", "").strip():
+                pieces.append(Markup(rest))  # a separator, or nothing yet: the next call may follow
+            elif rest:
+                pieces.append(rest)  # text after the calls
             return pieces
 
     def grammar(self, functions: Sequence[FunctionSpec], parallel: bool, lit: Literal) -> str:

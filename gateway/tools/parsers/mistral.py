@@ -9,6 +9,7 @@ from gateway.tools.parsers.base import (
     CallPiece,
     FunctionSpec,
     Literal,
+    Markup,
     Piece,
     ToolParser,
     alternatives,
@@ -35,7 +36,7 @@ class Mistral(ToolParser):
         pieces: list[Piece] = [text[:i]]
         k = skip_ws(text, i + len(MARK))
         if k < len(text) and text[k] == "[":
-            return pieces + _array(text, k, final)
+            return pieces + _array(text, i, k, final)
         if k >= len(text) and not final:
             return pieces  # the form is not known yet
         return pieces + _named(text, i, final)
@@ -51,25 +52,31 @@ class Mistral(ToolParser):
         return "\n".join([start, alternatives(functions, lambda f: json_rule(call_schema(f)))])
 
 
-def _array(text: str, k: int, final: bool) -> list[Piece]:
+def _array(text: str, i: int, k: int, final: bool) -> list[Piece]:
+    """`[TOOL_CALLS][{...}, {...}]` from the marker at text[i], the bracket at text[k]."""
     pieces: list[Piece] = []
+    mark = i  # where the markup not yet in a piece starts
     pos = k + 1
     while True:
         pos = skip_ws(text, pos)
         if pos >= len(text) or text[pos] != "{":
-            if final and pos < len(text):
-                pieces.append(text[pos:])
+            if final and mark < len(text):
+                pieces.append(text[mark:])  # not a call array after all (or junk in it)
             return pieces
+        pieces.append(Markup(text[mark:pos]))
         piece, end = call_object(text, pos, final)
         pieces.append(piece)
         if end is None:
             return pieces
         q = skip_ws(text, end)
+        mark = end
         if q < len(text) and text[q] == ",":
             pos = q + 1
             continue
         if q < len(text) and text[q] == "]":
-            pieces.append(text[q + 1 :])
+            pieces += [Markup(text[end : q + 1]), text[q + 1 :]]
+        elif final:
+            pieces.append(text[end:])
         return pieces
 
 
@@ -95,7 +102,9 @@ def _named(text: str, i: int, final: bool) -> list[Piece]:
         pieces.append(piece)
         i = text.find(MARK, end)
         if i < 0:
-            pieces.append(text[end:])
-        elif text[end:i].strip():
-            pieces.append(text[end:i])
+            rest = text[end:] if final else hold_back(text[end:], MARK)
+            pieces.append(rest if rest.strip() or final else Markup(rest))
+        else:
+            between = text[end:i]
+            pieces.append(between if between.strip() else Markup(between))
     return pieces
