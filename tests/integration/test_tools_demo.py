@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import jsonschema
@@ -42,9 +43,8 @@ def test_the_demo_model_calls_get_weather(gw: RunningGateway) -> None:
         base_url=gw.url + "/v1", api_key=gw.token(), http_client=httpx.Client(verify=ctx), max_retries=0
     ) as c:
         messages = [{"role": "user", "content": "What is the weather like in Paris today?"}]
-        r = c.chat.completions.create(
-            model=gw.model, messages=messages, tools=[GET_WEATHER], tool_choice="required", max_tokens=60, temperature=0
-        )
+        kw: dict[str, Any] = dict(model=gw.model, messages=messages, tools=[GET_WEATHER], tool_choice="required")
+        r = c.chat.completions.create(**kw, max_tokens=60, temperature=0, parallel_tool_calls=False)
         choice = r.choices[0]
         assert choice.finish_reason == "tool_calls", choice
         (call,) = choice.message.tool_calls or []
@@ -52,6 +52,11 @@ def test_the_demo_model_calls_get_weather(gw: RunningGateway) -> None:
         assert call.function.name == "get_weather"
         jsonschema.validate(args, GET_WEATHER["function"]["parameters"])
         assert "paris" in args["city"].lower()  # a real model reads the question
+        parallel = c.chat.completions.create(**kw, max_tokens=200, temperature=0).choices[0]  # it may call twice
+        assert parallel.finish_reason == "tool_calls" and parallel.message.tool_calls
+        for more in parallel.message.tool_calls:
+            assert more.function.name == "get_weather"
+            jsonschema.validate(json.loads(more.function.arguments), GET_WEATHER["function"]["parameters"])
         followup = [
             *messages,
             choice.message.model_dump(exclude_none=True),
