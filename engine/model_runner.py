@@ -94,7 +94,8 @@ class ModelRunner:
         # grammar masks are filled on this worker while the model runs: they depend only on tokens already out
         self._mask_worker: ThreadPoolExecutor | None = None
         self._mask_executor: llguidance.LLExecutor | None = None
-        self.last_mask_s = 0.0  # the last step's mask fill, for benchmarks
+        self.last_mask_s = 0.0  # the last step's mask fill (benchmarks.structured)
+        self.last_mask_wait_s = 0.0  # how long the step waited for it after the forward
 
     # ---- set-up -------------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -137,7 +138,9 @@ class ModelRunner:
             hidden = self.model(input_ids, positions)
         finally:
             reset_context()
+            waited = time.perf_counter()
             mask = masks.result() if masks is not None else None  # never left running past the step
+            self.last_mask_wait_s = time.perf_counter() - waited if masks is not None else 0.0
         if not sampled:
             return ModelOutput([], [])
         logits = self.model.compute_logits(hidden[sample_rows])  # every rank: the vocabulary's all-gather
