@@ -250,7 +250,7 @@ def test_a_tool_result_round_trips(gw: RunningGateway) -> None:
         call = first.choices[0].message.tool_calls[0]
         history = [
             *ASK,
-            first.choices[0].message.model_dump(exclude_none=True),  # the SDK's own object, sent back
+            first.choices[0].message,  # the SDK's own object, sent back as OpenAI's docs do
             {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 21})},
         ]
         second = c.chat.completions.create(model=gw.model, messages=history, tools=[WEATHER], max_tokens=8)
