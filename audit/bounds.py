@@ -60,3 +60,21 @@ def bound_fields(values: dict[str, str | None]) -> tuple[dict[str, str | None], 
         if original is not None:
             cut.append(Truncation(ecs, original))
     return out, cut
+
+
+MAX_NAMES, MAX_NAME_BYTES = 128, 64  # tianmen.tool_calls: OpenAI's limit on tools, and on a function name
+
+
+def bound_names(names: list[str] | None, cut: list[Truncation]) -> list[str] | None:
+    """At most MAX_NAMES names of at most MAX_NAME_BYTES each; a cut is noted in `cut`."""
+    if names is None:
+        return None
+    out = []
+    for name in names[:MAX_NAMES]:
+        short, original = cut_utf8(name, MAX_NAME_BYTES)
+        out.append(short)
+        if original is not None:
+            cut.append(Truncation("tianmen.tool_calls", original))
+    if len(names) > MAX_NAMES:
+        cut.append(Truncation("tianmen.tool_calls", sum(len(n.encode("utf-8", "replace")) for n in names)))
+    return out

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from audit.bounds import FIELD_LIMITS, bound_fields
+from audit.bounds import FIELD_LIMITS, bound_fields, bound_names
 from audit.config import ContentPolicy
 from audit.digest import sm3_text
 
@@ -48,6 +48,8 @@ class AuditEvent:
     ratelimit_decision: str | None = None  # "allowed" | "limited" | "unavailable"
     error_type: str | None = None  # "invalid_token", "rate_limited", "client_disconnected", ...
     phase: str = "complete"
+    schema_constrained: bool | None = None  # the output had to match a JSON schema or grammar
+    tool_calls: list[str] | None = None  # names of the functions the model called (arguments are content)
     content: dict[str, Any] = field(default_factory=dict, repr=False)
     # the privacy policies that fired: [{direction, policy, action, count}], never what they matched
     policy_hits: list[dict[str, Any]] = field(default_factory=list)
@@ -84,6 +86,8 @@ class AuditEvent:
                 "stream": self.stream,
                 "ratelimit": {"decision": v["ratelimit_decision"]},
                 "phase": self.phase,
+                "schema_constrained": self.schema_constrained,
+                "tool_calls": bound_names(self.tool_calls, cut),
                 **self.content,
             },
         }

@@ -41,6 +41,8 @@ MAPPINGS: dict[str, Any] = {
             content_policy=_K,
             ratelimit=_obj(decision=_K),
             phase=_K,
+            schema_constrained={"type": "boolean"},
+            tool_calls=_K,  # names only: an array of keywords
             truncated=_obj(field=_K, bytes=_L),
             quarantine=_obj(status=_L, error=_K),
             prompt=_obj(sm3=_K, text={"type": "text"}),

@@ -123,7 +123,10 @@ class AsyncEngine:
             raise EngineDeadError(_SHUT_DOWN)
         if request_id in self._collectors:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
-        req = self.core.make_request(request_id, prompt_token_ids, params, cache_salt)
+        grammar = None
+        if params.structured is not None:  # compiled (or taken from the cache) in a worker thread, not on the loop
+            grammar = await asyncio.to_thread(self._loop.compile, params)
+        req = self.core.make_request(request_id, prompt_token_ids, params, cache_salt, grammar)
         self._loop.check(params)
         q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._collectors[request_id] = (asyncio.get_running_loop(), q)

@@ -13,6 +13,7 @@ from engine.params import SamplingParams
 from engine.request import Request, check_prompt
 from engine.sampler import SamplerFn
 from engine.scheduler import Scheduler
+from engine.structured import Grammar
 
 
 def model_max_len(config: EngineConfig, hf_config: dict) -> int:
@@ -59,11 +60,17 @@ class EngineCore:
         )
 
     def make_request(
-        self, req_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, cache_salt: str | None = None
+        self,
+        req_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+        grammar: Grammar | None = None,
     ) -> Request:
         """A complete Request, checked against this model; InvalidRequestError names the bad field.
 
-        Reads only what never changes after construction, so any thread may call it.
+        `grammar`: params.structured compiled (EngineLoop.compile), required when it is set. Reads only what
+        never changes after construction, so any thread may call it.
         """
         if not isinstance(req_id, str) or not req_id:
             raise InvalidRequestError("the request id must be a non-empty string", param="request_id")
@@ -73,7 +80,10 @@ class EngineCore:
             raise InvalidRequestError("sampling parameters must be a SamplingParams", param="params")
         prompt = check_prompt(prompt_token_ids, self.vocab_size, self.max_model_len)
         params.check(self.vocab_size, self.max_model_len)
-        return Request(req_id, prompt, params, self.eos_token_ids, cache_salt, self.max_model_len)
+        if (params.structured is None) != (grammar is None):
+            raise InvalidRequestError("a structured-output request needs its compiled grammar", param="structured")
+        matcher = grammar.matcher() if grammar is not None else None
+        return Request(req_id, prompt, params, self.eos_token_ids, cache_salt, self.max_model_len, matcher)
 
     def make_warmup_request(self, req_id: str, prompt_token_ids: Sequence[int], cache_salt: str | None) -> Request:
         """A request that prefills a prompt into the prefix cache and pins its full blocks when it finishes

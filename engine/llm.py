@@ -48,7 +48,8 @@ class LLM:
             if isinstance(prompt, str) and self.tokenizer is None:
                 raise InvalidRequestError("this model has no tokenizer: pass token ids", param="prompt")
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt  # type: ignore[union-attr]
-            requests.append(self.core.make_request(f"llm-{next(self._ids)}", ids, p, cache_salt))
+            grammar = self._loop.compile(p)
+            requests.append(self.core.make_request(f"llm-{next(self._ids)}", ids, p, cache_salt, grammar))
             self._loop.check(p)
         results = {r.req_id: Completion("", [], "", Usage(0, 0)) for r in requests}
         try:

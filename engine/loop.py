@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from engine.core import EngineCore
+from engine.errors import InvalidRequestError
 from engine.output_processor import Ending, OutputProcessor
 from engine.outputs import EngineOutput, RequestOutput
 from engine.params import SamplingParams
 from engine.request import Request
+from engine.structured import Grammar, GrammarCompiler
 from engine.tokenizer import Tokenizer
 
 
@@ -21,7 +23,19 @@ class EngineLoop:
 
     def __init__(self, core: EngineCore, tokenizer: Tokenizer | None) -> None:
         self.core = core
-        self.processor = OutputProcessor(tokenizer)
+        self.processor = OutputProcessor(tokenizer, core.eos_token_ids)
+        self.grammars: GrammarCompiler | None = None
+        if tokenizer is not None:
+            self.grammars = GrammarCompiler(tokenizer.backend_json(), core.vocab_size, core.eos_token_ids)
+
+    def compile(self, params: SamplingParams) -> Grammar | None:
+        """params.structured compiled (cached by schema), or None; blocking (milliseconds): keep it off the step
+        thread. InvalidRequestError names what cannot be compiled."""
+        if params.structured is None:
+            return None
+        if self.grammars is None:
+            raise InvalidRequestError("structured outputs need a tokenizer; this model has none", "structured")
+        return self.grammars.compile(params.structured)
 
     def check(self, params: SamplingParams) -> None:
         """What add() would refuse that the core's make_request does not check (stop strings without a tokenizer)."""

@@ -3,8 +3,10 @@ from __future__ import annotations
 import logging
 import random
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import llguidance
 import torch
 
 from engine.block_manager import cdiv
@@ -21,6 +23,7 @@ from engine.outputs import ModelOutput, ScheduledSeq, SchedulerOutput
 from engine.parallel.group import Group, SingleGroup
 from engine.params import torch_seed
 from engine.sampler import Sampler
+from engine.structured import GrammarMask, fill_masks
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +90,12 @@ class ModelRunner:
             log.info("%s", line)
         self.generators: dict[str, torch.Generator] = {}
         self._rng = random.Random(config.seed)
+        self.vocab_size: int = self.model.args.vocab_size
+        # grammar masks are filled on this worker while the model runs: they depend only on tokens already out
+        self._mask_worker: ThreadPoolExecutor | None = None
+        self._mask_executor: llguidance.LLExecutor | None = None
+        self.last_mask_s = 0.0  # the last step's mask fill (benchmarks.structured)
+        self.last_mask_wait_s = 0.0  # how long the step waited for it after the forward
 
     # ---- set-up -------------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -122,22 +131,54 @@ class ModelRunner:
         for req_id in sched.finished_req_ids:
             self.generators.pop(req_id, None)
         input_ids, positions, ctx, sample_rows = self._prepare(sched)
+        sampled = [s for s in sched.seqs if s.sample]
+        masks = self._start_masks(sampled)
         set_context(ctx)
         try:
             hidden = self.model(input_ids, positions)
         finally:
             reset_context()
-        sampled = [s for s in sched.seqs if s.sample]
+            waited = time.perf_counter()
+            mask = masks.result() if masks is not None else None  # never left running past the step
+            self.last_mask_wait_s = time.perf_counter() - waited if masks is not None else 0.0
         if not sampled:
             return ModelOutput([], [])
         logits = self.model.compute_logits(hidden[sample_rows])  # every rank: the vocabulary's all-gather
-        if self.group.rank != 0:
+        if self.group.rank != 0:  # (workers have no matchers: masks are rank 0's, with the sampling)
             return ModelOutput([], [])
-        return self._sample(sampled, logits)
+        return self._sample(sampled, logits, mask)
 
-    def _sample(self, seqs: list[ScheduledSeq], logits: torch.Tensor) -> ModelOutput:
+    def _start_masks(self, sampled: list[ScheduledSeq]) -> Future[GrammarMask] | None:
+        constrained = [(row, s.matcher) for row, s in enumerate(sampled) if s.matcher is not None]
+        if not constrained:
+            return None
+        if self._mask_worker is None:
+            self._mask_worker = ThreadPoolExecutor(1, thread_name_prefix="tianmen-grammar")
+            self._mask_executor = llguidance.LLExecutor(num_threads=1)
+
+        def fill() -> GrammarMask:
+            start = time.perf_counter()
+            try:
+                return fill_masks(self._mask_executor, constrained, self.vocab_size)
+            except Exception as e:  # the constrained rows fail (in _sample), the step goes on
+                log.error("grammar masks failed (%s); their %d requests end", type(e).__name__, len(constrained))
+                return GrammarMask([row for row, _ in constrained], torch.zeros(0, dtype=torch.int32), failed=True)
+            finally:
+                self.last_mask_s = time.perf_counter() - start
+
+        return self._mask_worker.submit(fill)
+
+    def _sample(self, seqs: list[ScheduledSeq], logits: torch.Tensor, mask: GrammarMask | None = None) -> ModelOutput:
         """Sample every row at once; if that raises, row by row, so that only the rows that raise fail."""
         failed: list[str] = []
+        if mask is not None:  # a matcher past its limits (or broken) allows nothing: its request ends alone
+            broken = {r for r, s in enumerate(seqs) if s.matcher is not None and (mask.failed or s.matcher.is_error())}
+            if broken:
+                for row in sorted(broken):
+                    _log_failure(seqs[row].req_id, RuntimeError("grammar"), failed)
+                keep_rows = [r for r in range(len(seqs)) if r not in broken]
+                mask = _mask_rows(mask, keep_rows)
+                seqs, logits = [seqs[r] for r in keep_rows], logits[keep_rows]
         gens: list[torch.Generator | None] = []
         keep: list[int] = []
         for k, s in enumerate(seqs):
@@ -148,6 +189,7 @@ class ModelRunner:
                 _log_failure(s.req_id, e, failed)
         if len(keep) < len(seqs):
             seqs, logits = [seqs[k] for k in keep], logits[keep]
+            mask = _mask_rows(mask, keep)
         if not seqs:
             return ModelOutput([], [], None, failed)
         params = [s.params for s in seqs]
@@ -158,7 +200,10 @@ class ModelRunner:
         # draw exactly what it would have drawn alone (get_state is a 5 KB copy on CPU, 16 bytes on CUDA)
         states = [g.get_state() if g is not None else None for g in gens]
         try:
-            tokens, logprobs = self.sampler(logits, params, gens, prompts, outputs)
+            if mask is None:  # NOTE: a sampler wrapper (tests) need not know about masks
+                tokens, logprobs = self.sampler(logits, params, gens, prompts, outputs)
+            else:
+                tokens, logprobs = self.sampler(logits, params, gens, prompts, outputs, mask=mask)
             return ModelOutput([s.req_id for s in seqs], tokens, list(logprobs) if logprobs else None, failed)
         except Exception as e:
             log.warning("the batched sampler failed (%s); sampling its %d rows one by one", type(e).__name__, len(seqs))
@@ -168,8 +213,10 @@ class ModelRunner:
             gen, state = gens[k], states[k]
             if gen is not None and state is not None:
                 gen.set_state(state)
+            row_mask = mask.select(k) if mask is not None else None
             try:
-                token, lp = self.sampler(logits[k : k + 1], [params[k]], [gen], prompts[k : k + 1], outputs[k : k + 1])
+                args = (logits[k : k + 1], [params[k]], [gen], prompts[k : k + 1], outputs[k : k + 1])
+                token, lp = self.sampler(*args) if row_mask is None else self.sampler(*args, mask=row_mask)
             except Exception as e:
                 _log_failure(s.req_id, e, failed)
                 continue
@@ -271,6 +318,17 @@ def kv_cache_blocks(config: EngineConfig, per_block: int, max_model_len: int) ->
             "raise kv_cache_bytes or lower max_model_len"
         )
     return num_blocks
+
+
+def _mask_rows(mask: GrammarMask | None, keep: list[int]) -> GrammarMask | None:
+    """`mask` for the batch cut to rows `keep` (renumbered from 0); None if none of them is constrained."""
+    if mask is None:
+        return None
+    where = {row: j for j, row in enumerate(mask.rows)}
+    pairs = [(new, where[old]) for new, old in enumerate(keep) if old in where]
+    if not pairs:
+        return None
+    return GrammarMask([new for new, _ in pairs], mask.words[[j for _, j in pairs]])
 
 
 def _log_failure(req_id: str, error: Exception, failed: list[str]) -> None:

@@ -17,9 +17,12 @@ Ending = tuple[str, str, str | None]
 class OutputProcessor:
     """Token outputs → text deltas. Finds stop strings; the caller must then finish those requests."""
 
-    def __init__(self, tokenizer: Tokenizer | None) -> None:
+    def __init__(self, tokenizer: Tokenizer | None, eos_token_ids: frozenset[int] = frozenset()) -> None:
         self.tokenizer = tokenizer  # None: token ids only (a model directory without tokenizer.json)
         self.detok: dict[str, IncrementalDetokenizer | None] = {}
+        # the tokens that end a request: never part of its text, even when special tokens are shown
+        self.eos_token_ids = eos_token_ids
+        self.stop_ids: dict[str, frozenset[int]] = {}
 
     def check(self, params: SamplingParams) -> None:
         if self.tokenizer is None and params.stop:
@@ -31,11 +34,18 @@ class OutputProcessor:
             self.detok[req_id] = None
             return
         self.detok[req_id] = IncrementalDetokenizer(
-            self.tokenizer, prompt_token_ids, params.stop, include_stop_str_in_output=params.include_stop_str_in_output
+            self.tokenizer,
+            prompt_token_ids,
+            params.stop,
+            skip_special_tokens=params.skip_special_tokens,
+            include_stop_str_in_output=params.include_stop_str_in_output,
         )
+        if not params.skip_special_tokens:
+            self.stop_ids[req_id] = self.eos_token_ids | frozenset(params.stop_token_ids)
 
     def drop(self, req_id: str) -> None:
         self.detok.pop(req_id, None)
+        self.stop_ids.pop(req_id, None)
 
     def process(self, outputs: list[EngineOutput]) -> tuple[list[RequestOutput], list[Ending]]:
         """The deltas, and the requests that a stop string or a failure here just ended."""
@@ -54,25 +64,29 @@ class OutputProcessor:
         if out.req_id not in self.detok:
             return None, None
         if out.finish_reason == "error":  # failed in the core, which has finished it already
-            del self.detok[out.req_id]
+            self.drop(out.req_id)
             return RequestOutput(out.req_id, [], "", "error", out.usage), None
         try:
             delta, stop = self._delta(out)
         except Exception as e:  # one request's detokenizing must not stop the others'
             log.error("request %s failed while detokenizing (%s)", out.req_id, type(e).__name__)
-            del self.detok[out.req_id]
+            self.drop(out.req_id)
             return RequestOutput(out.req_id, [], "", "error", out.usage), (out.req_id, "error", None)
         ending: Ending | None = None
         if stop is not None and out.finish_reason is None:  # the core does not know yet
             ending = (out.req_id, "stop", stop)
         if delta.finish_reason is not None:
-            del self.detok[out.req_id]
+            self.drop(out.req_id)
         return delta, ending
 
     def _delta(self, out: EngineOutput) -> tuple[RequestOutput, str | None]:
         detok = self.detok[out.req_id]
         finish, stop_reason = out.finish_reason, None
-        text, stop = detok.add(out.new_token_ids) if detok is not None and out.new_token_ids else ("", None)
+        ids = out.new_token_ids
+        hidden = self.stop_ids.get(out.req_id)
+        if hidden and finish == "stop" and ids and ids[-1] in hidden:
+            ids = ids[:-1]  # shown special tokens stop short of the EOS (or stop token) that ended the request
+        text, stop = detok.add(ids) if detok is not None and ids else ("", None)
         if stop is not None:
             finish, stop_reason = "stop", stop
         elif finish is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.params import SamplingParams
 
@@ -19,6 +20,7 @@ class ScheduledSeq:
     params: SamplingParams
     prompt_token_ids: list[int]  # for repetition penalties
     output_token_ids: list[int]  # tokens generated so far (read-only view)
+    matcher: Any = None  # the request's grammar matcher (structured outputs): the runner masks its logits
 
 
 @dataclass(slots=True)

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.errors import InvalidRequestError
+from engine.structured.spec import StructuredOutputs
 
 MAX_TOP_LOGPROBS = 20
 # OpenAI's API stops at 2; past ~100 every distribution is uniform to float32 precision, so higher values only
@@ -53,6 +54,8 @@ class SamplingParams:
     logprobs: int | None = None  # None: off; n >= 0: sampled token's logprob plus the top n
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
+    structured: StructuredOutputs | None = None  # the output must match this grammar (a token mask per step)
+    skip_special_tokens: bool = True  # False: special tokens' text is in the output (tool-call markers)
 
     def __post_init__(self) -> None:
         self.check()
@@ -71,7 +74,9 @@ class SamplingParams:
             raise _bad("seed", f"must be an integer, got {_show(self.seed)}")
         self.stop = _stop_strings(self.stop)
         self.stop_token_ids = _token_ids("stop_token_ids", self.stop_token_ids, MAX_STOP_TOKEN_IDS, vocab_size)
-        for name in ("ignore_eos", "include_stop_str_in_output"):
+        if self.structured is not None and not isinstance(self.structured, StructuredOutputs):
+            raise _bad("structured", f"must be a StructuredOutputs, got {_show(self.structured)}")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise _bad(name, f"must be true or false, got {_show(getattr(self, name))}")
         if self.logprobs is not None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from engine.errors import InvalidRequestError
 from engine.params import SamplingParams
@@ -24,6 +25,7 @@ class Request:
         "cache_salt",
         "eos_token_ids",
         "finish_reason",
+        "matcher",
         "max_len",
         "num_cached_tokens",
         "num_computed_tokens",
@@ -48,6 +50,7 @@ class Request:
         eos_token_ids: frozenset[int] = frozenset(),
         cache_salt: str | None = None,
         max_len: int | None = None,
+        matcher: Any = None,
     ) -> None:
         self.req_id = req_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -58,6 +61,7 @@ class Request:
         self.stop_token_ids = frozenset(params.stop_token_ids)
         self.cache_salt = cache_salt
         self.max_len = max_len  # model length limit: prompt + output never exceed it
+        self.matcher = matcher  # llguidance.LLMatcher of a structured-output request: it sees every output token
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hits at first admission; -1 until then
@@ -85,15 +89,19 @@ class Request:
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
-    def append_output(self, token_id: int) -> None:
+    def append_output(self, token_id: int) -> bool:
+        """Record a sampled token; False if the request's grammar refuses it (the request cannot go on)."""
         self.output_token_ids.append(token_id)
         self.token_ids.append(token_id)
+        return self.matcher is None or self.matcher.consume_token(token_id)
 
     def check_stop(self) -> bool:
-        """After a new token: decide whether it ends the request (EOS, stop token, length)."""
+        """After a new token: decide whether it ends the request (EOS, stop token, finished grammar, length)."""
         token = self.output_token_ids[-1]
         if (not self.params.ignore_eos and token in self.eos_token_ids) or token in self.stop_token_ids:
             self.finish_reason, self.stop_reason = "stop", token
+        elif self.matcher is not None and self.matcher.is_stopped():  # the grammar is complete: nothing may follow
+            self.finish_reason = "stop"
         elif self.num_output_tokens >= self.params.max_tokens or (
             self.max_len is not None and self.num_tokens >= self.max_len
         ):

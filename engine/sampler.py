@@ -10,6 +10,7 @@ from engine.params import SamplingParams
 
 if TYPE_CHECKING:
     from engine.kernels.kernel_set import CpuKernels
+    from engine.structured import GrammarMask
 
 
 class SamplerFn(Protocol):
@@ -22,6 +23,7 @@ class SamplerFn(Protocol):
         generators: Sequence[torch.Generator | None],
         prompt_ids: Sequence[Sequence[int]] = (),
         output_ids: Sequence[Sequence[int]] = (),
+        mask: GrammarMask | None = None,
     ) -> tuple[list[int], list[Logprob] | None]: ...
 
 
@@ -47,10 +49,14 @@ class Sampler:
         generators: Sequence[torch.Generator | None],
         prompt_ids: Sequence[Sequence[int]] = (),
         output_ids: Sequence[Sequence[int]] = (),
+        mask: GrammarMask | None = None,  # structured outputs: the tokens each constrained row's grammar allows
     ) -> tuple[list[int], list[Logprob] | None]:
+        if mask is not None:  # first: nothing after it (bias, penalties, temperature) can revive a forbidden token
+            logits = mask.apply(logits)
         if any(p.logit_bias for p in params):
             logits = apply_logit_bias(logits, params)
-        # NOTE: reported logprobs include logit_bias, as OpenAI's do, but not penalties or temperature
+        # NOTE: reported logprobs include logit_bias and the grammar mask, as OpenAI's and vLLM's do, but not
+        # penalties or temperature
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(p.logprobs is not None for p in params) else None
         if any(p.has_penalties for p in params):
             logits = apply_penalties(logits.clone(), params, prompt_ids, output_ids)

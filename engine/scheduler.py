@@ -158,6 +158,7 @@ class Scheduler:
             params=req.params,
             prompt_token_ids=req.prompt_token_ids,
             output_token_ids=req.output_token_ids,
+            matcher=req.matcher,
         )
 
     def _preempt(self, req: Request) -> None:
@@ -177,7 +178,9 @@ class Scheduler:
             req = self.requests.get(req_id)
             if req is None or req.finished:  # aborted while the step ran
                 continue
-            req.append_output(token)
+            if not req.append_output(token):  # a token its grammar refuses: only a fault gets here (masks forbid it)
+                out.failed_req_ids.append(req_id)
+                continue
             self.num_generation_tokens += 1
             if req.check_stop():
                 self._finish(req)

@@ -15,6 +15,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 import jinja2.parser
 import jinja2.sandbox
@@ -75,6 +76,11 @@ class Tokenizer:
                 self._templates[name] = env.from_string(source)
             except jinja2.TemplateError as e:
                 raise ModelLoadError(f"chat template {name!r} does not compile: {e}") from e
+        # whether the template itself renders `tools` (else a caller describes the tools in the messages)
+        self.renders_tools: bool = "tool_use" in chat_templates or (
+            self.chat_template is not None
+            and "tools" in jinja2.meta.find_undeclared_variables(env.parse(self.chat_template))
+        )
 
     @classmethod
     def from_files(cls, read: Callable[[str], bytes]) -> Tokenizer:
@@ -120,6 +126,10 @@ class Tokenizer:
     def from_dir(cls, path: str | Path) -> Tokenizer:
         root = Path(path)
         return cls.from_files(lambda name: (root / name).read_bytes())
+
+    def backend_json(self) -> str:
+        """The tokenizer as tokenizer.json text, special tokens added here included (for the grammar engine)."""
+        return self._tok.to_str()
 
     def find_control_token(self, text: str) -> str | None:
         return next((t for t in self.control_tokens if t in text), None)

@@ -118,6 +118,8 @@ class AuditHook:
             policy_hits=[
                 {"direction": d, "policy": p, "action": a, "count": n} for (d, p, a), n in state.policy_hits.items()
             ],
+            schema_constrained=state.constrained,
+            tool_calls=None if phase == "open" else state.tool_calls,
             content=self.auditor.content_fields(state.prompt_text, None if phase == "open" else state.response_text)
             if state.prompt_text is not None
             else {},

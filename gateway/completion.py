@@ -21,6 +21,7 @@ from gateway.privacy import CompletionGuard, PrivacySession
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.state import RequestState
 from gateway.streaming import DONE, ResponseBuilder, merge, sse
+from gateway.tools.plan import ToolPlan
 
 log = logging.getLogger("tianmen.gateway")
 
@@ -38,6 +39,7 @@ async def run(
     lease: Lease,
     engine: Any,
     privacy: PrivacySession | None = None,
+    tools: ToolPlan | None = None,
 ) -> Response:
     """`engine`: the served model's (gateway.models routes the request to it)."""
     deps, state = request.app.state.deps, request.scope["request_state"]
@@ -45,7 +47,13 @@ async def run(
     want_lp = body.num_logprobs() is not None
     req_id = ("chatcmpl-" if chat else "cmpl-") + request.scope["request_id"]
     builder = ResponseBuilder(
-        chat, req_id, engine.model_name, body.n, engine.tokenizer.token_text, report_cached=deps.report_cached_tokens
+        chat,
+        req_id,
+        engine.model_name,
+        body.n,
+        engine.tokenizer.token_text,
+        report_cached=deps.report_cached_tokens,
+        tools=tools,
     )
     principal = request.scope["principal"]
     salt = cache_salt(principal.tenant, principal.subject, deps.cache_salt_per_subject)
@@ -127,7 +135,9 @@ async def run(
     if not completed:
         state.finish_reason = "client_disconnected"
         return Response(status_code=499)  # nobody is listening any more; recorded for the audit trail
-    return JSONResponse(builder.body(want_lp), headers=headers)
+    response = builder.body(want_lp)
+    _record(state, builder, None, guard)  # again: parsing the answer for tool calls may have changed its finish reason
+    return JSONResponse(response, headers=headers)
 
 
 def _in_band(e: Exception, state: RequestState) -> dict[str, Any]:
@@ -148,6 +158,7 @@ def _record(
     state.finish_reason = override or ",".join(sorted({c.finish_reason or "none" for c in builder.choices}))
     # the audit trail keeps the answer as the policy rewrote it (a tokenized prompt's placeholders not restored)
     state.response_text = guard.audit_text() if guard is not None else "".join(c.text for c in builder.choices)
+    state.tool_calls = builder.tool_names() if builder.tools is not None else None
 
 
 async def _guarded(

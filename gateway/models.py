@@ -14,6 +14,7 @@ class ServedModel:
     name: str
     engine: Any  # engine.AsyncEngine, or a test double with the same surface
     aliases: list[str] = field(default_factory=list)
+    tool_call_parser: str = "auto"  # the model's tool-call format (engine.tool_call_parser; gateway.tools.select)
 
     @property
     def names(self) -> list[str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -17,10 +18,13 @@ from typing import Any
 from engine import InvalidRequestError
 from gateway.errors import APIError
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.tools import render
+from gateway.tools.plan import ToolPlan
 
 # the most tokens a chat template adds around the text: a default system prompt (Llama 3's is ~30 tokens)
 TEMPLATE_TOKENS = 128
 MESSAGE_TOKENS = 16  # per message: role markers and separators (ChatML: 4, Llama 3: 5)
+TOOLS_TOKENS = 256  # the tools section's own words (the Hermes fallback's are ~110 tokens)
 
 Body = ChatCompletionRequest | CompletionRequest
 
@@ -73,9 +77,20 @@ def token_range(body: Body, b: PromptBounds) -> tuple[int, int]:
     most = sum(_utf8(t) for t in contents)
     if isinstance(body, ChatCompletionRequest):
         most += TEMPLATE_TOKENS + sum(MESSAGE_TOKENS + _utf8(m.role) + _utf8(m.name or "") for m in body.messages)
+        most += _tool_bytes(body)
     else:
         most += 8  # BOS/EOS and a prefix-space token
     return fewest, most
+
+
+def _tool_bytes(body: ChatCompletionRequest) -> int:
+    """Tools and earlier tool calls, as a template may print them: twice their compact JSON (indentation), and the
+    tools section's words."""
+    calls = [c.model_dump() for m in body.messages for c in m.tool_calls or []]
+    calls += [m.tool_call_id for m in body.messages if m.tool_call_id]
+    tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
+    size = 2 * _utf8(json.dumps(calls, ensure_ascii=False)) if calls else 0
+    return size + (2 * _utf8(json.dumps(tools, ensure_ascii=False)) + TOOLS_TOKENS if tools else 0)
 
 
 def reservation(body: Body, b: PromptBounds, max_model_len: int) -> int:
@@ -87,8 +102,20 @@ def reservation(body: Body, b: PromptBounds, max_model_len: int) -> int:
     return min(most, max_model_len - requested) + body.n * requested  # longer prompts are refused
 
 
-def prompt_ids(tokenizer: Any, body: Body) -> list[int]:
-    """Render and tokenize (blocking: run it in a thread); a control token in chat content is a 400."""
+def _no_control_token(tokenizer: Any, text: str, what: str, param: str) -> None:
+    token = tokenizer.find_control_token(text)
+    if token is not None:  # NOTE: it would become a real control token and forge a role turn
+        raise APIError(
+            400,
+            f"{what} contains the control token {token!r}; control tokens may only come from the chat template",
+            param=param,
+        )
+
+
+def prompt_ids(tokenizer: Any, body: Body, tools: ToolPlan | None = None) -> list[int]:
+    """Render and tokenize (blocking: run it in a thread); a control token in chat content is a 400.
+
+    `tools`: the request's tool plan, whose tools the template (or the Hermes fallback) renders."""
     ids = body.token_ids() if isinstance(body, CompletionRequest) else None
     if ids is not None:
         return list(ids)
@@ -96,15 +123,15 @@ def prompt_ids(tokenizer: Any, body: Body) -> list[int]:
         if isinstance(body, ChatCompletionRequest):
             messages = [m.to_template() for m in body.messages]
             for i, m in enumerate(messages):
-                token = tokenizer.find_control_token(m["content"])
-                if token is not None:  # NOTE: it would become a real control token and forge a role turn
-                    raise APIError(
-                        400,
-                        f"message content contains the control token {token!r}; control tokens "
-                        "may only come from the chat template",
-                        param=f"messages.{i}.content",
-                    )
-            return list(tokenizer.encode_chat(messages))
+                _no_control_token(tokenizer, m["content"], "message content", f"messages.{i}.content")
+                if "tool_calls" in m:
+                    text = json.dumps(m["tool_calls"], ensure_ascii=False)
+                    _no_control_token(tokenizer, text, "a tool call", f"messages.{i}.tool_calls")
+            defs = tools.tools if tools is not None else None
+            if defs:
+                _no_control_token(tokenizer, json.dumps(defs, ensure_ascii=False), "a tool definition", "tools")
+            messages, extra = render.template_inputs(messages, defs, tokenizer.renders_tools)
+            return list(tokenizer.encode_chat(messages, **extra))
         return list(tokenizer.encode(body.text()))
     except InvalidRequestError as e:
         field = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"

@@ -12,7 +12,10 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from engine import InvalidRequestError, SamplingParams
+from engine.structured import StructuredOutputs
 from gateway.errors import APIError
+from gateway.protocol_structured import Choices, Grammar, Pattern, ResponseFormat, SchemaText, StructuredOutputsField
+from gateway.protocol_tools import CallId, ToolCalls, ToolChoice, Tools, check_schema_size
 from gateway.unsupported import strip_unsupported
 
 INT32_MAX = 2**31 - 1
@@ -56,6 +59,18 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | Annotated[list[TextPart], Field(max_length=MAX_PARTS)] | None = None
     name: Short | None = None
+    tool_calls: ToolCalls | None = None  # an earlier assistant turn's calls
+    tool_call_id: CallId | None = None  # a tool result: the call it answers
+
+    @model_validator(mode="after")
+    def _tool_fields(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("tool_calls: only assistant messages carry tool calls")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("tool_call_id: a tool message must name the call it answers")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError("tool_call_id: only tool messages answer a tool call")
+        return self
 
     def text(self) -> str:
         if isinstance(self.content, str) or self.content is None:
@@ -64,7 +79,14 @@ class ChatMessage(BaseModel):
 
     def to_template(self) -> dict[str, Any]:
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": self.text()}
+        message: dict[str, Any] = {"role": role, "content": self.text()}
+        if self.tool_calls:
+            message["tool_calls"] = [c.to_template() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None and role == "tool":  # the function's name, as templates that show it expect
+            message["name"] = self.name
+        return message
 
 
 class _SamplingFields(BaseModel):
@@ -88,6 +110,18 @@ class _SamplingFields(BaseModel):
     min_p: Annotated[float, Field(ge=0, le=1)] = 0.0
     repetition_penalty: Annotated[float, Field(gt=0, le=2)] = 1.0
     ignore_eos: bool = False
+    # structured outputs: OpenAI's response_format, vLLM's guided_* and structured_outputs (gateway.structured)
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | SchemaText | None = None
+    guided_regex: Pattern | None = None
+    guided_choice: Choices | None = None
+    guided_grammar: Grammar | None = None
+    structured_outputs: StructuredOutputsField | None = None
+
+    @field_validator("guided_json")
+    @classmethod
+    def _bounded_schema(cls, schema: dict[str, Any] | str | None) -> dict[str, Any] | str | None:
+        return check_schema_size(schema) if isinstance(schema, dict) else schema
 
     @field_validator("logit_bias")
     @classmethod
@@ -104,7 +138,14 @@ class _SamplingFields(BaseModel):
     def logit_bias_ids(self) -> dict[int, float] | None:
         return None if self.logit_bias is None else {int(k): v for k, v in self.logit_bias.items()}
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None, choice: int = 0) -> SamplingParams:
+    def sampling_params(
+        self,
+        max_tokens: int,
+        logprobs: int | None,
+        choice: int = 0,
+        structured: StructuredOutputs | None = None,
+        skip_special_tokens: bool = True,
+    ) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         seed = None
         if self.seed is not None:  # choice i gets seed + i, wrapped into the range a generator accepts
@@ -125,6 +166,8 @@ class _SamplingFields(BaseModel):
                 ignore_eos=self.ignore_eos,
                 logprobs=logprobs,
                 logit_bias=self.logit_bias_ids(),
+                structured=structured,
+                skip_special_tokens=skip_special_tokens,
             )
         except InvalidRequestError as e:
             raise APIError(400, str(e), param=e.param) from None
@@ -139,6 +182,9 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    tools: Tools | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     @field_validator("top_logprobs")
     @classmethod

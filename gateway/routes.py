@@ -9,11 +9,13 @@ from typing import Any
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
-from gateway import admission, completion, json_body, prompt
+from engine.structured import StructuredOutputs
+from gateway import admission, completion, json_body, prompt, structured
 from gateway.errors import APIError
 from gateway.models import ModelRegistry, ServedModel
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, openapi_schema, parse
 from gateway.state import RequestState
+from gateway.tools.plan import ToolPlan, plan
 from security.principal import Principal
 
 
@@ -130,18 +132,24 @@ async def _complete(request: Request, chat: bool) -> Response:
     privacy = deps.privacy.session(principal.tenant, state) if deps.privacy is not None else None
     if privacy is not None:
         privacy.check_request(body)
+    tools, constraint = _constraints(body, engine.tokenizer, served.tool_call_parser)
+    state.constrained = constraint is not None
     lease = await admission.admit(
         deps.limiter, principal, prompt.reservation(body, bounds, limit), state, model=served.name
     )
     try:
         if privacy is not None:  # what the model sees, and what the audit trail keeps of the prompt
             body = await privacy.screen_async(body, engine.tokenizer)
-        ids, state.prompt_text = await asyncio.to_thread(_tokenize, engine.tokenizer, body)
+        ids, state.prompt_text = await asyncio.to_thread(_tokenize, engine.tokenizer, body, tools)
         state.prompt_tokens = len(ids)
         _check_context(len(ids), requested, limit, params)
         max_tokens = limit - len(ids) if requested is None else requested
-        sampling = [body.sampling_params(max_tokens, body.num_logprobs(), i) for i in range(body.n)]
-        return await completion.run(request, body, ids, sampling, lease, engine, privacy)
+        show = tools is not None and tools.parser.show_special_tokens  # its markers are special tokens
+        sampling = [
+            body.sampling_params(max_tokens, body.num_logprobs(), i, constraint, skip_special_tokens=not show)
+            for i in range(body.n)
+        ]
+        return await completion.run(request, body, ids, sampling, lease, engine, privacy, tools)
     finally:  # a stream settles when it ends; everything else (done, failed, cut) settles here
         if not state.settled_by_stream:
             await lease.settle(state.total_tokens)
@@ -151,9 +159,34 @@ def _parse(model: type[ChatCompletionRequest | CompletionRequest], raw: bytes) -
     return parse(model, json_body.decode(raw))
 
 
-def _tokenize(tokenizer: Any, body: ChatCompletionRequest | CompletionRequest) -> tuple[list[int], str]:
+def _constraints(
+    body: ChatCompletionRequest | CompletionRequest, tokenizer: Any, parser: str
+) -> tuple[ToolPlan | None, StructuredOutputs | None]:
+    """The tool plan and the one grammar the output must match (a response format, or a required tool call)."""
+    tools = plan(body, tokenizer, parser) if isinstance(body, ChatCompletionRequest) else None
+    constraint = structured.requested(body)
+    if tools is not None and tools.grammar is not None:
+        if constraint is not None:
+            raise APIError(
+                400,
+                f"{constraint.field} and a required tool call cannot both constrain one answer",
+                param=constraint.field,
+            )
+        constraint = tools.grammar
+    elif tools is not None and constraint is not None:  # the grammar would keep the model from calling
+        raise APIError(
+            400,
+            f"{constraint.field} with tools needs tool_choice 'none': a constrained answer cannot also call tools",
+            param=constraint.field,
+        )
+    return tools, constraint
+
+
+def _tokenize(
+    tokenizer: Any, body: ChatCompletionRequest | CompletionRequest, tools: ToolPlan | None = None
+) -> tuple[list[int], str]:
     """The prompt's token ids and its text for the audit content policy (blocking: run in a thread)."""
-    ids = prompt.prompt_ids(tokenizer, body)
+    ids = prompt.prompt_ids(tokenizer, body, tools)
     if isinstance(body, ChatCompletionRequest):
         return ids, json.dumps([m.model_dump(exclude_none=True) for m in body.messages], ensure_ascii=False)
     return ids, body.text() if body.token_ids() is None else json.dumps(body.prompt)

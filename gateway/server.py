@@ -59,6 +59,7 @@ class _Opened:
 def _open(settings: Settings, spec: ModelSettings) -> _Opened:
     fields = asdict(spec.engine)
     key, threads = fields.pop("key_provider"), fields.pop("decrypt_threads")
+    fields.pop("tool_call_parser")  # the gateway's (gateway.tools.select), not the engine's
     model = fields.pop("model")
     if model is None:
         model = ensure_demo_model(settings.home)
@@ -117,7 +118,7 @@ def build_models(settings: Settings) -> ModelRegistry:
     served: list[ServedModel] = []
     try:
         for o in opened:
-            served.append(ServedModel(o.name, _load(o, plans[o.name])))
+            served.append(ServedModel(o.name, _load(o, plans[o.name]), tool_call_parser=o.spec.engine.tool_call_parser))
     except BaseException:
         _stop([m.engine for m in served])
         raise

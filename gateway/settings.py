@@ -106,6 +106,9 @@ class EngineSettings:
     # sealed models: file:PATH | env:VAR | pkcs11:module=...;token=...;key=...;pin-file=...
     key_provider: str | None = None
     decrypt_threads: int | None = None
+    # the model's tool-call format: auto (from its vocabulary and chat template) | hermes | llama3_json | mistral |
+    # deepseek_v3 (gateway.tools.parsers)
+    tool_call_parser: str = "auto"
 
 
 @dataclass
@@ -432,5 +435,11 @@ def _validate(s: Settings) -> None:
         raise SettingsError(f"ratelimit.on_redis_error must be closed or open, got {s.ratelimit.on_redis_error!r}")
     if not s.privacy.terms_check_interval_s > 0:
         raise SettingsError(f"privacy.terms_check_interval_s must be > 0, got {s.privacy.terms_check_interval_s}")
+    parsers = ("auto", "hermes", "llama3_json", "mistral", "deepseek_v3")  # gateway.tools.select.CHOICES
+    for engine in [s.engine, *(m.engine for m in s.models)]:
+        if engine.tool_call_parser not in parsers:
+            raise SettingsError(
+                f"engine.tool_call_parser must be one of {', '.join(parsers)}, got {engine.tool_call_parser!r}"
+            )
     if s.server.log_level not in ("critical", "error", "warning", "info", "debug"):
         raise SettingsError(f"server.log_level must be critical|error|warning|info|debug, got {s.server.log_level!r}")

@@ -32,6 +32,9 @@ class RequestState:
     itl_s: list[float] = field(default_factory=list)
     prompt_text: str | None = None  # only for the audit content policy; never logged
     response_text: str | None = None
+    # structured outputs and tool calling (names only: arguments are content)
+    constrained: bool | None = None  # the output had to match a schema or grammar
+    tool_calls: list[str] | None = None  # the functions the model called; None: no tools in the request
     # decisions
     ratelimit: str | None = None
     # the privacy policies that fired (gateway.privacy): (direction, policy, action) → count; never the text

@@ -6,11 +6,16 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine import Logprob, RequestOutput, Usage
 
+if TYPE_CHECKING:
+    from gateway.tools.plan import ToolPlan
+    from gateway.tools.stream import ToolStream
+
 DONE = b"data: [DONE]\n\n"
+MIN_LOGPROB = -9999.0  # what OpenAI and vLLM report for a token of probability 0 (JSON has no -Infinity)
 
 
 def _dumps(obj: dict[str, Any]) -> str:
@@ -63,6 +68,8 @@ class Choice:
     usage: Usage | None = None
     logprobs: list[Logprob] = field(default_factory=list)
     started: bool = False
+    tools: ToolStream | None = None  # a stream's tool-call parser (tool calling)
+    tool_names: list[str] = field(default_factory=list)  # the functions called, for the audit trail
 
     @property
     def text(self) -> str:
@@ -80,10 +87,12 @@ class ResponseBuilder:
         n: int,
         token_text: Callable[[int], str],
         report_cached: bool = True,
+        tools: ToolPlan | None = None,
     ) -> None:
         self.chat, self.id, self.model, self.report_cached = chat, req_id, model, report_cached
         self.created = int(time.time())
-        self.choices = [Choice() for _ in range(n)]
+        self.tools = tools  # set: the answers are parsed for tool calls
+        self.choices = [Choice(tools=tools.stream() if tools is not None else None) for _ in range(n)]
         self.token_text = token_text
         self.object = "chat.completion" if chat else "text_completion"
         fixed = {
@@ -121,7 +130,7 @@ class ResponseBuilder:
     def _chat_logprobs(self, lps: list[Logprob]) -> dict[str, Any]:
         def entry(token_id: int, lp: float) -> dict[str, Any]:
             text = self.token_text(token_id)
-            return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+            return {"token": text, "logprob": max(lp, MIN_LOGPROB), "bytes": list(text.encode())}
 
         return {
             "content": [entry(x.token_id, x.logprob) | {"top_logprobs": [entry(t, v) for t, v in x.top]} for x in lps],
@@ -136,8 +145,8 @@ class ResponseBuilder:
             pos += len(t)
         return {
             "tokens": tokens,
-            "token_logprobs": [x.logprob for x in lps],
-            "top_logprobs": [{self.token_text(t): v for t, v in x.top} for x in lps],
+            "token_logprobs": [max(x.logprob, MIN_LOGPROB) for x in lps],
+            "top_logprobs": [{self.token_text(t): max(v, MIN_LOGPROB) for t, v in x.top} for x in lps],
             "text_offset": offsets,
         }
 
@@ -147,14 +156,16 @@ class ResponseBuilder:
         for i, c in enumerate(self.choices):
             if self.chat:
                 lp = self._chat_logprobs(c.logprobs) if want_logprobs else None
-                choices.append(
-                    {
-                        "index": i,
-                        "message": {"role": "assistant", "content": c.text, "refusal": None},
-                        "logprobs": lp,
-                        "finish_reason": c.finish_reason,
-                    }
-                )
+                message: dict[str, Any] = {"role": "assistant", "content": c.text, "refusal": None}
+                finish = c.finish_reason
+                if self.tools is not None:
+                    content, calls = self.tools.parse(c.text)
+                    message["content"] = content
+                    if calls:
+                        message["tool_calls"] = [call.to_openai() for call in calls]
+                        c.tool_names = [call.name for call in calls]
+                        finish = c.finish_reason = "tool_calls" if finish == "stop" else finish
+                choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": finish})
             else:
                 lp = self._text_logprobs(c.logprobs, 0) if want_logprobs else None
                 choices.append({"index": i, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason})
@@ -174,14 +185,20 @@ class ResponseBuilder:
         before = c.length - len(out.new_text)
         lps = out.logprobs or []
         if self.chat:
-            delta: dict[str, Any] = {"content": out.new_text} if out.new_text or not c.started else {}
+            finish = c.finish_reason if out.finished else None
+            if c.tools is not None:
+                delta, finish = self._tool_delta(c, out.new_text, finish)
+                if not delta and c.started and finish is None and not (want_logprobs and lps):
+                    return b""  # held back: it may be the start of a tool call
+            else:
+                delta = {"content": out.new_text} if out.new_text or not c.started else {}
             if not c.started:
-                delta = {"role": "assistant"} | delta
+                delta = {"role": "assistant", "content": delta.pop("content", "")} | delta
             choice: dict[str, Any] = {
                 "index": index,
                 "delta": delta,
                 "logprobs": self._chat_logprobs(lps) if want_logprobs and lps else None,
-                "finish_reason": c.finish_reason if out.finished else None,
+                "finish_reason": finish,
             }
         else:
             choice = {
@@ -193,6 +210,21 @@ class ResponseBuilder:
         c.started = True
         # the chunk's fixed fields are encoded once per response; this encodes only the choice
         return self._chunk_head + _dumps(choice).encode() + (b'],"usage":null}\n\n' if include_usage else b"]}\n\n")
+
+    def _tool_delta(self, c: Choice, new_text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
+        """A tool-calling stream's delta: content and tool-call fragments, as OpenAI sends them."""
+        assert c.tools is not None
+        content, calls = c.tools.feed(new_text, finish is not None)
+        delta: dict[str, Any] = {"content": content} if content else {}
+        if calls:
+            delta["tool_calls"] = calls
+        c.tool_names = c.tools.names
+        if finish == "stop" and c.tool_names:
+            finish = c.finish_reason = "tool_calls"
+        return delta, finish
+
+    def tool_names(self) -> list[str]:
+        return [name for c in self.choices for name in c.tool_names]
 
     def usage_chunk(self) -> bytes:
         obj = "chat.completion.chunk" if self.chat else "text_completion"

@@ -12,12 +12,8 @@ from gateway.errors import APIError
 
 # field -> the values that ask for nothing (None always does)
 _COMMON: dict[str, tuple[Any, ...]] = {
-    "tools": ([],),
-    "tool_choice": ("none",),
-    "parallel_tool_calls": (),
     "functions": ([],),
     "function_call": ("none",),
-    "response_format": ({"type": "text"},),
     "audio": (),
     "modalities": (["text"],),
     "prediction": (),
@@ -29,18 +25,18 @@ _COMMON: dict[str, tuple[Any, ...]] = {
     "verbosity": (),
     "prompt_cache_key": (),
     "safety_identifier": (),
-    "guided_json": (),
-    "guided_regex": (),
-    "guided_choice": (),
-    "guided_grammar": (),
 }
 CHAT_ONLY: dict[str, tuple[Any, ...]] = {}
-COMPLETION_ONLY: dict[str, tuple[Any, ...]] = {"best_of": (1,)}
+# tool calling is a chat feature: on /v1/completions these are refused as before
+COMPLETION_ONLY: dict[str, tuple[Any, ...]] = {
+    "best_of": (1,),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "parallel_tool_calls": (),
+}
 # fields of a message that the client SDKs send back with an earlier answer
 MESSAGE: dict[str, tuple[Any, ...]] = {
-    "tool_calls": ([],),
     "function_call": (),
-    "tool_call_id": (),
     "audio": (),
     "refusal": (),
     "annotations": ([],),

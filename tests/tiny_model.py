@@ -23,7 +23,7 @@ CORPUS = [
 ] * 20
 
 
-def build_tiny_chat_model(path: Path, seed: int = 0, tied: bool = True) -> Path:
+def build_tiny_chat_model(path: Path, seed: int = 0, tied: bool = True, max_len: int = 512) -> Path:
     """tied=False: a random LM head of its own (a tied tiny model mostly repeats its prompt's last token)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -41,7 +41,7 @@ def build_tiny_chat_model(path: Path, seed: int = 0, tied: bool = True) -> Path:
                 "pad_token": "<|endoftext|>",
                 "unk_token": None,
                 "tokenizer_class": "PreTrainedTokenizerFast",
-                "model_max_length": 512,
+                "model_max_length": max_len,
             }
         )
     )
@@ -52,7 +52,7 @@ def build_tiny_chat_model(path: Path, seed: int = 0, tied: bool = True) -> Path:
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=512,
+        max_position_embeddings=max_len,
         tie_word_embeddings=tied,
         eos_token_id=eos,
         bos_token_id=None,

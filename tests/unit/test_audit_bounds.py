@@ -49,3 +49,14 @@ def test_user_agent_512_and_several_cuts_in_one_event() -> None:
     assert {t["field"] for t in doc["tianmen"]["truncated"]} == {"user_agent.original", "url.path"}
     assert "truncated" not in AuditEvent("r", "a", user_agent="u" * 512).to_dict()["tianmen"]
     assert len(canonical_json(doc)) < 4096  # the whole event stays small whatever the client sent
+
+
+def test_tool_names_are_bounded_in_count_and_length() -> None:
+    doc = AuditEvent(request_id="r", action="chat", tool_calls=["f" * 100, *["g"] * 200], schema_constrained=True)
+    out = doc.to_dict()["tianmen"]
+    assert len(out["tool_calls"]) == 128 and out["tool_calls"][0] == "f" * 64 and out["schema_constrained"] is True
+    assert {t["field"] for t in out["truncated"]} == {"tianmen.tool_calls"} and len(out["truncated"]) == 2
+    plain = AuditEvent(request_id="r", action="chat").to_dict()["tianmen"]
+    assert "tool_calls" not in plain and "schema_constrained" not in plain  # no tools, no constraint field
+    none_called = AuditEvent(request_id="r", action="chat", tool_calls=[]).to_dict()["tianmen"]
+    assert none_called["tool_calls"] == []  # tools offered, none called

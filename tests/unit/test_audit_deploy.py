@@ -54,6 +54,8 @@ def test_template_maps_every_field_an_event_can_carry() -> None:
         ratelimit_decision="allowed",
         error_type="none",
         phase="close",
+        schema_constrained=True,
+        tool_calls=["get_weather"],
         content=content_fields("full", "p", "r"),
         policy_hits=[{"direction": "prompt", "policy": "bank_card", "action": "mask", "count": 2}],
     ).to_dict()

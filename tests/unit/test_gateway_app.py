@@ -20,6 +20,7 @@ from security.ratelimit import RateLimitConfig, RateLimiter, RateLimitTier
 
 class FakeTokenizer:
     vocab_size = 512
+    renders_tools = False  # tools, if any, go into the messages (the Hermes fallback)
 
     def __init__(self) -> None:
         self.threads: list[int] = []  # where each encoding ran
