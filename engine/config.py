@@ -43,8 +43,10 @@ class EngineConfig:
     long_prefill_token_threshold: int = 512
     # while other requests run or wait, all prefill chunks of one step together take at most this many tokens
     # (0: no cap). Prompts that arrive together are then prefilled a few at a time, and the first of them start
-    # streaming while the rest prefill, instead of all waiting for one step that prefills every one of them
-    max_prefill_tokens_per_step: int = 1024
+    # streaming while the rest prefill, instead of all waiting for one step that prefills every one of them.
+    # Off here (offline batches want throughput, not first tokens); `tianmen serve` sets 1024, as vLLM's
+    # defaults differ between its LLM class and its server
+    max_prefill_tokens_per_step: int = 0
     max_model_len: int = 2048  # capped by the model's max_position_embeddings
     block_size: int = 16
     kv_cache_bytes: int | None = None  # None: room for max_num_seqs full-length sequences, at most 4 GiB

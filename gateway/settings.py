@@ -86,7 +86,9 @@ class EngineSettings:
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 4096
     long_prefill_token_threshold: int = 512  # while others run or wait, a prompt's prefill chunk per step (0: off)
-    max_prefill_tokens_per_step: int = 1024  # while others run or wait, all prefill chunks of a step (0: off)
+    # while others run or wait, all prefill chunks of a step (0: off); measured on a busy Zen 4 with 16 streams:
+    # TTFT p50 2,851 -> 1,403 ms; the engine's own default (offline batches) is off
+    max_prefill_tokens_per_step: int = 1024
     max_model_len: int = 2048
     block_size: int = 16
     kv_cache_bytes: int | None = None
