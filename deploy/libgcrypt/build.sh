@@ -116,4 +116,6 @@ step "libgcrypt: make" make -j"$JOBS" SUBDIRS="$SUBDIRS"
 step "libgcrypt: install" make install SUBDIRS="$SUBDIRS"
 
 has_new_gcrypt || die "built, but $LIB does not load as libgcrypt >= 1.11 (see $LOG)"
-ldd "$LIB" | grep -q "$PREFIX/lib/libgpg-error.so.0" || die "$LIB does not resolve libgpg-error from $PREFIX/lib"
+# NOTE: not `ldd | grep -q`: under pipefail grep's early exit can kill ldd with SIGPIPE and fail a good build
+deps=$(ldd "$LIB")
+grep -q "$PREFIX/lib/libgpg-error.so.0" <<< "$deps" || die "$LIB does not resolve libgpg-error from $PREFIX/lib"
