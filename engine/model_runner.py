@@ -13,7 +13,7 @@ from engine.block_manager import cdiv
 from engine.config import EngineConfig
 from engine.context import AttentionContext, PrefillMeta, reset_context, set_context
 from engine.errors import ConfigError
-from engine.kernels import decode_attn, pointwise, wbf16
+from engine.kernels import decode_attn, decode_attn_amx, pointwise, wbf16
 from engine.kernels.bind import BindReport, bind_cpu_kernels, gemm_paths, make_selector
 from engine.kernels.kernel_set import CpuKernels
 from engine.kernels.op_choice import choose_kernels
@@ -112,9 +112,10 @@ class ModelRunner:
         selector = make_selector(paths, self.dtype, c.gemm_path if use else "onednn", max_layouts=c.gemm_layouts)
         kernels = CpuKernels()
         if use:
-            pw, attn = pointwise.kernel(), decode_attn.kernel()
+            pw = pointwise.kernel()
+            attn = {n: k for n, k in (("amx", decode_attn_amx.kernel()), ("portable", decode_attn.kernel())) if k}
             timer = selector.timer if selector.measure else None  # a forced gemm_path binds every kernel untimed
-            kernels = choose_kernels(self.model, pw, attn, self.dtype, timer, selector.cache)
+            kernels = choose_kernels(self.model, pw, attn, self.dtype, timer, selector.cache, self.block_size)
         return bind_cpu_kernels(self.model, [self.sampler], kernels, selector, c.max_num_seqs)
 
     # ---- one step -----------------------------------------------------------------------------

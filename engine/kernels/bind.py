@@ -40,7 +40,17 @@ log = logging.getLogger(__name__)
 
 _SOURCES = [
     Path(__file__).with_name(n)
-    for n in ("gemm.py", "select.py", "op_choice.py", "bf16mm.c", "wbf16.c", "amxmm.c", "pointwise.c", "decode_attn.c")
+    for n in (
+        "gemm.py",
+        "select.py",
+        "op_choice.py",
+        "bf16mm.c",
+        "wbf16.c",
+        "amxmm.c",
+        "pointwise.c",
+        "decode_attn.c",
+        "decode_attn_amx.c",
+    )
 ] + [Path(__file__).parents[1] / "quant" / n for n in ("paths.py", "weights.py")]
 
 
@@ -142,9 +152,14 @@ def _quant_selector(selector: GemmSelector) -> GemmSelector:
         lead = next(iter(selector.paths)).split("-")[0]
         paths.sort(key=lambda p: p.name.split("-")[0] != lead)
     return GemmSelector(
-        paths, selector.dtype, selector.cache, selector.timer, selector.max_layouts, measure=selector.measure,
+        paths,
+        selector.dtype,
+        selector.cache,
+        selector.timer,
+        selector.max_layouts,
+        measure=selector.measure,
         flush=selector.flush,
-    )  # fmt: skip
+    )
 
 
 def _bias(lin: Linear) -> torch.Tensor | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -24,17 +25,21 @@ _i64, _ptr, _int, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c
 class DecodeAttention:
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib = lib
-        for f in (lib.decode_attn_f32, lib.decode_attn_bf16):
+        self._bind({torch.float32: lib.decode_attn_f32, torch.bfloat16: lib.decode_attn_bf16})
+
+    def _bind(self, fns: dict[torch.dtype, Any]) -> None:
+        """The C entry points by cache dtype; every kernel of this family takes the same arguments."""
+        for f in fns.values():
             f.argtypes = [_i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _f32, _ptr, _int]
             f.restype = None
-        self._fn = {torch.float32: lib.decode_attn_f32, torch.bfloat16: lib.decode_attn_bf16}
+        self._fn = fns
 
     @classmethod
     def build(cls, flags: tuple[str, ...] = ("-march=native",)) -> DecodeAttention:
         return cls(build(SOURCE, flags))
 
-    def takes(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
-        """The shapes the kernel is written for (decode_attn.c): others keep gather + SDPA."""
+    def takes(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, block_size: int = 16) -> bool:
+        """The shapes the kernel is written for (decode_attn.c; any block size): others keep gather + SDPA."""
         return (
             dtype in self._fn
             and head_dim % 16 == 0
@@ -85,20 +90,45 @@ def reference(
     return out
 
 
-def self_check(kernel: DecodeAttention) -> None:
-    """Against `reference` for both dtypes: scattered blocks, a partial last block, G = 1 and 7, head_dim 16/64."""
+def check_against_reference(
+    kernel: DecodeAttention,
+    dtypes: tuple[torch.dtype, ...],
+    heads: tuple[tuple[int, int, int], ...],
+    block_size: int,
+    lens: tuple[int, ...],
+) -> None:
+    """`kernel` against `reference` over scattered blocks, with partial last blocks: one sequence per length."""
     g = torch.Generator().manual_seed(0)
-    for dtype in (torch.float32, torch.bfloat16):
-        for h, kv, d in ((7, 1, 64), (4, 4, 16)):
-            kc, vc = (torch.randn(9, 4, kv, d, generator=g).to(dtype) for _ in range(2))
-            q = torch.randn(3, h, d, generator=g).to(dtype)
-            tables = torch.tensor([[5, 2, 7, 0], [1, 8, 8, 8], [3, 4, 6, 8]])
-            lens = torch.tensor([14, 1, 9])
-            got = kernel(q, kc, vc, tables, lens, d**-0.5).float()
-            want = reference(q, kc, vc, tables, lens, d**-0.5)
+    for dtype in dtypes:
+        for h, kv, d in heads:
+            width = max(-(-n // block_size) for n in lens)
+            nblocks = len(lens) * width + 1
+            kc, vc = (torch.randn(nblocks, block_size, kv, d, generator=g).to(dtype) for _ in range(2))
+            kc[-1], vc[-1] = float("nan"), float("nan")  # stale cache memory: never read past a context's end
+            q = torch.randn(len(lens), h, d, generator=g).to(dtype)
+            tables = torch.randperm(nblocks - 1, generator=g)[: len(lens) * width].view(len(lens), width)
+            used = torch.tensor(lens)
+            for i, n in enumerate(lens):  # the unused tail of a table, and a partial block's rest, hold NaN
+                tables[i, -(-n // block_size) :] = nblocks - 1
+                kc[tables[i, (n - 1) // block_size], (n - 1) % block_size + 1 :] = float("nan")
+                vc[tables[i, (n - 1) // block_size], (n - 1) % block_size + 1 :] = float("nan")
+            got = kernel(q, kc, vc, tables, used, d**-0.5).float()
+            want = reference(q, kc, vc, tables, used, d**-0.5)
             tol = 1e-5 if dtype == torch.float32 else 2e-2
             if not torch.allclose(got, want, rtol=tol, atol=tol):
                 raise SelfCheckError(f"self-check failed for {dtype}, {h}/{kv} heads of {d}")
+
+
+def self_check(kernel: DecodeAttention) -> None:
+    """Both dtypes: G = 1 and 7, head_dim 16/64, blocks of 4 tokens."""
+    check_against_reference(kernel, (torch.float32, torch.bfloat16), ((7, 1, 64), (4, 4, 16)), 4, (14, 1, 9))
+
+
+def self_check_bf16(kernel: DecodeAttention) -> None:
+    """For kernels of 16-token blocks and bf16 only: G = 1, 7 and 16, head_dim 32/64/128, contexts across
+    segments of 128 tokens, odd and even, under and over one block."""
+    heads = ((7, 1, 64), (4, 4, 32), (16, 1, 128))
+    check_against_reference(kernel, (torch.bfloat16,), heads, 16, (1, 16, 17, 300, 128, 129, 2))
 
 
 # The process-wide kernel built for this CPU, or None (logged once) where it cannot be built.

@@ -1,5 +1,7 @@
 """The same choice by measurement for the kernels beside the GEMMs: each of RMSNorm, RoPE, greedy argmax and
 paged decode attention is timed against its torch code at the model's own sizes, and kept only where faster.
+Decode attention has two kernels where AMX exists (engine.kernels.decode_attn_amx): the fastest of the three
+paths is kept.
 
 The kernels were each checked against torch when they were built (engine.kernels.cbuild.Once); here only speed
 is in question. Timings go into the same on-disk table as the GEMMs' (engine.kernels.select.PlanCache)."""
@@ -27,21 +29,9 @@ BLOCK = 16
 def faster(
     key: str, ours: Callable[[], object], theirs: Callable[[], object], timer: Timer | None, cache: PlanCache | None
 ) -> bool:
-    """Whether `ours` beat `theirs` (the torch code) on this machine; cached under `key`. No timer: yes."""
-    if timer is None:
-        return True
-    cached = cache.get(key) if cache is not None else None
-    if cached is not None:
-        return cached.per_class == ["kernel"]
-    ours(), theirs()  # warm-up
-    best = {"kernel": math.inf, "torch": math.inf}
-    for _ in range(MIN_ROUNDS * 2):
-        best["kernel"] = min(best["kernel"], timer(ours))
-        best["torch"] = min(best["torch"], timer(theirs))
-    won = best["kernel"] < best["torch"]
-    if cache is not None:
-        cache.put(key, ShapeChoice(["kernel" if won else "torch"], {k: [v * 1e6] for k, v in best.items()}))
-    return won
+    """Whether `ours` beat `theirs` (the torch code) on this machine; cached under `key`. No timer: yes. A tie is
+    not a win."""
+    return timer is None or fastest(key, {"torch": theirs, "kernel": ours}, timer, cache) == "kernel"
 
 
 def rms_norm_wins(
@@ -68,14 +58,31 @@ def argmax_wins(k: PointwiseKernels, vocab: int, timer: Timer | None, cache: Pla
     return faster(f"op argmax {ROWS}x{vocab}", lambda: k.argmax(logits), lambda: logits.argmax(dim=-1), timer, cache)
 
 
-def decode_attention_wins(
-    k: DecodeAttention,
-    attention: PagedAttention,
-    dtype: torch.dtype,
-    timer: Timer | None,
-    cache: PlanCache | None,
-) -> bool:
-    """`attention` (a PagedAttention) decoding ROWS sequences of CONTEXT tokens, with the kernel and without."""
+def fastest(key: str, candidates: dict[str, Callable[[], object]], timer: Timer | None, cache: PlanCache | None) -> str:
+    """The fastest of `candidates` (their first when there is no timer: a forced configuration); cached by key."""
+    names = list(candidates)
+    if timer is None:
+        return names[0]
+    cached = cache.get(key) if cache is not None else None
+    if cached is not None and cached.per_class and cached.per_class[0] in candidates:
+        return cached.per_class[0]
+    for fn in candidates.values():
+        fn()  # warm-up
+    best = dict.fromkeys(names, math.inf)
+    for _ in range(MIN_ROUNDS * 2):
+        for name, fn in candidates.items():
+            best[name] = min(best[name], timer(fn))
+    won = min(names, key=lambda n: best[n])  # a tie keeps the earlier candidate
+    if cache is not None:
+        cache.put(key, ShapeChoice([won], {k: [v * 1e6] for k, v in best.items()}))
+    return won
+
+
+def attention_probe(
+    attention: PagedAttention, dtype: torch.dtype
+) -> Callable[[DecodeAttention | None], Callable[[], object]]:
+    """A decode step of ROWS sequences of CONTEXT tokens through a copy of `attention`'s shape: given a kernel
+    (None: gather + SDPA), the call that runs it."""
     h, kv, d = attention.num_heads, attention.num_kv_heads, attention.head_dim
     probe = PagedAttention(h, kv, d, d**-0.5, (torch.empty(0, dtype=dtype), torch.empty(0, dtype=dtype)))
     per_seq = CONTEXT // BLOCK
@@ -102,17 +109,37 @@ def decode_attention_wins(
 
         return step
 
-    key = f"op decode_attention {ROWS}x{CONTEXT} h{h} kv{kv} d{d} {dtype}"
-    return faster(key, run(k), run(None), timer, cache)
+    return run
+
+
+def choose_decode_attention(
+    kernels: dict[str, DecodeAttention],
+    attention: PagedAttention,
+    dtype: torch.dtype,
+    block_size: int,
+    timer: Timer | None,
+    cache: PlanCache | None,
+) -> DecodeAttention | None:
+    """The fastest of the kernels that take `attention`'s shape, or None where gather + SDPA (torch) beat them
+    all. Without a timer, the first kernel that takes the shape."""
+    h, kv, d = attention.num_heads, attention.num_kv_heads, attention.head_dim
+    fits = {n: k for n, k in kernels.items() if k.takes(h, kv, d, dtype, block_size)}
+    if not fits:
+        return None
+    run = attention_probe(attention, dtype)
+    candidates = {n: run(k) for n, k in fits.items()} | {"torch": run(None)}
+    key = f"op decode_attention {ROWS}x{CONTEXT} h{h} kv{kv} d{d} {dtype} {'+'.join(fits)}"
+    return fits.get(fastest(key, candidates, timer, cache))
 
 
 def choose_kernels(
     model: torch.nn.Module,
     pw: PointwiseKernels | None,
-    attn: DecodeAttention | None,
+    attn: dict[str, DecodeAttention],
     dtype: torch.dtype,
     timer: Timer | None,
     cache: PlanCache | None,
+    block_size: int = BLOCK,
 ) -> CpuKernels:
     """The kernels (of those that built) that beat torch at this model's sizes on this machine; with no `timer`,
     every one that applies (a forced configuration: engine.config's gemm_path)."""
@@ -129,10 +156,6 @@ def choose_kernels(
             k.rope = pw
         if head is not None and argmax_wins(pw, head.out_features, timer, cache):
             k.argmax = pw
-    if (
-        attn is not None
-        and layer is not None
-        and attn.takes(layer.num_heads, layer.num_kv_heads, layer.head_dim, dtype)
-    ) and decode_attention_wins(attn, layer, dtype, timer, cache):
-        k.decode_attn = attn
+    if layer is not None:
+        k.decode_attn = choose_decode_attention(attn, layer, dtype, block_size, timer, cache)
     return k

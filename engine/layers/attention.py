@@ -37,9 +37,15 @@ class PagedAttention(nn.Module):
         self.scratch = scratch or (torch.empty(0), torch.empty(0))
         self.kernel: DecodeAttention | None = None  # reads the paged cache in place (engine.kernels.decode_attn)
 
+    @property
+    def block_size(self) -> int:
+        return self.k_cache.shape[1] if self.k_cache.dim() == 4 else 16
+
     def bind_kernels(self, kernels: CpuKernels) -> None:
         k = kernels.decode_attn
-        fits = k is not None and k.takes(self.num_heads, self.num_kv_heads, self.head_dim, self.k_cache.dtype)
+        fits = k is not None and k.takes(
+            self.num_heads, self.num_kv_heads, self.head_dim, self.k_cache.dtype, self.block_size
+        )
         self.kernel = k if fits else None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.kernels import decode_attn, pointwise
-from engine.kernels.op_choice import choose_kernels, decode_attention_wins, faster
+from engine.kernels import decode_attn, decode_attn_amx, pointwise
+from engine.kernels.decode_attn import DecodeAttention
+from engine.kernels.op_choice import attention_probe, choose_decode_attention, choose_kernels, faster, fastest
 from engine.kernels.select import PlanCache
 from engine.layers.attention import PagedAttention
 
@@ -45,26 +46,62 @@ def test_kernels_measured_slower_are_not_bound() -> None:
     from engine.layers.norm import RMSNorm
 
     model.append(RMSNorm(64, 1e-6))
-    slow_kernel = choose_kernels(model, pw, None, torch.float32, lambda fn: 1.0, None)
+    slow_kernel = choose_kernels(model, pw, {}, torch.float32, lambda fn: 1.0, None)
     assert slow_kernel.rms_norm is None  # every call "takes" 1 s: a tie is not a win
-    forced = choose_kernels(model, pw, None, torch.float32, None, None)
+    forced = choose_kernels(model, pw, {}, torch.float32, None, None)
     assert forced.rms_norm is pw and forced.decode_attn is None
 
 
+def _attention_kernels() -> dict[str, DecodeAttention]:
+    found = {"amx": decode_attn_amx.kernel(), "portable": decode_attn.kernel()}
+    return {n: k for n, k in found.items() if k is not None}
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_attention_timing_runs_both_paths_to_the_same_answer(dtype: torch.dtype) -> None:
-    """The probe decodes through the kernel and through SDPA; both must give the same output, or the
-    timing compares different work."""
-    k = decode_attn.kernel()
-    if k is None:
-        pytest.skip("the decode attention kernel did not build here (the warning says why)")
+def test_decode_attention_timing_runs_every_path_to_the_same_answer(dtype: torch.dtype) -> None:
+    """The probe decodes through each kernel and through SDPA; all must give the same output, or the timing
+    compares different work."""
+    kernels = _attention_kernels()
+    if not kernels:
+        pytest.skip("no decode attention kernel built here (the warning says why)")
     layer = PagedAttention(8, 2, 64, 64**-0.5)
-    outs: list[torch.Tensor] = []
+    run = attention_probe(layer, dtype)
+    want = run(None)().float()  # type: ignore[attr-defined]
+    for k in kernels.values():
+        if k.takes(8, 2, 64, dtype, 16):
+            torch.testing.assert_close(run(k)().float(), want, rtol=2e-2, atol=2e-2)  # type: ignore[attr-defined]
 
-    def record(fn: Callable[[], object]) -> float:
-        outs.append(fn())  # type: ignore[arg-type]
-        return 0.0
 
-    decode_attention_wins(k, layer, dtype, record, None)
-    kernel_out, sdpa_out = outs[0], outs[1]
-    torch.testing.assert_close(kernel_out.float(), sdpa_out.float(), rtol=2e-2, atol=2e-2)
+def test_the_fastest_of_several_wins_a_tie_keeps_the_first_and_the_cache_remembers(tmp_path: Path) -> None:
+    a, b, c = (lambda: None), (lambda: None), (lambda: None)
+    cache = PlanCache(tmp_path, "k", quiet)
+    times = {a: 3e-3, b: 1e-3, c: 2e-3}
+    assert fastest("op three", {"a": a, "b": b, "c": c}, lambda fn: times[fn], cache) == "b"
+    assert fastest("op tie", {"a": a, "b": b}, lambda fn: 1e-3, cache) == "a"
+    assert fastest("op forced", {"a": a, "b": b}, None, cache) == "a"
+    again = PlanCache(tmp_path, "k", quiet)
+    assert fastest("op three", {"a": a, "b": b, "c": c}, lambda fn: 1.0 if fn is b else 1e-3, again) == "b"
+
+
+def _kernel_of(step: Callable[[], object]) -> DecodeAttention | None:
+    """Which kernel a probe step (op_choice.attention_probe) runs: None for gather + SDPA."""
+    cells = dict(zip(step.__code__.co_freevars, step.__closure__ or ()))  # type: ignore[attr-defined]
+    return cells["kernel"].cell_contents
+
+
+def test_decode_attention_takes_the_fastest_kernel_and_none_when_torch_wins() -> None:
+    kernels = _attention_kernels()
+    if not kernels:
+        pytest.skip("no decode attention kernel built here (the warning says why)")
+    layer = PagedAttention(8, 2, 64, 64**-0.5)
+    dtype = torch.bfloat16
+    for k in kernels.values():  # each kernel in turn made the only fast one
+        assert (
+            choose_decode_attention(
+                kernels, layer, dtype, 16, lambda fn, k=k: 1e-3 if _kernel_of(fn) is k else 1.0, None
+            )
+            is k
+        )
+    torch_fastest = lambda fn: 1e-3 if _kernel_of(fn) is None else 1.0  # noqa: E731
+    assert choose_decode_attention(kernels, layer, dtype, 16, torch_fastest, None) is None
+    assert choose_decode_attention(kernels, layer, dtype, 16, None, None) is next(iter(kernels.values()))

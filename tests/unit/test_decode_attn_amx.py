@@ -1,0 +1,70 @@
+"""The AMX decode attention (engine.kernels.decode_attn_amx), compiled here with gcc, against the float32
+reference read from the paged cache.
+
+It is a candidate only on CPUs with AMX tiles, so these tests run where the CPU has them; elsewhere the
+selection never sees it (the portable kernel's tests cover the rest)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.kernels import amxmm, cbuild, decode_attn
+from engine.kernels.decode_attn import check_against_reference
+from engine.kernels.decode_attn_amx import AMXDecodeAttention
+
+pytestmark = pytest.mark.skipif(not amxmm.supported(), reason="this CPU has no AMX tiles")
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory: pytest.TempPathFactory) -> AMXDecodeAttention:
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TIANMEN_KERNEL_CACHE", str(tmp_path_factory.mktemp("kernels")))
+    try:
+        return AMXDecodeAttention.build()
+    finally:
+        mp.undo()
+
+
+# G = 1, 3, 7, 8, 16 query heads per KV head; head_dim 32, 64, 128, 256 (one to eight 32-wide tile steps)
+@pytest.mark.parametrize(
+    ("h", "kv", "d"), [(2, 2, 64), (9, 3, 64), (14, 2, 64), (32, 4, 128), (16, 1, 32), (8, 2, 256)]
+)
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_equals_the_reference_over_scattered_blocks_and_stale_memory(
+    kernel: AMXDecodeAttention, h: int, kv: int, d: int, block_size: int
+) -> None:
+    # lengths: one token, odd and even, a full block, one past it, a 128-token segment and one past it, long
+    check_against_reference(kernel, (torch.bfloat16,), ((h, kv, d),), block_size, (1, 2, 15, 16, 17, 128, 129, 700))
+
+
+def test_a_large_score_range_neither_overflows_nor_loses_the_peak(kernel: AMXDecodeAttention) -> None:
+    """Scores far apart (one key aligned with the query, 300 others orthogonal-ish): the running maximum must
+    carry across segments, or exp() over- or underflows."""
+    g = torch.Generator().manual_seed(3)
+    d, n = 64, 300
+    q = torch.randn(1, 4, d, generator=g).bfloat16() * 8
+    kc = torch.randn(n // 16 + 1, 16, 1, d, generator=g).bfloat16() * 0.01
+    kc.view(-1, d)[250] = q[0, 0] * 4  # the peak sits in the second segment
+    vc = torch.randn_like(kc)
+    tables = torch.arange(n // 16 + 1).view(1, -1)
+    lens = torch.tensor([n])
+    got = kernel(q, kc, vc, tables, lens, d**-0.5).float()
+    want = decode_attn.reference(q, kc, vc, tables, lens, d**-0.5)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
+def test_takes_only_the_shapes_the_tiles_fit(kernel: AMXDecodeAttention) -> None:
+    assert kernel.takes(14, 2, 64, torch.bfloat16, 16) and kernel.takes(32, 8, 128, torch.bfloat16, 32)
+    assert not kernel.takes(14, 2, 64, torch.float32, 16)  # bf16 caches only
+    assert not kernel.takes(14, 2, 64, torch.bfloat16, 8)  # a 16-row tile would cross blocks
+    assert not kernel.takes(14, 2, 48, torch.bfloat16, 16)  # head_dim not a multiple of 32
+    assert not kernel.takes(34, 2, 64, torch.bfloat16, 16)  # 17 query heads per KV head: more than a tile's 16
+
+
+def test_self_check_catches_a_wrong_kernel(kernel: AMXDecodeAttention, monkeypatch: pytest.MonkeyPatch) -> None:
+    decode_attn.self_check_bf16(kernel)
+    monkeypatch.setattr(AMXDecodeAttention, "__call__", lambda self, q, *args: q * 1.1)
+    with pytest.raises(cbuild.SelfCheckError, match="self-check failed"):
+        decode_attn.self_check_bf16(kernel)
