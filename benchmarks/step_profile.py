@@ -23,11 +23,14 @@ import torch
 from benchmarks.shapes import SHAPES, checkpoint
 from engine import LLM, EngineConfig, SamplingParams
 from engine.config import GEMM_PATHS
+from engine.kernels.decode_attn import DecodeAttention
 from engine.kernels.select import GemmPlan, row_class
 from engine.layers.attention import PagedAttention
 from engine.layers.linear import Linear
 from engine.layers.norm import RMSNorm
+from engine.layers.rotary import RotaryEmbedding
 from engine.model_runner import ModelRunner
+from engine.sampler import Sampler
 
 TOTAL: defaultdict[str, float] = defaultdict(float)
 CALLS: Counter[str] = Counter()
@@ -69,6 +72,9 @@ def main() -> None:
     _timed(Linear, "forward", lambda m, a: f"linear {m.out_features} x {m.in_features} (incl. its GEMM)")
     _timed(PagedAttention, "forward", lambda m, a: f"attention, M {_rows(a[0])}")
     _timed(RMSNorm, "forward", lambda m, a: f"add + RMSNorm, M {_rows(a[0])}")
+    _timed(DecodeAttention, "__call__", lambda m, a: f"  decode kernel {type(m).__name__}, M {_rows(a[0])}")
+    _timed(RotaryEmbedding, "forward", lambda m, a: f"RoPE angles, M {_rows(a[0])}")
+    _timed(Sampler, "__call__", lambda m, a: "sampler")
     _timed(ModelRunner, "execute", lambda m, a: "runner step (all of the above and the rest)")
 
     path = str(checkpoint(args.shape))

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from engine.kernels.bf16mm import interleave_halves
 from engine.kernels.cbuild import BuildError, Once, build
-from engine.kernels.gemm import check_bf16_gemm
+from engine.kernels.gemm import check_bf16_gemm, check_silu_mul
 
 log = logging.getLogger(__name__)
 
@@ -28,9 +30,11 @@ class AMXMM:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib = lib
-        lib.amxmm_linear.argtypes = [_i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _int]
+        for f in (lib.amxmm_linear, lib.amxmm_linear_silu_mul):
+            f.argtypes = [_i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _int]
+            f.restype = None
         lib.amxmm_pack.argtypes = [_i64, _i64, _ptr, _ptr, _int]
-        lib.amxmm_linear.restype = lib.amxmm_pack.restype = None
+        lib.amxmm_pack.restype = None
         lib.amxmm_init.restype = ctypes.c_int
         if lib.amxmm_init() != 0:
             raise BuildError("the kernel cannot use AMX: Linux refused the tile state (arch_prctl)")
@@ -52,15 +56,41 @@ class AMXMM:
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., K] bf16 → x W^T + b, [..., N] bf16."""
+        return self.run(self.lib.amxmm_linear, x, packed, n, bias, n)
+
+    def run(
+        self, fn: Callable[..., None], x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None,
+        out_cols: int,
+    ) -> torch.Tensor:  # fmt: skip
+        """One of the kernel's entry points over x [..., K] → [..., out_cols] bf16."""
         k = x.shape[-1]
         x2 = x.reshape(-1, k).to(torch.bfloat16).contiguous()
-        y = torch.empty(x2.shape[0], n, dtype=torch.bfloat16)
+        y = torch.empty(x2.shape[0], out_cols, dtype=torch.bfloat16)
         b = bias.to(torch.bfloat16).contiguous() if bias is not None else None  # held until the call returns
-        self.lib.amxmm_linear(
+        fn(
             x2.shape[0], n, k, x2.data_ptr(), packed.data_ptr(), b.data_ptr() if b is not None else None,
             y.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
-        return y.view(*x.shape[:-1], n)
+        return y.view(*x.shape[:-1], out_cols)
+
+
+class SiluMulAMXMM:
+    """A gated MLP's merged [gate | up] projection through AMXMM whose result is silu(gate) * up, [..., I]:
+    the fused epilogue of amxmm.c, with the roundings of the unfused bf16 torch code."""
+
+    def __init__(self, base: AMXMM) -> None:
+        self.base = base
+
+    def accepts(self, weight: torch.Tensor) -> bool:
+        return self.base.accepts(weight) and weight.shape[0] % (2 * NB) == 0  # whole gate/up block pairs
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        return self.base.pack(interleave_halves(weight))
+
+    def linear(self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [..., K] → silu(x Wg^T + bg) * (x Wu^T + bu), [..., n / 2]."""
+        b = interleave_halves(bias) if bias is not None else None
+        return self.base.run(self.base.lib.amxmm_linear_silu_mul, x, packed, n, b, n // 2)
 
 
 def supported() -> bool:
@@ -72,6 +102,7 @@ def supported() -> bool:
 def self_check(kernel: AMXMM) -> None:
     """Awkward shapes: row tails of each kind (under 16, 16-32, past a 32-row block), a column tail."""
     check_bf16_gemm(kernel, ((1, 70, 32), (7, 32, 64), (17, 45, 96), (40, 64, 32), (64, 33, 64)))
+    check_silu_mul(SiluMulAMXMM(kernel), ((1, 64, 32), (17, 128, 64), (40, 192, 96)))
 
 
 _once = Once(AMXMM.build, log, "the AMX GEMM is not a candidate (oneDNN's AMX path still is)", check=self_check)

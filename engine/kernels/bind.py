@@ -47,6 +47,7 @@ _SOURCES = [
         "bf16mm.c",
         "wbf16.c",
         "amxmm.c",
+        "avx512_math.h",
         "pointwise.c",
         "decode_attn.c",
         "decode_attn_amx.c",
@@ -73,7 +74,7 @@ def gemm_paths(dtype: torch.dtype, batch_hint: int, use_kernels: bool, bf16_weig
     if dtype == torch.bfloat16 and (k := bf16mm.kernel()) is not None:
         paths += [KernelPath("bf16mm", k, dtype), FusedSiluPath(bf16mm.SiluMulBF16MM(k))]
     if dtype == torch.bfloat16 and (a := amxmm.kernel()) is not None:
-        paths.append(KernelPath("amxmm", a, dtype))
+        paths += [KernelPath("amxmm", a, dtype), FusedSiluPath(amxmm.SiluMulAMXMM(a), "amxmm-silu")]
     if dtype == torch.float32 and bf16_weights and (w := wbf16.kernel()) is not None:
         paths.append(KernelPath("wbf16", w, dtype))
     return paths

@@ -12,6 +12,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -108,13 +109,20 @@ def compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
+def local_headers(source: Path) -> list[Path]:
+    """The headers beside `source` that it includes ("name.h"): part of what a cached build depends on."""
+    names = re.findall(r'^\s*#\s*include\s+"([^"]+)"', source.read_text(), flags=re.MULTILINE)
+    return [source.with_name(n) for n in names if source.with_name(n).is_file()]
+
+
 def build(source: Path, flags: tuple[str, ...] = ("-march=native",)) -> ctypes.CDLL:
     """The shared library for `source` built with `flags` (+ -O3 -fopenmp), compiled now or taken from the cache."""
     cc = compiler()
     if cc is None:
         raise BuildError("no C compiler found (install gcc, or set CC)")
     cmd = [cc, "-O3", "-std=gnu11", "-fPIC", "-shared", "-fopenmp", *flags]
-    key = hashlib.sha256("\0".join([source.read_text(), *cmd, cpu_signature()]).encode()).hexdigest()[:16]
+    texts = [source.read_text(), *(h.read_text() for h in local_headers(source))]
+    key = hashlib.sha256("\0".join([*texts, *cmd, cpu_signature()]).encode()).hexdigest()[:16]
     out = cache_dir() / f"{source.stem}-{key}.so"
     if not out.exists():
         tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")

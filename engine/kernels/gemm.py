@@ -136,13 +136,11 @@ class KernelPath:
 
 
 class FusedSiluPath:
-    """bf16mm's gated-MLP GEMM: silu(gate) * up comes out of the epilogue (no [T, 2I] intermediate). Only for
-    SiLU MLPs, whose act it replaces."""
+    """A kernel's gated-MLP GEMM (bf16mm's, amxmm's): silu(gate) * up comes out of the epilogue (no [T, 2I]
+    intermediate). Only for SiLU MLPs, whose act it replaces."""
 
-    name = "bf16mm-silu"
-
-    def __init__(self, kernel: GemmKernel) -> None:
-        self.kernel = kernel
+    def __init__(self, kernel: GemmKernel, name: str = "bf16mm-silu") -> None:
+        self.kernel, self.name = kernel, name
 
     def accepts(self, weight: torch.Tensor, act: Act | None) -> bool:
         return getattr(act, "is_silu_and_mul", False) and self.kernel.accepts(weight)
@@ -162,3 +160,16 @@ def check_bf16_gemm(kernel: GemmKernel, shapes: tuple[tuple[int, int, int], ...]
         want = torch.addmm(b.float(), x.float(), w.float().t())
         if not torch.allclose(got, want, rtol=1e-2, atol=1e-2):
             raise SelfCheckError(f"self-check failed at {m}x{n}x{k}: max error {(got - want).abs().max().item():.3g}")
+
+
+def check_silu_mul(kernel: GemmKernel, shapes: tuple[tuple[int, int, int], ...]) -> None:
+    """A fused silu(gate) * up kernel against the unfused bf16 torch code (the projection rounded to bf16, then
+    SiLU and the product in bf16) on (m, 2I, k) `shapes`, with a bias; SelfCheckError past bf16 rounding."""
+    g = torch.Generator().manual_seed(1)
+    for m, n, k in shapes:
+        w, x, b = (torch.randn(*s, generator=g).bfloat16() for s in ((n, k), (m, k), (n,)))
+        gate, up = torch.addmm(b.float(), x.float(), w.float().t()).bfloat16().chunk(2, dim=-1)
+        want = (F.silu(gate) * up).float()
+        got = kernel.linear(x, kernel.pack(w), n, b).float()
+        if got.shape != want.shape or not torch.allclose(got, want, rtol=2e-2, atol=2e-2):
+            raise SelfCheckError(f"fused SiLU self-check failed at {m}x{n}x{k}")

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from engine.kernels import amxmm
-from engine.kernels.amxmm import AMXMM
+from engine.kernels.amxmm import AMXMM, SiluMulAMXMM
+from engine.kernels.cbuild import SelfCheckError
 
 pytestmark = pytest.mark.skipif(not amxmm.supported(), reason="this CPU has no AMX tiles")
 
@@ -63,3 +65,32 @@ def test_nan_and_inf_propagate_like_float32(kernel: AMXMM) -> None:
     got = kernel.linear(x, kernel.pack(w), 32, None).float()
     want = x.float() @ w.float().t()
     assert torch.isnan(got[0]).all() and torch.equal(torch.isnan(got[1]), torch.isnan(want[1]))
+
+
+# rows: one, a partial tile, 32, past a 32-row block (a tail of 8); gate/up halves of 1, 5 and 76 blocks of 32
+@pytest.mark.parametrize("m", [1, 7, 32, 40])
+@pytest.mark.parametrize(("inter", "k"), [(32, 32), (160, 64), (4864 // 2, 96)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_fused_silu_mul_equals_the_unfused_torch_code(
+    kernel: AMXMM, m: int, inter: int, k: int, with_bias: bool
+) -> None:
+    """A gated MLP's [gate | up] projection through the fused epilogue against the same projection unfused,
+    then torch's SiLU and multiply in bf16 (what the engine runs without it, and what transformers runs)."""
+    fused = SiluMulAMXMM(kernel)
+    w, x = _bf16(2 * inter, k, seed=10), _bf16(m, k, seed=11)
+    b = _bf16(2 * inter, seed=12) if with_bias else None
+    assert fused.accepts(w) and not fused.accepts(w[:-32]) and not fused.accepts(w[:, :-16])
+    gate, up = kernel.linear(x, kernel.pack(w), 2 * inter, b).chunk(2, dim=-1)
+    want = F.silu(gate).mul_(up)
+    got = fused.linear(x, fused.pack(w), 2 * inter, b)
+    assert got.shape == (m, inter) and got.dtype == torch.bfloat16
+    # the exp differs from torch's (SLEEF) in the last float32 bits: now and then one bf16 step apart
+    torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=1e-6)
+    assert (got != want).float().mean() < 0.02
+
+
+def test_the_self_check_catches_a_wrong_fused_epilogue(kernel: AMXMM, monkeypatch: pytest.MonkeyPatch) -> None:
+    amxmm.self_check(kernel)
+    monkeypatch.setattr(SiluMulAMXMM, "linear", lambda self, x, packed, n, b: torch.zeros(x.shape[0], n // 2))
+    with pytest.raises(SelfCheckError, match="fused SiLU"):
+        amxmm.self_check(kernel)

@@ -1,0 +1,37 @@
+// AVX-512 float32 math shared by the bf16 kernels (bf16mm.c, amxmm.c, decode_attn_amx.c). cbuild.py hashes
+// this header with every source that includes it, so a change here rebuilds them all.
+#ifndef TIANMEN_AVX512_MATH_H
+#define TIANMEN_AVX512_MATH_H
+#include <immintrin.h>
+
+static inline __m512 round_bf16(__m512 v) {  // to the nearest bf16 and back to float32
+    const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// exp(x) = 2^n * p(r), r = x - n ln2, a degree-6 polynomial (relative error ~2e-7); x clamped to [-87, 88].
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+// 16 outputs of silu(gate) * up from float32 sums, rounded as torch rounds them in bf16
+static inline __m512 silu_mul16(__m512 gate, __m512 up) {
+    gate = round_bf16(gate);
+    const __m512 one = _mm512_set1_ps(1.0f);
+    const __m512 s = round_bf16(_mm512_div_ps(gate, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), gate)))));
+    return _mm512_mul_ps(s, round_bf16(up));
+}
+
+#endif
