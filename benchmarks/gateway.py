@@ -4,6 +4,8 @@
 
 Starts `tianmen serve` in a subprocess (embedded default: dev TLS + dev JWT, the demo model unless --model)
 and drives it from this process with 32 keep-alive HTTPS clients; the direct run uses AsyncEngine in-process.
+Also reports the server's CPU per request during the timed run: its event loop (the main thread) and the
+whole process (engine threads included), read from /proc (Linux).
 """
 
 from __future__ import annotations
@@ -28,6 +30,17 @@ from security.devpki import ensure_dev_pki, mint_token
 from security.tls import client_ssl_context
 
 PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def loop_cpu_s(pid: int) -> float:
+    """CPU seconds of the process's main thread, which runs uvicorn's event loop (ns resolution: schedstat)."""
+    return int(Path(f"/proc/{pid}/task/{pid}/schedstat").read_text().split()[0]) / 1e9
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of every thread of the process (clock-tick resolution)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def pct(xs: list[float], p: float) -> float:
@@ -67,8 +80,9 @@ async def direct(settings: Settings, n: int, concurrency: int) -> tuple[float, l
 
 
 async def through_gateway(
-    url: str, token: str, ca: Path, model: str, n: int, concurrency: int
-) -> tuple[float, list[float]]:
+    url: str, token: str, ca: Path, model: str, n: int, concurrency: int, pid: int
+) -> tuple[float, list[float], float, float]:
+    """(req/s, latencies, then the server's event-loop and whole-process CPU seconds per request)."""
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     body = {"model": model, "messages": PROMPT, "max_tokens": 1, "temperature": 0}
     headers = {"Authorization": f"Bearer {token}"}
@@ -79,7 +93,9 @@ async def through_gateway(
             assert r.status_code == 200, r.text
 
         await drive(concurrency, concurrency, call)  # warm-up: TLS handshakes, connection pool
-        return await drive(n, concurrency, call)
+        loop0, proc0 = loop_cpu_s(pid), process_cpu_s(pid)
+        rps, latencies = await drive(n, concurrency, call)
+        return rps, latencies, (loop_cpu_s(pid) - loop0) / n, (process_cpu_s(pid) - proc0) / n
 
 
 def main() -> None:
@@ -116,8 +132,8 @@ def main() -> None:
                 pass
             time.sleep(0.2)
         token = mint_token(pki.jwt_key, pki.kid, sub="bench", tenant="bench")
-        gw_rps, gw_lat = asyncio.run(
-            through_gateway(url, token, pki.ca_cert, args.model.name, args.requests, args.concurrency)
+        gw_rps, gw_lat, loop_cpu, proc_cpu = asyncio.run(
+            through_gateway(url, token, pki.ca_cert, args.model.name, args.requests, args.concurrency, server.pid)
         )
     finally:
         server.terminate()
@@ -132,6 +148,7 @@ def main() -> None:
         f"{'added by the gateway':<28} {'':>8} {(pct(gw_lat, 50) - pct(d_lat, 50)) * 1e3:>8.1f} "
         f"{(pct(gw_lat, 99) - pct(d_lat, 99)) * 1e3:>8.1f}"
     )
+    print(f"gateway CPU per request: event loop {loop_cpu * 1e3:.2f} ms, whole process {proc_cpu * 1e3:.2f} ms")
 
 
 if __name__ == "__main__":

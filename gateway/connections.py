@@ -16,7 +16,7 @@ import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -78,6 +78,23 @@ class _Held(asyncio.Protocol):
         self.lost = True
 
 
+def feed(protocol: Any, data: bytes) -> None:
+    """Hand `data` to a protocol as its transport would: the TLS protocols (asyncio's since 3.11, uvloop's) are
+    buffered protocols, which take bytes through get_buffer / buffer_updated rather than data_received."""
+    if not hasattr(protocol, "get_buffer"):
+        protocol.data_received(data)
+        return
+    view = memoryview(data)
+    while view:
+        buf = protocol.get_buffer(len(view))
+        n = min(len(buf), len(view))
+        if not n:
+            raise RuntimeError("get_buffer() returned an empty buffer")
+        buf[:n] = view[:n]
+        protocol.buffer_updated(n)
+        view = view[n:]
+
+
 class Gate(asyncio.Protocol):
     """The first protocol of every accepted TCP connection: admit or close it, then time it (see the module doc)."""
 
@@ -89,26 +106,54 @@ class Gate(asyncio.Protocol):
         self.scopes: list[Scope] = []  # the requests this connection's app is running
         self._timer: asyncio.TimerHandle | None = None
         self._upgrade: asyncio.Task[None] | None = None
+        self._early: list[bytes] = []  # bytes that reached the gate before the TLS protocol (uvloop)
 
     # ---- the raw connection, until the hand-off --------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.raw = transport
+        # no isinstance check: uvloop's transports are not asyncio.Transport subclasses (an assert here used to
+        # fail every connection under uvloop, leaving it unread and its client's handshake stalled)
+        raw: asyncio.Transport = transport  # type: ignore[assignment]
+        self.raw = raw
         if self.guard.shutting_down or len(self.guard.open) >= self.guard.limits.max_connections:
             if not self.guard.shutting_down:
                 self.guard.refuse()
-            transport.abort()
+            raw.abort()
             return
         self.guard.open.add(self)
         self.arm()
         self.http = self.make_http()
         self.http.gate = self
         if self.sslcontext is None:
-            transport.set_protocol(self.http)
-            self.http.connection_made(transport)
+            raw.set_protocol(self.http)
+            self.http.connection_made(raw)
             return
-        transport.pause_reading()  # nothing may reach this gate: start_tls takes over the reading
-        self._upgrade = self.loop.create_task(self._start_tls(transport, self.sslcontext))
+        # asyncio starts reading only after this returns and honours the pause; uvloop starts reading right after
+        # connection_made whatever it asked, so the first bytes may still reach data_received below
+        raw.pause_reading()
+        self._upgrade = self.loop.create_task(self._start_tls(raw, self.sslcontext))
+        # The task's first step runs start_tls up to the handshake: it swaps in the TLS protocol and schedules that
+        # protocol's connection_made and the transport's resume_reading. Two hops put the replay of early bytes
+        # right after both, in the same loop iteration, so before the transport reads anything newer.
+        self.loop.call_soon(self.loop.call_soon, self._replay_early)
+
+    def data_received(self, data: bytes) -> None:
+        # uvloop only (see connection_made): the client's first bytes, its ClientHello, arrived before start_tls
+        # took the connection over. Dropping them stalled the handshake until the deadline; keep them for the TLS
+        # protocol, and pause, so that at most one read waits here.
+        self._early.append(data)
+        if self.raw is not None:
+            self.raw.pause_reading()
+
+    def _replay_early(self) -> None:
+        if not self._early or self.raw is None or self.raw.is_closing():
+            return
+        tls_protocol = self.raw.get_protocol()
+        if tls_protocol is self:  # start_tls has not swapped protocols yet: try again next iteration
+            self.loop.call_soon(self._replay_early)
+            return
+        early, self._early = self._early, []
+        for chunk in early:
+            feed(tls_protocol, chunk)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.release()
@@ -190,7 +235,8 @@ class _Tracked:
 
 
 def _guarded(base: type[Any]) -> type[asyncio.Protocol]:
-    # The h11 protocol, told by its gate when a request's headers are complete and when the connection ends.
+    # uvicorn's h11 or httptools protocol, told by its gate when a request's headers are complete and when the
+    # connection ends; both name the hooks alike (cycle, on_response_complete, data_received, shutdown).
     # Without a gate (a plain uvicorn.Server, as in tests of the TLS scope) it behaves as `base`.
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         base.__init__(self, *args, **kwargs)
@@ -231,6 +277,7 @@ def _guarded(base: type[Any]) -> type[asyncio.Protocol]:
 
 
 @functools.cache
-def guarded_protocol_class() -> type[asyncio.Protocol]:
-    """The HTTP protocol the gate hands connections to: the TLS-scope protocol, plus the gate's hooks."""
-    return _guarded(http_protocol_class())
+def guarded_protocol_class(http: Literal["auto", "h11", "httptools"] = "auto") -> type[asyncio.Protocol]:
+    """The HTTP protocol the gate hands connections to (server.http): the TLS-scope protocol, plus the gate's
+    hooks."""
+    return _guarded(http_protocol_class(http))

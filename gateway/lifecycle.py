@@ -64,6 +64,9 @@ class Server(uvicorn.Server):
             sys.exit(STARTUP_FAILURE)
         self.servers = servers
         self._log_started_message([s for server in servers for s in server.sockets])
+        # which of uvicorn's parts "auto" chose (server.http, server.loop): they differ several times in CPU
+        base = next(c for c in config.http_protocol_class.__mro__ if c.__module__.startswith("uvicorn."))
+        log.info("HTTP protocol %s, event loop %s", base.__name__, type(loop).__module__.split(".")[0])
         self.started = True
         if self.on_ready is not None:
             self.on_ready()

@@ -316,7 +316,8 @@ def build_app_and_config(settings: Settings) -> tuple[uvicorn.Config, AsyncEngin
         create_app(deps),
         host=settings.server.host,
         port=settings.server.port,
-        http=guarded_protocol_class(),
+        http=guarded_protocol_class(settings.server.http),  # type: ignore[arg-type]
+        loop=settings.server.loop,
         timeout_keep_alive=settings.server.keepalive_timeout_s,  # type: ignore[arg-type]
         ws="none",
         lifespan="on",

@@ -23,6 +23,10 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 
+HTTP_CHOICES = ("auto", "h11", "httptools")  # uvicorn.config.HTTP_PROTOCOLS, less what the gate does not handle
+LOOP_CHOICES = ("auto", "asyncio", "uvloop")  # uvicorn.config.LOOP_FACTORIES, likewise
+
+
 class SettingsError(ValueError):
     """A setting is missing or invalid; the message names it."""
 
@@ -48,6 +52,10 @@ class ServerSettings:
     keepalive_timeout_s: float = 5.0  # an idle keep-alive connection is closed after this
     max_connections: int = 1000  # open connections, handshaking ones included; beyond it new ones are closed at once
     shutdown_grace_s: float = 30.0  # SIGTERM: in-flight requests get this long, then they are cut
+    # uvicorn's parts: auto picks httptools (C HTTP parser) and uvloop when installed (they are dependencies),
+    # else h11 and asyncio's own loop, which cost several times the CPU per request
+    http: str = "auto"  # auto | h11 | httptools
+    loop: str = "auto"  # auto | asyncio | uvloop
     # the models' planned weights + KV caches may take at most this much of a device; None: what it has free
     max_model_memory_bytes: int | None = None
 
@@ -419,6 +427,9 @@ def _validate(s: Settings) -> None:
         raise SettingsError(f"server.max_connections must be >= 1, got {s.server.max_connections}")
     if s.server.max_model_memory_bytes is not None and s.server.max_model_memory_bytes < 1:
         raise SettingsError("server.max_model_memory_bytes must be >= 1, or none: what the device has free")
+    for name, choices in (("http", HTTP_CHOICES), ("loop", LOOP_CHOICES)):
+        if getattr(s.server, name) not in choices:
+            raise SettingsError(f"server.{name} must be one of {', '.join(choices)}, got {getattr(s.server, name)!r}")
     if s.server.shutdown_grace_s < 0:
         raise SettingsError(f"server.shutdown_grace_s must be >= 0, got {s.server.shutdown_grace_s}")
     if s.auth.jwks_file is not None and s.auth.jwks_url is not None:

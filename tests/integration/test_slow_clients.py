@@ -1,5 +1,7 @@
 """Idle, silent and slow clients against the real gateway over real sockets: others are still served, the
-idle and slow are closed after their time, and connections beyond `server.max_connections` are closed at once."""
+idle and slow are closed after their time, and connections beyond `server.max_connections` are closed at once.
+Each test runs with uvicorn's fast parts (httptools, uvloop: what `auto` picks) and with its pure-Python ones
+(h11, asyncio's loop)."""
 
 from __future__ import annotations
 
@@ -15,10 +17,18 @@ import pytest
 from security.tls import client_ssl_context
 from tests.gateway_server import RunningGateway, run_gateway
 from tests.tiny_model import build_tiny_chat_model
+from tests.tls_bio import client_hello
 
 TIMEOUT_S = 1.0
-SILENT_TCP, IDLE_TLS = 200, 60
+SILENT_TCP, STALLED_TLS, IDLE_TLS = 200, 20, 60
 Stream = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+PARTS = {"httptools-uvloop": ("httptools", "uvloop"), "h11-asyncio": ("h11", "asyncio")}  # (server.http, .loop)
+
+
+@pytest.fixture(scope="module", params=list(PARTS))
+def parts(request: pytest.FixtureRequest) -> dict[str, str]:
+    http, loop = PARTS[request.param]
+    return {"TIANMEN_SERVER_HTTP": http, "TIANMEN_SERVER_LOOP": loop}
 
 
 @pytest.fixture(scope="module")
@@ -27,8 +37,9 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def gw(tmp_path_factory: pytest.TempPathFactory, model: Path) -> Iterator[RunningGateway]:
+def gw(tmp_path_factory: pytest.TempPathFactory, model: Path, parts: dict[str, str]) -> Iterator[RunningGateway]:
     env = {"TIANMEN_SERVER_HEADER_TIMEOUT_S": str(TIMEOUT_S), "TIANMEN_SERVER_KEEPALIVE_TIMEOUT_S": str(TIMEOUT_S)}
+    env.update(parts)
     with run_gateway(tmp_path_factory.mktemp("home"), model, env) as g:
         yield g
 
@@ -39,6 +50,15 @@ def ctx_of(gw: RunningGateway) -> ssl.SSLContext:
 
 async def tcp(gw: RunningGateway) -> Stream:
     return await asyncio.open_connection("127.0.0.1", gw.port)
+
+
+async def stalled_handshake(gw: RunningGateway) -> Stream:
+    """A TLS handshake begun and left: half a ClientHello, then silence."""
+    hello = client_hello(ctx_of(gw))
+    conn = await tcp(gw)
+    conn[1].write(hello[: len(hello) // 2])
+    await conn[1].drain()
+    return conn
 
 
 async def tls(gw: RunningGateway) -> Stream:
@@ -86,8 +106,9 @@ async def slowloris(gw: RunningGateway, every_s: float) -> tuple[int, int, float
 async def test_silent_idle_and_slow_clients_do_not_stop_others_and_are_closed_in_time(gw: RunningGateway) -> None:
     loris = asyncio.create_task(slowloris(gw, every_s=0.2))
     silent = [await tcp(gw) for _ in range(SILENT_TCP)]
+    stalled = [await stalled_handshake(gw) for _ in range(STALLED_TLS)]
     idle = [await tls(gw) for _ in range(IDLE_TLS)]
-    open_now = sum(still_open(c) for c in silent + idle)
+    open_now = sum(still_open(c) for c in silent + stalled + idle)
     async with httpx.AsyncClient(base_url=gw.url, verify=ctx_of(gw), timeout=60) as client:
         r = await client.post(
             "/v1/chat/completions",
@@ -96,12 +117,12 @@ async def test_silent_idle_and_slow_clients_do_not_stop_others_and_are_closed_in
         )
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant"
     assert open_now > 0  # the request was served while idle connections were open
-    closed = await asyncio.gather(*(closed_by_server(c) for c in silent + idle))
+    closed = await asyncio.gather(*(closed_by_server(c) for c in silent + stalled + idle))
     assert all(closed), f"{closed.count(False)} idle connections still open"
     sent, length, cut_after = await loris
     assert sent < length, "the byte-a-time headers were cut before they were complete"
     assert cut_after >= TIMEOUT_S * 0.9  # cut at the header deadline, measured from the connect
-    for _, w in silent + idle:
+    for _, w in silent + stalled + idle:
         w.close()
 
 
@@ -123,13 +144,14 @@ async def test_keepalive_connection_idles_out_but_serves_while_in_use(gw: Runnin
 
 
 async def test_beyond_max_connections_new_ones_are_closed_at_once_existing_keep_working(
-    tmp_path: Path, model: Path
+    tmp_path: Path, model: Path, parts: dict[str, str]
 ) -> None:
     limit = 20
     env = {
         "TIANMEN_SERVER_MAX_CONNECTIONS": str(limit),
         "TIANMEN_SERVER_HEADER_TIMEOUT_S": "120",  # the silent connections stay for the whole test
         "TIANMEN_SERVER_KEEPALIVE_TIMEOUT_S": "120",
+        **parts,
     }
     with run_gateway(tmp_path / "home", model, env) as g:
         auth = {"Authorization": f"Bearer {g.token()}"}

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from gateway.connections import SHUTDOWN_KEY, ConnectionGuard, ConnectionLimits, Gate
+from gateway.connections import SHUTDOWN_KEY, ConnectionGuard, ConnectionLimits, Gate, feed
 from gateway.lifecycle import note_shutdown
 from gateway.server import connection_limits
 from gateway.settings import SettingsError, load_settings
@@ -17,13 +17,18 @@ from gateway.state import RequestState
 def test_defaults_and_environment_overrides() -> None:
     s = load_settings(environ={}).server
     assert (s.header_timeout_s, s.keepalive_timeout_s, s.max_connections, s.shutdown_grace_s) == (10.0, 5.0, 1000, 30.0)
+    assert (s.http, s.loop) == ("auto", "auto")
     env = {
         "TIANMEN_SERVER_HEADER_TIMEOUT_S": "2.5",
         "TIANMEN_SERVER_MAX_CONNECTIONS": "7",
         "TIANMEN_SERVER_SHUTDOWN_GRACE_S": "0",
+        "TIANMEN_SERVER_HTTP": "h11",
+        "TIANMEN_SERVER_LOOP": "asyncio",
     }
-    limits = connection_limits(load_settings(environ=env))
+    settings = load_settings(environ=env)
+    limits = connection_limits(settings)
     assert limits == ConnectionLimits(max_connections=7, header_timeout_s=2.5, shutdown_grace_s=0.0)
+    assert (settings.server.http, settings.server.loop) == ("h11", "asyncio")
 
 
 @pytest.mark.parametrize(
@@ -34,6 +39,8 @@ def test_defaults_and_environment_overrides() -> None:
         ("MAX_CONNECTIONS", "0", "server.max_connections must be >= 1"),
         ("SHUTDOWN_GRACE_S", "-0.5", "server.shutdown_grace_s must be >= 0"),
         ("MAX_CONNECTIONS", "lots", "expected int"),
+        ("HTTP", "h2", "server.http must be one of auto, h11, httptools, got 'h2'"),
+        ("LOOP", "trio", "server.loop must be one of auto, asyncio, uvloop, got 'trio'"),
     ],
 )
 def test_bad_values_are_refused_naming_the_setting(key: str, value: str, message: str) -> None:
@@ -96,6 +103,36 @@ async def test_gate_deadline_aborts_a_connection_that_sends_no_headers() -> None
             break
         await asyncio.sleep(0.01)
     assert t.aborted and not gate.armed
+
+
+class SmallBuffers(asyncio.BufferedProtocol):
+    """A buffered protocol (as the TLS ones are) that offers 3 bytes at a time."""
+
+    def __init__(self) -> None:
+        self.got = bytearray()
+        self.buf = bytearray(3)
+
+    def get_buffer(self, sizehint: int) -> bytearray:
+        return self.buf
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.got += self.buf[:nbytes]
+
+
+class Chunks(asyncio.Protocol):
+    def __init__(self) -> None:
+        self.got: list[bytes] = []
+
+    def data_received(self, data: bytes) -> None:
+        self.got.append(data)
+
+
+def test_feed_hands_bytes_to_buffered_and_plain_protocols_whole_and_in_order() -> None:
+    buffered, plain = SmallBuffers(), Chunks()
+    for proto in (buffered, plain):
+        feed(proto, b"client")
+        feed(proto, b"hello!")
+    assert bytes(buffered.got) == b"clienthello!" and plain.got == [b"client", b"hello!"]
 
 
 def test_a_cut_request_is_recorded_as_server_shutdown_a_finished_one_is_not() -> None:
