@@ -25,6 +25,9 @@ from typing import Any
 
 from benchmarks.serving import demo_env
 from engine.async_engine import AsyncEngine
+from engine.kernels.select import GemmPlan
+from engine.layers.attention import PagedAttention
+from engine.layers.norm import RMSNorm
 from engine.loop import EngineLoop
 from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor
@@ -111,6 +114,11 @@ def instrument(t: Timers, engine: AsyncEngine) -> None:
     t.wrap(Scheduler, "schedule", "  schedule", wall)
     t.wrap(ModelRunner, "_prepare", "  input preparation", wall)
     t.wrap(type(engine.core.runner.model), "forward", "  forward pass", wall)
+    t.wrap(GemmPlan, "__call__", "    GEMMs (every linear layer, the LM head's too)", wall)
+    t.wrap(PagedAttention, "forward", "    attention (cache write, decode and prefill)", wall)
+    t.wrap(PagedAttention, "_decode", "      of which decode", wall)
+    t.wrap(PagedAttention, "_prefill", "      of which prefill", wall)
+    t.wrap(RMSNorm, "forward", "    add + RMSNorm", wall)
     t.wrap(type(engine.core.runner.model), "compute_logits", "  logits (lm head)", wall)
     t.wrap(ModelRunner, "_sample", "  sampling", wall)
     t.wrap(Scheduler, "update_from_output", "  update (stop checks, usage)", wall)
@@ -188,6 +196,13 @@ STAGES = (
     "  sampling",
     "  update (stop checks, usage)",
 )
+FORWARD_PARTS = (  # inside the forward pass (the GEMMs' row also counts the LM head's): not added to the rest
+    "    GEMMs (every linear layer, the LM head's too)",
+    "    attention (cache write, decode and prefill)",
+    "      of which decode",
+    "      of which prefill",
+    "    add + RMSNorm",
+)
 HAND_OFF = "output hand-off to the event loop (step thread)"
 
 
@@ -200,12 +215,15 @@ def report(t: Timers, requests: int, loop_cpu: float, step_cpu: float, cpu: floa
 
     lines = [f"\nPer engine step ({t.calls[STEP]} steps; wall time on the step thread)"]
     lines += [f"{'stage':<56}{'ms/step':>10}{'of step':>11}", row(STEP, t.total[STEP])]
-    lines += [row(k, t.total[k]) for k in STAGES]
+    for k in STAGES:
+        lines.append(row(k, t.total[k]))
+        if k == "  forward pass":
+            lines += [row(p, t.total[p]) for p in FORWARD_PARTS]
     lines.append(row("  the rest (Python between the stages)", max(t.total[STEP] - sum(t.total[k] for k in STAGES), 0)))
     lines.append(row(HAND_OFF, t.total[HAND_OFF]))
     lines.append(f"{'step thread CPU (its own; torch workers not counted)':<56}{step_cpu / steps * 1e3:>10.2f}")
 
-    gateway = [k for k in t.total if k != STEP and k != HAND_OFF and k not in STAGES]
+    gateway = [k for k in t.total if k not in (STEP, HAND_OFF, *STAGES, *FORWARD_PARTS)]
     lines += ["", f"Per request ({requests} requests; CPU time of the thread that ran each stage)"]
     lines.append(f"{'stage':<56}{'us/request':>12}")
     lines += [f"{k:<56}{t.total[k] / requests * 1e6:>12.1f}" for k in sorted(gateway, key=lambda k: -t.total[k])]

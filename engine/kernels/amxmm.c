@@ -156,7 +156,7 @@ static void run(int64_t M, int64_t N, int64_t K, const uint16_t *x, const uint16
         float c[2][32 * 32] __attribute__((aligned(64)));
         float bias[2][32];
         int configured = -1;  // the tail's config differs from a full block's
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 4)
         for (int64_t unit = 0; unit < units; unit++) {
             const int64_t nb = unit * per, n0 = nb * 32, nn = N - n0 < 32 ? N - n0 : 32;
             for (int64_t i = 0; i < per; i++) load_bias(b, n0 + 32 * i, nn, bias[i]);

@@ -69,10 +69,15 @@ static inline float rstd(float sumsq, int64_t dim, float eps) {
     return 1.0f / __builtin_sqrtf(sumsq / (float)dim + eps);
 }
 
+// Rows x dim below this run on one thread: a decode batch's norm is ~10 us of work, less than a parallel region
+// costs, and a region waits for its slowest thread, which a busy event loop may have taken the core from
+// (measured in serving on 2 cores: 123 us a call in two threads).
+#define PARALLEL_ELEMS 65536
+
 // float32: x, residual (may be NULL), weight, out, sum_out (written only with a residual) are [rows][dim].
 void rmsnorm_f32(int64_t rows, int64_t dim, const float *x, const float *residual, const float *w, float eps,
                  float *out, float *sum_out, int nthreads) {
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (rows >= 4)
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (rows * dim >= PARALLEL_ELEMS)
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * dim, *rr = residual ? residual + r * dim : NULL;
         float *sr = residual ? sum_out + r * dim : (float *)xr, *o = out + r * dim;
@@ -112,7 +117,7 @@ void rmsnorm_f32(int64_t rows, int64_t dim, const float *x, const float *residua
 // bf16: the same, every intermediate the torch code materialises rounded to bf16 where it does.
 void rmsnorm_bf16(int64_t rows, int64_t dim, const uint16_t *x, const uint16_t *residual, const uint16_t *w,
                   float eps, uint16_t *out, uint16_t *sum_out, int nthreads) {
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (rows >= 4)
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (rows * dim >= PARALLEL_ELEMS)
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *xr = x + r * dim, *rr = residual ? residual + r * dim : NULL;
         const uint16_t *sr = residual ? sum_out + r * dim : xr;
@@ -145,7 +150,7 @@ void rmsnorm_bf16(int64_t rows, int64_t dim, const uint16_t *x, const uint16_t *
 void rope_f32(int64_t T, int64_t heads, int64_t D, float *x, int64_t ld, const float *cos, const float *sin,
               int nthreads) {
     const int64_t half = D / 2;
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (T * heads * D >= 65536)
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (T * heads * D >= PARALLEL_ELEMS)
     for (int64_t t = 0; t < T; t++)
         for (int64_t h = 0; h < heads; h++) {
             float *a = x + t * ld + h * D, *b = a + half;
@@ -161,7 +166,7 @@ void rope_f32(int64_t T, int64_t heads, int64_t D, float *x, int64_t ld, const f
 void rope_bf16(int64_t T, int64_t heads, int64_t D, uint16_t *x, int64_t ld, const uint16_t *cos,
                const uint16_t *sin, int nthreads) {
     const int64_t half = D / 2;
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (T * heads * D >= 65536)
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (T * heads * D >= PARALLEL_ELEMS)
     for (int64_t t = 0; t < T; t++)
         for (int64_t h = 0; h < heads; h++) {
             uint16_t *a = x + t * ld + h * D, *b = a + half;
@@ -184,7 +189,7 @@ void rope_bf16(int64_t T, int64_t heads, int64_t D, uint16_t *x, int64_t ld, con
 
 // logits: [rows][n] float32 -> out[rows]: torch.argmax's answer (the first maximum; the first NaN if any).
 void argmax_f32(int64_t rows, int64_t n, const float *logits, int64_t *out, int nthreads) {
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (rows * n >= 65536)
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (rows * n >= PARALLEL_ELEMS)
     for (int64_t r = 0; r < rows; r++) {
         const float *x = logits + r * n;
         v16f best = (v16f){0} - INFINITY;
