@@ -2,6 +2,10 @@
 
     python -m benchmarks.throughput [--shape qwen2-0.5b|deepseek-v2-tiny] [--num-prompts 32] [--prompt-len 128]
                                     [--output-len 128] [--vllm /path/to/vllm-venv/bin/python] [--onednn-row]
+                                    [--quantization w8a8|w4a16 [--group-size 128]]
+
+With --quantization, the shape's checkpoint is also quantized with `tianmen quantize` (round-to-nearest; kept
+beside it for later runs) and a "tianmen <scheme>" row runs on it, beside the bf16 row and the peers.
 
 With --vllm, vLLM's CPU build runs twice: plain (both cores bound) and with tcmalloc + Intel OpenMP preloaded
 (its docs' advice, when both are installed); the better is reported as "vLLM". The machine bound (measured GEMM
@@ -20,6 +24,7 @@ import multiprocessing
 import os
 import platform
 import random
+import shutil
 import subprocess
 import tempfile
 import time
@@ -126,6 +131,8 @@ def main() -> None:
         "--onednn-row", action="store_true", help="also run tianmen with cpu_kernels off (every GEMM in oneDNN)"
     )
     ap.add_argument("--vllm", metavar="PYTHON", help="also run vLLM's CPU build with this venv's python")
+    ap.add_argument("--quantization", choices=["w8a8", "w4a16"], help="also run tianmen on a quantized copy")
+    ap.add_argument("--group-size", type=int, default=128, help="W4A16's group size")
     args = ap.parse_args()
 
     path = str(checkpoint(args.shape))
@@ -139,6 +146,10 @@ def main() -> None:
     work = [("tianmen", lambda: isolated(ours, path, chosen, args.output_len, dname))]
     if args.onednn_row:
         work.append(("tianmen-onednn", lambda: isolated(ours, path, chosen, args.output_len, dname, False)))
+    if args.quantization:
+        qpath = str(quantized(Path(path), args.quantization, args.group_size))
+        qname = f"tianmen {args.quantization}"
+        work.append((qname, lambda: isolated(ours, qpath, chosen, args.output_len, dname)))
     if not args.no_hf:
         hf_name = f"transformers {__import__('transformers').__version__}"
         work.append((hf_name, lambda: isolated(hf, path, chosen, args.output_len, dtype)))
@@ -177,7 +188,22 @@ def main() -> None:
         if ours_row is None or name == "tianmen" or name.startswith("vLLM plain") or name.startswith("vLLM preloaded"):
             continue
         peer = "hf" if name.startswith("transformers") else name.split()[0]
+        if name.startswith("tianmen "):  # a quantized row: its speed against the bf16 one
+            print(f"{name + ' vs bf16':<28} {tps / ours_row[1]:>11.2f}x {ours_row[2] / ms:>17.2f}x faster")
+            continue
         print(f"{'ratio vs ' + peer:<28} {ours_row[1] / tps:>11.2f}x {ms / ours_row[2]:>17.2f}x faster")
+
+
+def quantized(src: Path, scheme: str, group_size: int) -> Path:
+    """`tianmen quantize`'s output for `src` (round-to-nearest), made once and kept beside it."""
+    from engine.quant.quantize import quantize
+
+    dst = src.with_name(f"{src.name}-{scheme}" + (f"-g{group_size}" if scheme == "w4a16" else ""))
+    if not (dst / "tianmen-quant.json").exists():
+        if dst.exists():
+            shutil.rmtree(dst)  # an interrupted earlier run
+        quantize(src, dst, scheme, group_size=group_size)
+    return dst
 
 
 def cpu_model() -> str:
