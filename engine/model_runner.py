@@ -109,7 +109,10 @@ class ModelRunner:
         c = self.config
         use = c.cpu_kernels
         paths = gemm_paths(self.dtype, c.max_num_seqs, use, bf16_weights)
-        selector = make_selector(paths, self.dtype, c.gemm_path if use else "onednn", max_layouts=c.gemm_layouts)
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        selector = make_selector(
+            paths, self.dtype, c.gemm_path if use else "onednn", max_layouts=c.gemm_layouts, model_bytes=weights
+        )
         kernels = CpuKernels()
         if use:
             pw = pointwise.kernel()

@@ -30,6 +30,7 @@ from engine.kernels.select import (
     Timer,
     cache_key,
     call_seconds,
+    last_level_cache_bytes,
 )
 from engine.layers.linear import Linear
 from engine.layers.mlp import GatedMLP
@@ -82,10 +83,11 @@ def gemm_paths(dtype: torch.dtype, batch_hint: int, use_kernels: bool, bf16_weig
 
 def make_selector(
     paths: list[GemmPath], dtype: torch.dtype, forced: str = "auto", timer: Timer = call_seconds,
-    cache_dir: Path | None = None, max_layouts: int = 2,
+    cache_dir: Path | None = None, max_layouts: int = 2, model_bytes: int | None = None,
 ) -> GemmSelector:  # fmt: skip
     """A selector over `paths` that caches its timings on disk; with `forced`, that path wherever it applies
-    (oneDNN, then F.linear, elsewhere), untimed."""
+    (oneDNN, then F.linear, elsewhere), untimed. `model_bytes` (the weights' size): a model that fits in the
+    last-level cache stays there between steps, so its small batches are timed hot, without evicting it first."""
     if forced != "auto":
         family = [p for p in paths if p.name.split("-")[0] == forced]  # bf16mm: its fused variant first
         if not family:
@@ -100,7 +102,10 @@ def make_selector(
         )
     except cbuild.BuildError as e:
         log.warning("GEMM timings will not be cached: %s", e)
-    return GemmSelector(paths, dtype, cache, timer, max_layouts, flush=CacheFlush())
+    # NOTE: a flush writes 1.5x the last-level cache: 720 MB, ~50 ms, on a VM that reports 480 MB of L3, before
+    # every timed small-batch call; for a model that fits in it, that was wasted (and made the test suite 2x longer)
+    cold = model_bytes is None or model_bytes > last_level_cache_bytes()
+    return GemmSelector(paths, dtype, cache, timer, max_layouts, flush=CacheFlush() if cold else None)
 
 
 def bind_cpu_kernels(

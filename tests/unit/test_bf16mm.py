@@ -41,7 +41,11 @@ def _assert_rounded_float32(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
     assert got.dtype == torch.bfloat16 and got.shape == want.shape
     off = got.float() != want.float()
     step = (want.float().abs() * 2.0**-7).clamp_min(2.0**-126)  # one bf16 ulp (8 significant bits) or more
-    assert ((got.float() - want32).abs() <= step).all(), (got.float() - want32).abs().max()
+    # plus what reordering K float32 sums may move a result by (|error| <= K u sum|x w|, u = 2^-24): at a sum
+    # that nearly cancels, that exceeds an ulp of the small result (seen at 400 x 130 x 895)
+    k = x.shape[-1]
+    slack = (x.float().abs() @ w.float().abs().t()) * k * 2.0**-24
+    assert ((got.float() - want32).abs() <= step + slack).all(), (got.float() - want32).abs().max()
     assert off.float().mean() < 0.05  # most entries are exactly float32's, rounded once
 
 

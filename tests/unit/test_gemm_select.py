@@ -226,3 +226,53 @@ def test_timings_taken_on_a_busy_machine_are_not_cached(tmp_path: Path) -> None:
     paths = (FakePath("onednn", clock, lambda r: 10.0), FakePath("ours", clock, lambda r: 1.0))
     _selector(*paths, clock=clock, cache=PlanCache(tmp_path, "k", lambda: True)).choose("s", _samples(), None)
     assert PlanCache(tmp_path, "k", quiet).get("s") is None
+
+
+def test_a_model_that_fits_in_the_last_level_cache_is_timed_hot(tmp_path: Path) -> None:
+    """Small batches are timed after evicting the caches only where the model cannot stay in them between steps:
+    a model smaller than the last-level cache is hot at inference, and a flush costs 1.5x that cache a call."""
+    from engine.kernels.select import CacheFlush, last_level_cache_bytes
+
+    paths = [TorchPath(torch.float32), TorchPath(torch.float32)]
+    paths[1].name = "other"  # type: ignore[misc]
+    llc = last_level_cache_bytes()
+    assert make_selector(paths, torch.float32, cache_dir=tmp_path, model_bytes=llc // 2).flush is None  # type: ignore[arg-type]
+    assert isinstance(make_selector(paths, torch.float32, cache_dir=tmp_path, model_bytes=llc * 2).flush, CacheFlush)  # type: ignore[arg-type]
+    assert isinstance(make_selector(paths, torch.float32, cache_dir=tmp_path).flush, CacheFlush)  # type: ignore[arg-type]
+
+
+def test_close_timings_get_more_rounds_than_the_budget_gives() -> None:
+    """Paths within twice the margin of each other keep being timed past the time budget, up to MAX_ROUNDS:
+    three rounds of a 12 ms LM head once ranked the slower of two paths first. Far apart, they stop at MIN_ROUNDS."""
+    from engine.kernels.select import MAX_ROUNDS, MIN_ROUNDS
+
+    def rounds(seconds: dict[str, float]) -> dict[str, int]:
+        calls = dict.fromkeys(seconds, 0)
+        paths = []
+        for name in seconds:
+            p = TorchPath(torch.float32)
+            p.name = name  # type: ignore[misc]
+
+            def prepare(w: torch.Tensor, b: object, act: object, name: str = name) -> Run:
+                def run(x: torch.Tensor) -> torch.Tensor:
+                    calls[name] += 1
+                    return x @ w.t()
+
+                return run
+
+            p.prepare = prepare  # type: ignore[method-assign]
+            paths.append(p)
+
+        def timer(fn: Callable[[], object]) -> float:
+            before = dict(calls)
+            fn()
+            ran = next(n for n in calls if calls[n] != before[n])
+            return seconds[ran]  # each call alone is past the 0.1 s budget
+
+        GemmSelector(paths, torch.float32, None, timer, max_layouts=2).choose(
+            "8x8", [(torch.randn(8, 8), None)], None, 1
+        )
+        return {n: c - 2 for n, c in calls.items()}  # less the reference check and the warm-up
+
+    assert rounds({"a": 0.2, "b": 0.201}) == {"a": MAX_ROUNDS, "b": MAX_ROUNDS}
+    assert rounds({"a": 0.2, "b": 0.3}) == {"a": MIN_ROUNDS, "b": MIN_ROUNDS}
