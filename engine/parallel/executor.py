@@ -39,6 +39,7 @@ from engine.quant.spec import quant_spec
 
 log = logging.getLogger(__name__)
 POLL_S = 0.05
+DEATH_GRACE_S = 1.0  # after a failed step: how long a dying worker's process may take to end
 _OPEN: weakref.WeakSet[TensorParallelExecutor] = weakref.WeakSet()
 
 
@@ -234,9 +235,21 @@ class TensorParallelExecutor:
             self.control_seconds += time.perf_counter() - t0
             return self.runner.execute(sched)
         except Exception as e:
-            error = EngineDeadError(f"a tensor-parallel step failed: {type(e).__name__}: {e}")
+            # a collective that meets a killed rank (gloo: connection reset) can fail before the watchdog sees the
+            # process end: then name the dead worker, which is the cause the operator must act on
+            cause = self._failure or self._dead_worker(DEATH_GRACE_S)
+            error = EngineDeadError(str(cause) if cause else f"a tensor-parallel step failed: {type(e).__name__}: {e}")
             self._fail(error)
             raise error from e
+
+    def _dead_worker(self, grace_s: float) -> EngineDeadError | None:
+        """A spawned worker whose process has ended, or ends within `grace_s`; None if all still run."""
+        sentinels = {p.sentinel: (rank, p) for rank, p in enumerate(self.procs, start=1)}
+        for s in wait(list(sentinels), timeout=grace_s) if sentinels else ():
+            rank, p = sentinels[s]
+            p.join(0)
+            return EngineDeadError(f"tensor-parallel worker rank {rank} exited (code {p.exitcode})")
+        return None
 
     def rank_stats(self) -> list[dict[str, float | int]]:
         out = [rank_stats(0, self.runner) | {"control_seconds": self.control_seconds}]
