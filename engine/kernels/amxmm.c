@@ -22,28 +22,16 @@
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
+#include "amx_tiles.h"
 #include "avx512_math.h"
 
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
 #define TILE_ELEMS 512  // 16 rows x 32 bf16
 // Weight k-steps prefetched ahead: AMX tile loads do not draw the hardware prefetcher along, and without it a
 // decode GEMM streamed at 7-17 GB/s instead of 13-25 (2 cores, 24 x 17 MB weights, 1-32 rows)
 #define PF 2
 
-typedef struct {
-    uint8_t palette_id;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed)) tile_config;
-
-// Linux hands out AMX state only to a process that asks for it (once; torch's oneDNN asks too).
-int amxmm_init(void) { return (int)syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); }
+int amxmm_init(void) { return request_tile_state(); }
 
 // rows_lo / rows_hi: rows of x in the block's first and second 16-row slice (0 when the slice is empty).
 static void configure(int rows_lo, int rows_hi) {

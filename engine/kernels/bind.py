@@ -49,6 +49,7 @@ _SOURCES = [
         "wbf16.c",
         "amxmm.c",
         "avx512_math.h",
+        "amx_tiles.h",
         "pointwise.c",
         "decode_attn.c",
         "decode_attn_amx.c",

@@ -14,23 +14,14 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+
+#include "amx_tiles.h"
+#include "avx512_math.h"
 
 #define SEG 128     // tokens per softmax update: scores, P pairs and interleaved V of a segment stay in L1/L2
 #define MAX_STEPS 8  // head_dim / 32
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
 
-typedef struct {
-    uint8_t palette_id;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed)) tile_config;
-
-int decode_attn_amx_init(void) { return (int)syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); }
+int decode_attn_amx_init(void) { return request_tile_state(); }
 
 // Tiles, 16 rows x 64 bytes each: 0 scores, 1 K rows, 2 Q^T; 3 P^T, 4 interleaved V, 5 a segment's P.V.
 static void configure(void) {
@@ -42,22 +33,6 @@ static void configure(void) {
         cfg.colsb[t] = 64;
     }
     _tile_loadconfig(&cfg);
-}
-
-// exp(x) for x <= 0: 2^n * p(r), r = x - n ln2, a degree-6 polynomial (relative error ~2e-7); 0 below -87.
-static inline __m512 vexp(__m512 x) {
-    const __mmask16 under = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
-    const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
-    __m512 p = _mm512_set1_ps(1.0f / 720);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_maskz_scalef_ps((__mmask16)~under, p, n);
 }
 
 static inline const uint16_t *row_of(const uint16_t *cache, int64_t pos, const int64_t *table, int64_t bs,
@@ -109,11 +84,11 @@ static inline __attribute__((always_inline)) void task(int64_t b, int64_t kvh, i
             _mm512_store_ps(S[t], st);
             mx = _mm512_max_ps(mx, st);
         }
-        const __m512 alpha = vexp(_mm512_sub_ps(m, mx));
+        const __m512 alpha = exp512(_mm512_sub_ps(m, mx));
         m = mx;
         __m512 sum = _mm512_setzero_ps();
         for (int64_t t = 0; t < n; t++) {
-            const __m512 p = vexp(_mm512_sub_ps(_mm512_load_ps(S[t]), mx));
+            const __m512 p = exp512(_mm512_sub_ps(_mm512_load_ps(S[t]), mx));
             _mm512_store_ps(S[t], p);
             sum = _mm512_add_ps(sum, p);
         }
