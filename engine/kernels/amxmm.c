@@ -132,9 +132,11 @@ static void block_rows(int64_t m0, int mr, int64_t K, const uint16_t *x, const u
     _tile_stored(1, c + 16, 128);
 }
 
-// Threads split the 32-column blocks (pairs of them for silu_mul), so each streams only its share of the
-// weights; within a block the rows of x go by in 32-row steps while the block's weights (K x 64 bytes) stay in
-// L1/L2.
+// Threads take the 32-column blocks (pairs of them for silu_mul) four at a time, so each streams only its share
+// of the weights; dealt dynamically, not split in halves up front: on a 2-core server the event loop preempts
+// one thread now and then, and the other then takes its blocks instead of waiting at the end (serving measured
+// 28.3 against 26.6 ms of GEMMs a step). Within a block the rows of x go by in 32-row steps while the block's
+// weights (K x 64 bytes) stay in L1/L2.
 static void run(int64_t M, int64_t N, int64_t K, const uint16_t *x, const uint16_t *w, const uint16_t *b,
                 uint16_t *y, int nthreads, const int silu_mul) {
     const int64_t nblocks = (N + 31) / 32, ksteps = K / 32, per = silu_mul ? 2 : 1, units = nblocks / per;

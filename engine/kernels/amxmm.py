@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from engine.kernels.bf16mm import interleave_halves
 from engine.kernels.cbuild import BuildError, Once, build
-from engine.kernels.gemm import check_bf16_gemm, check_silu_mul
+from engine.kernels.gemm import SiluMulKernel, check_bf16_gemm, check_silu_mul, run_bf16
 
 log = logging.getLogger(__name__)
 
@@ -56,41 +54,14 @@ class AMXMM:
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., K] bf16 → x W^T + b, [..., N] bf16."""
-        return self.run(self.lib.amxmm_linear, x, packed, n, bias, n)
-
-    def run(
-        self, fn: Callable[..., None], x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None,
-        out_cols: int,
-    ) -> torch.Tensor:  # fmt: skip
-        """One of the kernel's entry points over x [..., K] → [..., out_cols] bf16."""
-        k = x.shape[-1]
-        x2 = x.reshape(-1, k).to(torch.bfloat16).contiguous()
-        y = torch.empty(x2.shape[0], out_cols, dtype=torch.bfloat16)
-        b = bias.to(torch.bfloat16).contiguous() if bias is not None else None  # held until the call returns
-        fn(
-            x2.shape[0], n, k, x2.data_ptr(), packed.data_ptr(), b.data_ptr() if b is not None else None,
-            y.data_ptr(), torch.get_num_threads(),
-        )  # fmt: skip
-        return y.view(*x.shape[:-1], out_cols)
+        return run_bf16(self.lib.amxmm_linear, x, packed, n, bias, n)
 
 
-class SiluMulAMXMM:
-    """A gated MLP's merged [gate | up] projection through AMXMM whose result is silu(gate) * up, [..., I]:
-    the fused epilogue of amxmm.c, with the roundings of the unfused bf16 torch code."""
+class SiluMulAMXMM(SiluMulKernel):
+    """amxmm.c's fused gated-MLP entry point (engine.kernels.gemm.SiluMulKernel)."""
 
     def __init__(self, base: AMXMM) -> None:
-        self.base = base
-
-    def accepts(self, weight: torch.Tensor) -> bool:
-        return self.base.accepts(weight) and weight.shape[0] % (2 * NB) == 0  # whole gate/up block pairs
-
-    def pack(self, weight: torch.Tensor) -> torch.Tensor:
-        return self.base.pack(interleave_halves(weight))
-
-    def linear(self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
-        """x [..., K] → silu(x Wg^T + bg) * (x Wu^T + bu), [..., n / 2]."""
-        b = interleave_halves(bias) if bias is not None else None
-        return self.base.run(self.base.lib.amxmm_linear_silu_mul, x, packed, n, b, n // 2)
+        super().__init__(base, base.lib.amxmm_linear_silu_mul)
 
 
 def supported() -> bool:

@@ -87,8 +87,9 @@ def make_selector(
     cache_dir: Path | None = None, max_layouts: int = 2, model_bytes: int | None = None,
 ) -> GemmSelector:  # fmt: skip
     """A selector over `paths` that caches its timings on disk; with `forced`, that path wherever it applies
-    (oneDNN, then F.linear, elsewhere), untimed. `model_bytes` (the weights' size): a model that fits in the
-    last-level cache stays there between steps, so its small batches are timed hot, without evicting it first."""
+    (oneDNN, then F.linear, elsewhere), untimed. `model_bytes` (the weights' size): a model that takes at most
+    half the last-level cache (the rest is for its KV cache and activations) stays there between steps, so its
+    small batches are timed hot, without evicting it first."""
     if forced != "auto":
         family = [p for p in paths if p.name.split("-")[0] == forced]  # bf16mm: its fused variant first
         if not family:
@@ -105,7 +106,7 @@ def make_selector(
         log.warning("GEMM timings will not be cached: %s", e)
     # NOTE: a flush writes 1.5x the last-level cache: 720 MB, ~50 ms, on a VM that reports 480 MB of L3, before
     # every timed small-batch call; for a model that fits in it, that was wasted (and made the test suite 2x longer)
-    cold = model_bytes is None or model_bytes > last_level_cache_bytes()
+    cold = model_bytes is None or 2 * model_bytes > last_level_cache_bytes()
     return GemmSelector(paths, dtype, cache, timer, max_layouts, flush=CacheFlush() if cold else None)
 
 

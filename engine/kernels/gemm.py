@@ -173,3 +173,45 @@ def check_silu_mul(kernel: GemmKernel, shapes: tuple[tuple[int, int, int], ...])
         got = kernel.linear(x, kernel.pack(w), n, b).float()
         if got.shape != want.shape or not torch.allclose(got, want, rtol=2e-2, atol=2e-2):
             raise SelfCheckError(f"fused SiLU self-check failed at {m}x{n}x{k}")
+
+
+def run_bf16(
+    fn: Callable[..., None], x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None, out_cols: int
+) -> torch.Tensor:
+    """One of a bf16 kernel's entry points (bf16mm.c, amxmm.c: M, N, K, x, packed, bias, y, threads) over
+    x [..., K] → [..., out_cols] bf16."""
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k).to(torch.bfloat16).contiguous()
+    y = torch.empty(x2.shape[0], out_cols, dtype=torch.bfloat16)
+    b = bias.to(torch.bfloat16).contiguous() if bias is not None else None  # held until the call returns
+    fn(
+        x2.shape[0], n, k, x2.data_ptr(), packed.data_ptr(), b.data_ptr() if b is not None else None,
+        y.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    return y.view(*x.shape[:-1], out_cols)
+
+
+def interleave_halves(t: torch.Tensor) -> torch.Tensor:
+    """[gate; up] rows (2I, ...) → blocks of 32 alternating: gate 0-31, up 0-31, gate 32-63, up 32-63, ..."""
+    i = t.shape[0] // 2
+    return t.reshape(2, i // 32, 32, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+
+
+class SiluMulKernel:
+    """A gated MLP's merged [gate | up] projection through a bf16 kernel's fused entry point `fn`, whose result
+    is silu(gate) * up, [..., I], with the roundings of the unfused bf16 torch code. The weight's rows are
+    interleaved in blocks of 32 (interleave_halves), so I must be a multiple of 32."""
+
+    def __init__(self, base: GemmKernel, fn: Callable[..., None]) -> None:
+        self.base, self.fn = base, fn
+
+    def accepts(self, weight: torch.Tensor) -> bool:
+        return self.base.accepts(weight) and weight.shape[0] % 64 == 0  # whole 32-row gate/up halves
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        return self.base.pack(interleave_halves(weight))
+
+    def linear(self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [..., K] → silu(x Wg^T + bg) * (x Wu^T + bu), [..., n / 2]."""
+        b = interleave_halves(bias) if bias is not None else None
+        return run_bf16(self.fn, x, packed, n, b, n // 2)

@@ -12,8 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import bf16mm
-from engine.kernels.bf16mm import BF16MM, SiluMulBF16MM, interleave_halves
+from engine.kernels.bf16mm import BF16MM, SiluMulBF16MM
 from engine.kernels.cbuild import SelfCheckError
+from engine.kernels.gemm import interleave_halves
 from engine.layers.mlp import GatedMLP
 
 pytestmark = pytest.mark.skipif(not bf16mm.supported(), reason="this CPU has no AVX512-BF16")
