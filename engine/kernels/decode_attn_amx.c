@@ -3,8 +3,9 @@
 // along head_dim, and vectors run along head_dim. Here the scores of 16 cached tokens for all G query heads
 // that share a KV head are one tile product, S[16 tokens][16 heads] = K_rows . Q^T, with the K rows loaded
 // straight from the cache block (a 16-token slice of a block is 16 equally strided rows). The softmax then runs
-// with the heads in the vector lanes, and P.V runs on VDPBF16PS over pairs of tokens, P rounded to bf16 as
-// flash attention does. Measured against the portable kernel and torch by engine.kernels.op_choice.
+// with the heads in the vector lanes, and P.V is a tile product too, over pairs of tokens (P transposed by a
+// scatter, V rows interleaved), P rounded to bf16 as flash attention does. Measured against the portable kernel
+// and torch by engine.kernels.op_choice.
 //
 // Requires: bf16 cache, block_size % 16 == 0, head_dim % 32 == 0 and <= 256, G = H / KV <= 16.
 #if !defined(__AMX_TILE__) || !defined(__AMX_BF16__) || !defined(__AVX512BF16__)

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from engine.kernels import amxmm
 from engine.kernels.amxmm import AMXMM, SiluMulAMXMM
 from engine.kernels.cbuild import SelfCheckError
+from tests.kernel_checks import assert_fused_silu_equals_unfused
+from tests.kernel_checks import bf16 as _bf16
 
 pytestmark = pytest.mark.skipif(not amxmm.supported(), reason="this CPU has no AMX tiles")
 
@@ -24,10 +25,6 @@ def kernel(tmp_path_factory: pytest.TempPathFactory) -> AMXMM:
         return AMXMM.build()
     finally:
         mp.undo()
-
-
-def _bf16(*shape: int, seed: int) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).bfloat16()
 
 
 # rows: one, a partial 16-row tile, exactly 16, 16 + a few (the second tile partial), 32, past one 32-row block
@@ -74,19 +71,11 @@ def test_nan_and_inf_propagate_like_float32(kernel: AMXMM) -> None:
 def test_fused_silu_mul_equals_the_unfused_torch_code(
     kernel: AMXMM, m: int, inter: int, k: int, with_bias: bool
 ) -> None:
-    """A gated MLP's [gate | up] projection through the fused epilogue against the same projection unfused,
-    then torch's SiLU and multiply in bf16 (what the engine runs without it, and what transformers runs)."""
-    fused = SiluMulAMXMM(kernel)
-    w, x = _bf16(2 * inter, k, seed=10), _bf16(m, k, seed=11)
-    b = _bf16(2 * inter, seed=12) if with_bias else None
-    assert fused.accepts(w) and not fused.accepts(w[:-32]) and not fused.accepts(w[:, :-16])
-    gate, up = kernel.linear(x, kernel.pack(w), 2 * inter, b).chunk(2, dim=-1)
-    want = F.silu(gate).mul_(up)
-    got = fused.linear(x, fused.pack(w), 2 * inter, b)
-    assert got.shape == (m, inter) and got.dtype == torch.bfloat16
-    # the exp differs from torch's (SLEEF) in the last float32 bits: now and then one bf16 step apart
-    torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=1e-6)
-    assert (got != want).float().mean() < 0.02
+    assert_fused_silu_equals_unfused(kernel, SiluMulAMXMM(kernel), m, inter, k, with_bias)
+
+
+def test_fused_silu_takes_k_only_in_whole_tiles(kernel: AMXMM) -> None:
+    assert not SiluMulAMXMM(kernel).accepts(torch.empty(64, 48, dtype=torch.bfloat16))  # K % 32 != 0
 
 
 def test_the_self_check_catches_a_wrong_fused_epilogue(kernel: AMXMM, monkeypatch: pytest.MonkeyPatch) -> None:

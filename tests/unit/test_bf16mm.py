@@ -9,13 +9,14 @@ import logging
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from engine.kernels import bf16mm
 from engine.kernels.bf16mm import BF16MM, SiluMulBF16MM
 from engine.kernels.cbuild import SelfCheckError
 from engine.kernels.gemm import interleave_halves
 from engine.layers.mlp import GatedMLP
+from tests.kernel_checks import assert_fused_silu_equals_unfused
+from tests.kernel_checks import bf16 as _bf16
 
 pytestmark = pytest.mark.skipif(not bf16mm.supported(), reason="this CPU has no AVX512-BF16")
 
@@ -28,10 +29,6 @@ def kernel(tmp_path_factory: pytest.TempPathFactory) -> BF16MM:
         return BF16MM.build()
     finally:
         mp.undo()
-
-
-def _bf16(*shape: int, seed: int) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).bfloat16()
 
 
 def _assert_rounded_float32(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
@@ -115,20 +112,7 @@ def test_no_avx512_bf16_means_onednn_without_a_warning(
 def test_fused_silu_mul_equals_the_unfused_torch_code(
     kernel: BF16MM, m: int, inter: int, k: int, with_bias: bool
 ) -> None:
-    """A gated MLP's [gate | up] projection through the fused epilogue against the same projection unfused,
-    then torch's SiLU and multiply in bf16 (what the engine runs without it, and what transformers runs)."""
-    fused = SiluMulBF16MM(kernel)
-    w, x = _bf16(2 * inter, k, seed=10), _bf16(m, k, seed=11)
-    b = _bf16(2 * inter, seed=12) if with_bias else None
-    assert fused.accepts(w) and not fused.accepts(w[:-32]) and not fused.accepts(w.float())
-    h = kernel.linear(x, kernel.pack(w), 2 * inter, b)
-    gate, up = h.chunk(2, dim=-1)
-    want = F.silu(gate).mul_(up)
-    got = fused.linear(x, fused.pack(w), 2 * inter, b)
-    assert got.shape == (m, inter) and got.dtype == torch.bfloat16
-    # the exp differs from torch's (SLEEF) in the last float32 bits: now and then one bf16 step apart
-    torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=1e-6)
-    assert (got != want).float().mean() < 0.02
+    assert_fused_silu_equals_unfused(kernel, SiluMulBF16MM(kernel), m, inter, k, with_bias)
 
 
 def test_interleave_halves_alternates_blocks_of_32() -> None:

@@ -85,8 +85,7 @@ def test_the_fastest_of_several_wins_a_tie_keeps_the_first_and_the_cache_remembe
 
 def _kernel_of(step: Callable[[], object]) -> DecodeAttention | None:
     """Which kernel a probe step (op_choice.attention_probe) runs: None for gather + SDPA."""
-    cells = dict(zip(step.__code__.co_freevars, step.__closure__ or ()))  # type: ignore[attr-defined]
-    return cells["kernel"].cell_contents
+    return step.kernel  # type: ignore[attr-defined]
 
 
 def test_decode_attention_takes_the_fastest_kernel_and_none_when_torch_wins() -> None:
