@@ -82,8 +82,8 @@ def still_open(conn: Stream) -> bool:
 async def slowloris(gw: RunningGateway, every_s: float) -> tuple[int, int, float]:
     """Send request headers one byte at a time over TLS; (bytes sent, header length, seconds until cut)."""
     head = f"GET /v1/models HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer {gw.token()}\r\n\r\n".encode()
+    started, sent = time.monotonic(), 0  # before the connect: the server's deadline runs from its accept
     reader, writer = await tls(gw)
-    started, sent = time.monotonic(), 0
     try:
         for i in range(len(head)):
             if reader.at_eof() or writer.is_closing():
@@ -108,22 +108,24 @@ async def test_silent_idle_and_slow_clients_do_not_stop_others_and_are_closed_in
     silent = [await tcp(gw) for _ in range(SILENT_TCP)]
     stalled = [await stalled_handshake(gw) for _ in range(STALLED_TLS)]
     idle = [await tls(gw) for _ in range(IDLE_TLS)]
-    open_now = sum(still_open(c) for c in silent + stalled + idle)
-    async with httpx.AsyncClient(base_url=gw.url, verify=ctx_of(gw), timeout=60) as client:
-        r = await client.post(
-            "/v1/chat/completions",
-            json={"model": gw.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
-            headers={"Authorization": f"Bearer {gw.token()}"},
-        )
-    assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant"
-    assert open_now > 0  # the request was served while idle connections were open
-    closed = await asyncio.gather(*(closed_by_server(c) for c in silent + stalled + idle))
-    assert all(closed), f"{closed.count(False)} idle connections still open"
-    sent, length, cut_after = await loris
-    assert sent < length, "the byte-a-time headers were cut before they were complete"
-    assert cut_after >= TIMEOUT_S * 0.9  # cut at the header deadline, measured from the connect
-    for _, w in silent + stalled + idle:
-        w.close()
+    try:
+        open_now = sum(still_open(c) for c in silent + stalled + idle)
+        async with httpx.AsyncClient(base_url=gw.url, verify=ctx_of(gw), timeout=60) as client:
+            r = await client.post(
+                "/v1/chat/completions",
+                json={"model": gw.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+                headers={"Authorization": f"Bearer {gw.token()}"},
+            )
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant"
+        assert open_now > 0  # the request was served while idle connections were open
+        closed = await asyncio.gather(*(closed_by_server(c) for c in silent + stalled + idle))
+        assert all(closed), f"{closed.count(False)} idle connections still open"
+        sent, length, cut_after = await loris
+        assert sent < length, "the byte-a-time headers were cut before they were complete"
+        assert cut_after >= TIMEOUT_S * 0.9  # cut at the header deadline, measured from the connect
+    finally:  # a failed assertion must not leave its sockets to a later test's garbage collection
+        for _, w in silent + stalled + idle:
+            w.close()
 
 
 async def test_keepalive_connection_idles_out_but_serves_while_in_use(gw: RunningGateway) -> None:
