@@ -13,10 +13,10 @@ from engine.block_manager import cdiv
 from engine.config import EngineConfig
 from engine.context import AttentionContext, PrefillMeta, reset_context, set_context
 from engine.errors import ConfigError
-from engine.kernels import decode_attn, decode_attn_amx, pointwise, wbf16
+from engine.kernels import pointwise, wbf16
 from engine.kernels.bind import BindReport, bind_cpu_kernels, gemm_paths, make_selector
 from engine.kernels.kernel_set import CpuKernels
-from engine.kernels.op_choice import choose_kernels
+from engine.kernels.op_choice import choose_kernels, decode_attention_kernels
 from engine.loader import ModelFiles, load_model
 from engine.malloc import keep_freed_memory
 from engine.outputs import ModelOutput, ScheduledSeq, SchedulerOutput
@@ -116,7 +116,7 @@ class ModelRunner:
         kernels = CpuKernels()
         if use:
             pw = pointwise.kernel()
-            attn = {n: k for n, k in (("amx", decode_attn_amx.kernel()), ("portable", decode_attn.kernel())) if k}
+            attn = decode_attention_kernels()
             timer = selector.timer if selector.measure else None  # a forced gemm_path binds every kernel untimed
             kernels = choose_kernels(self.model, pw, attn, self.dtype, timer, selector.cache, self.block_size)
         return bind_cpu_kernels(self.model, [self.sampler], kernels, selector, c.max_num_seqs)

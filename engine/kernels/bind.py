@@ -53,6 +53,7 @@ _SOURCES = [
         "pointwise.c",
         "decode_attn.c",
         "decode_attn_amx.c",
+        "decode_attn_dp.c",
     )
 ] + [Path(__file__).parents[1] / "quant" / n for n in ("paths.py", "weights.py")]
 

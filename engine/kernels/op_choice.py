@@ -1,7 +1,7 @@
 """The same choice by measurement for the kernels beside the GEMMs: each of RMSNorm, RoPE, greedy argmax and
 paged decode attention is timed against its torch code at the model's own sizes, and kept only where faster.
-Decode attention has two kernels where AMX exists (engine.kernels.decode_attn_amx): the fastest of the three
-paths is kept.
+Decode attention has more than one kernel where the CPU has AVX512-BF16 (engine.kernels.decode_attn_dp) or AMX
+(engine.kernels.decode_attn_amx): the fastest of all the paths is kept.
 
 The kernels were each checked against torch when they were built (engine.kernels.cbuild.Once); here only speed
 is in question. Timings go into the same on-disk table as the GEMMs' (engine.kernels.select.PlanCache)."""
@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 
 from engine.context import AttentionContext, reset_context, set_context
+from engine.kernels import decode_attn, decode_attn_amx, decode_attn_dp
 from engine.kernels.decode_attn import DecodeAttention
 from engine.kernels.kernel_set import CpuKernels
 from engine.kernels.pointwise import PointwiseKernels, apply_rotary, rms_norm
@@ -111,6 +112,12 @@ def attention_probe(
         return step
 
     return run
+
+
+def decode_attention_kernels() -> dict[str, DecodeAttention]:
+    """Every decode attention kernel built for this CPU, by name; without a timer the first that fits is used."""
+    found = (("amx", decode_attn_amx.kernel()), ("dp", decode_attn_dp.kernel()), ("portable", decode_attn.kernel()))
+    return {name: k for name, k in found if k is not None}
 
 
 def choose_decode_attention(

@@ -8,9 +8,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.kernels import decode_attn, decode_attn_amx, pointwise
+from engine.kernels import pointwise
 from engine.kernels.decode_attn import DecodeAttention
-from engine.kernels.op_choice import attention_probe, choose_decode_attention, choose_kernels, faster, fastest
+from engine.kernels.op_choice import (
+    attention_probe,
+    choose_decode_attention,
+    choose_kernels,
+    decode_attention_kernels,
+    faster,
+    fastest,
+)
 from engine.kernels.select import PlanCache
 from engine.layers.attention import PagedAttention
 
@@ -52,16 +59,11 @@ def test_kernels_measured_slower_are_not_bound() -> None:
     assert forced.rms_norm is pw and forced.decode_attn is None
 
 
-def _attention_kernels() -> dict[str, DecodeAttention]:
-    found = {"amx": decode_attn_amx.kernel(), "portable": decode_attn.kernel()}
-    return {n: k for n, k in found.items() if k is not None}
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_attention_timing_runs_every_path_to_the_same_answer(dtype: torch.dtype) -> None:
     """The probe decodes through each kernel and through SDPA; all must give the same output, or the timing
     compares different work."""
-    kernels = _attention_kernels()
+    kernels = decode_attention_kernels()
     if not kernels:
         pytest.skip("no decode attention kernel built here (the warning says why)")
     layer = PagedAttention(8, 2, 64, 64**-0.5)
@@ -89,7 +91,7 @@ def _kernel_of(step: Callable[[], object]) -> DecodeAttention | None:
 
 
 def test_decode_attention_takes_the_fastest_kernel_and_none_when_torch_wins() -> None:
-    kernels = _attention_kernels()
+    kernels = decode_attention_kernels()
     if not kernels:
         pytest.skip("no decode attention kernel built here (the warning says why)")
     layer = PagedAttention(8, 2, 64, 64**-0.5)

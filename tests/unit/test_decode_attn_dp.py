@@ -1,0 +1,71 @@
+"""The AVX512-BF16 decode attention (engine.kernels.decode_attn_dp), compiled here with gcc, against the float32
+reference read from the paged cache.
+
+It is a candidate only on CPUs with AVX512-BF16, so these tests run where the CPU has it; elsewhere the selection
+never sees it (the portable kernel's tests cover the rest)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.kernels import bf16mm, decode_attn
+from engine.kernels.decode_attn import check_against_reference
+from engine.kernels.decode_attn_dp import DotDecodeAttention
+
+pytestmark = pytest.mark.skipif(not bf16mm.supported(), reason="this CPU has no AVX512-BF16")
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory: pytest.TempPathFactory) -> DotDecodeAttention:
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TIANMEN_KERNEL_CACHE", str(tmp_path_factory.mktemp("kernels")))
+    try:
+        return DotDecodeAttention.build()
+    finally:
+        mp.undo()
+
+
+# G = 1, 3, 7, 8, 16 query heads per KV head; head_dim 32 to 256 (one to eight bf16 vectors); KV heads per task
+# from one to eight (the kernel groups a sequence's KV heads up to 32 query heads a task)
+@pytest.mark.parametrize(
+    ("h", "kv", "d"), [(2, 2, 64), (9, 3, 64), (14, 2, 64), (32, 8, 128), (16, 1, 32), (8, 2, 256), (48, 24, 64)]
+)
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_equals_the_reference_over_scattered_blocks_and_stale_memory(
+    kernel: DotDecodeAttention, h: int, kv: int, d: int, block_size: int
+) -> None:
+    # lengths: one token, odd and even, a full block, one past it, long
+    check_against_reference(kernel, (torch.bfloat16,), ((h, kv, d),), block_size, (1, 2, 15, 16, 17, 128, 129, 700))
+
+
+def test_one_sequence_splits_its_kv_heads_across_tasks(kernel: DotDecodeAttention) -> None:
+    """A batch of one leaves too few tasks for the threads: the KV heads are split into groups, with a short
+    last group (5 KV heads in groups of 2 + 2 + 1 on two threads), and each head's output still matches."""
+    check_against_reference(kernel, (torch.bfloat16,), ((40, 5, 64),), 16, (300,))
+    check_against_reference(kernel, (torch.bfloat16,), ((16, 8, 128),), 16, (33,))
+
+
+def test_a_large_score_range_neither_overflows_nor_loses_the_peak(kernel: DotDecodeAttention) -> None:
+    """Scores far apart (one key aligned with the query, 300 others near zero): the running maximum must carry
+    across slices, or exp() over- or underflows."""
+    g = torch.Generator().manual_seed(3)
+    d, n = 64, 300
+    q = torch.randn(1, 4, d, generator=g).bfloat16() * 8
+    kc = torch.randn(n // 16 + 1, 16, 1, d, generator=g).bfloat16() * 0.01
+    kc.view(-1, d)[250] = q[0, 0] * 4  # the peak sits in a late slice
+    vc = torch.randn_like(kc)
+    tables = torch.arange(n // 16 + 1).view(1, -1)
+    lens = torch.tensor([n])
+    got = kernel(q, kc, vc, tables, lens, d**-0.5).float()
+    want = decode_attn.reference(q, kc, vc, tables, lens, d**-0.5)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
+def test_takes_only_the_shapes_its_vectors_fit(kernel: DotDecodeAttention) -> None:
+    assert kernel.takes(14, 2, 64, torch.bfloat16, 16) and kernel.takes(32, 8, 128, torch.bfloat16, 32)
+    assert not kernel.takes(14, 2, 64, torch.float32, 16)  # bf16 caches only
+    assert not kernel.takes(4, 4, 16, torch.bfloat16, 16)  # head_dim under one 32-wide vector
+    assert not kernel.takes(14, 2, 64, torch.bfloat16, 8)  # a 16-token slice must sit in one block
+    assert not kernel.takes(34, 2, 64, torch.bfloat16, 16)  # G = 17 query heads per KV head
