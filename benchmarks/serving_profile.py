@@ -116,8 +116,8 @@ def instrument(t: Timers, engine: AsyncEngine) -> None:
     t.wrap(type(engine.core.runner.model), "forward", "  forward pass", wall)
     t.wrap(GemmPlan, "__call__", "    GEMMs (every linear layer, the LM head's too)", wall)
     t.wrap(PagedAttention, "forward", "    attention (cache write, decode and prefill)", wall)
-    t.wrap(PagedAttention, "_decode", "      of which decode", wall)
-    t.wrap(PagedAttention, "_prefill", "      of which prefill", wall)
+    t.wrap(PagedAttention, "_decode", "      of which in place (decodes, short prompts)", wall)
+    t.wrap(PagedAttention, "_prefill", "      of which prefill (SDPA)", wall)
     t.wrap(RMSNorm, "forward", "    add + RMSNorm", wall)
     t.wrap(type(engine.core.runner.model), "compute_logits", "  logits (lm head)", wall)
     t.wrap(ModelRunner, "_sample", "  sampling", wall)
@@ -199,8 +199,8 @@ STAGES = (
 FORWARD_PARTS = (  # inside the forward pass (the GEMMs' row also counts the LM head's): not added to the rest
     "    GEMMs (every linear layer, the LM head's too)",
     "    attention (cache write, decode and prefill)",
-    "      of which decode",
-    "      of which prefill",
+    "      of which in place (decodes, short prompts)",
+    "      of which prefill (SDPA)",
     "    add + RMSNorm",
 )
 HAND_OFF = "output hand-off to the event loop (step thread)"

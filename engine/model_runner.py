@@ -77,7 +77,12 @@ class ModelRunner:
         self.kernel_report = BindReport()
         if cpu:
             self.kernel_report = self._bind_cpu_kernels(compact)
-        self.attention_in_place = all(getattr(m, "kernel", None) is not None for m in self.model.attention_layers())
+        layers = list(self.model.attention_layers())
+        self.attention_in_place = all(getattr(m, "kernel", None) is not None for m in layers)
+        # prompt chunks up to this long attend in place too, as decode rows (engine.kernels.op_choice)
+        self.prefill_in_place = min((getattr(m, "prefill_in_place", 0) for m in layers), default=0)
+        if not self.attention_in_place:
+            self.prefill_in_place = 0
         log.info(
             "model on %s, %s math, %s weights: %d KV blocks of %d tokens",
             self.device,
@@ -245,6 +250,10 @@ class ModelRunner:
         slots: list[int] = []
         sample_rows: list[int] = []
         prefills: list[PrefillMeta] = []
+        # rows [0, in_place) attend through the decode kernel: the decodes, then the prompt chunks that follow
+        # them while each is short enough (one row per token, its context ending at that token)
+        in_place_seqs: list[tuple[list[int], int, int]] = []  # (block ids, first row's context length, rows)
+        in_place = 0
         for i, s in enumerate(sched.seqs):
             n, row = len(s.token_ids), len(input_ids)
             input_ids.extend(s.token_ids)
@@ -253,9 +262,11 @@ class ModelRunner:
             slots.extend(s.block_ids[p // bs] * bs + p % bs for p in pos)
             if s.sample:
                 sample_rows.append(row + n - 1)
-            if i < sched.num_decodes:
-                continue
             ctx_len = s.start + n
+            if in_place == row and (i < sched.num_decodes or n <= self.prefill_in_place):
+                in_place_seqs.append((s.block_ids[: cdiv(ctx_len, bs)], s.start + 1, n))
+                in_place += n
+                continue
             if s.start == 0:
                 last = prefills[-1] if prefills else None
                 if last is not None and last.block_ids is None and last.context_len == n and last.end == row:
@@ -268,20 +279,21 @@ class ModelRunner:
                 prefills.append(PrefillMeta(row, row + n, ctx_len, block_ids, mask))
 
         tables, dmask, ctx_lens = None, None, None
-        if sched.num_decodes:
-            decodes = sched.seqs[: sched.num_decodes]
-            width = max(len(s.block_ids) for s in decodes)
-            tables = torch.tensor(
-                [s.block_ids + [self.pad_block] * (width - len(s.block_ids)) for s in decodes], device=dev
-            )
-            ctx_lens = torch.tensor([s.start + 1 for s in decodes], device=dev)
+        if in_place_seqs:
+            width = max(len(ids) for ids, _, _ in in_place_seqs)
+            padded = torch.tensor([ids + [self.pad_block] * (width - len(ids)) for ids, _, _ in in_place_seqs])
+            counts = [n for _, _, n in in_place_seqs]
+            # a prompt chunk's rows share its block table; each row's context ends at its own token
+            tables = padded if in_place == len(counts) else padded.repeat_interleave(torch.tensor(counts), dim=0)
+            tables = tables.to(dev)
+            ctx_lens = torch.tensor([first + j for _, first, n in in_place_seqs for j in range(n)], device=dev)
             if not self.attention_in_place:  # the kernel reads the lengths; SDPA and MLA need a mask
                 hidden = torch.arange(width * bs, device=dev) >= ctx_lens.unsqueeze(1)
                 dmask = torch.zeros(hidden.shape, dtype=self.dtype, device=dev).masked_fill_(hidden, float("-inf"))
-                dmask = dmask.view(len(decodes), 1, 1, -1)
+                dmask = dmask.view(in_place, 1, 1, -1)
         ctx = AttentionContext(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            num_decodes=sched.num_decodes,
+            num_decodes=in_place,
             decode_block_tables=tables,
             decode_mask=dmask,
             decode_context_lens=ctx_lens,

@@ -22,6 +22,9 @@
 // Rows per pass over the weights: large batches (prefill) go through in chunks whose activations stay in L2
 // while every column block streams past them; measured best at 48-384 on Zen 4, 1.1x faster than one pass.
 #define MC 192
+// Row tiles a block may have for the next block to be prefetched by software (see run()); with more, the block's
+// arithmetic outlasts the stream anyway, and with one the hardware prefetchers follow the single pass.
+#define PF_TILES 8
 
 // Row r's k-pair kp of x as one 32-bit lane; an odd K's last pair holds a zero, never the next row's value
 // (which the zero weight padding would turn into NaN if it were inf).
@@ -46,14 +49,17 @@ static inline __attribute__((always_inline)) void step(const int mr, __m512 acc[
     }
 }
 
+// pf, pf_end: the part of the next column block this tile asks for, spread over its k steps (see run()).
 static inline __attribute__((always_inline)) void tile(const int mr, int64_t K, const uint16_t *x,
-                                                       const uint16_t *w, const float *bias, float *out) {
+                                                       const uint16_t *w, const float *bias, float *out,
+                                                       const char *pf, const char *pf_end, const int64_t pf_step) {
     __m512 acc[MR][4];
     for (int r = 0; r < mr; r++)
         for (int j = 0; j < 4; j++) acc[r][j] = _mm512_loadu_ps(bias + 16 * j);
     int32_t p[MR];
     const int64_t full = K / 2;
     for (int64_t kp = 0; kp < full; kp++) {
+        for (int64_t l = 0; l < pf_step && pf < pf_end; l++, pf += 64) _mm_prefetch(pf, _MM_HINT_T1);
         for (int r = 0; r < mr; r++) memcpy(&p[r], x + r * K + 2 * kp, 4);
         step(mr, acc, w + kp * 2 * NB, p);
     }
@@ -65,14 +71,15 @@ static inline __attribute__((always_inline)) void tile(const int mr, int64_t K, 
         for (int j = 0; j < 4; j++) _mm512_storeu_ps(out + r * NB + j * 16, acc[r][j]);
 }
 
-static void tile_any(int mr, int64_t K, const uint16_t *x, const uint16_t *w, const float *bias, float *out) {
+static void tile_any(int mr, int64_t K, const uint16_t *x, const uint16_t *w, const float *bias, float *out,
+                     const char *pf, const char *pf_end, int64_t pf_step) {
     switch (mr) {  // a constant row count lets the compiler keep every accumulator in a register
-    case 1: tile(1, K, x, w, bias, out); break;
-    case 2: tile(2, K, x, w, bias, out); break;
-    case 3: tile(3, K, x, w, bias, out); break;
-    case 4: tile(4, K, x, w, bias, out); break;
-    case 5: tile(5, K, x, w, bias, out); break;
-    default: tile(6, K, x, w, bias, out); break;
+    case 1: tile(1, K, x, w, bias, out, pf, pf_end, pf_step); break;
+    case 2: tile(2, K, x, w, bias, out, pf, pf_end, pf_step); break;
+    case 3: tile(3, K, x, w, bias, out, pf, pf_end, pf_step); break;
+    case 4: tile(4, K, x, w, bias, out, pf, pf_end, pf_step); break;
+    case 5: tile(5, K, x, w, bias, out, pf, pf_end, pf_step); break;
+    default: tile(6, K, x, w, bias, out, pf, pf_end, pf_step); break;
     }
 }
 
@@ -101,9 +108,19 @@ static void run(int64_t M, int64_t N, int64_t K, const uint16_t *x, const uint16
                     const uint32_t u = (uint32_t)b[n0 + j] << 16;
                     memcpy(&bias[j], &u, 4);
                 }
+            // NOTE: the first row tile of a block reads its weights from memory and the others from L2, where the
+            // hardware prefetchers see no misses to follow: the next block would then start cold and the stream
+            // and the arithmetic take turns. Each tile asks for its share of the next block instead, spread over
+            // its k steps, so that block streams in while this one is computed. Measured on a 2-core Zen 4 over
+            // 200 MB of weights (SmolLM2 and Qwen2-0.5B shapes), 8-48 rows: 0.84-0.98x the time without.
+            const int64_t tiles = (mc1 - mc0 + MR - 1) / MR, lines = pairs * 2 * NB * 2 / 64;
+            const int64_t share = (lines + tiles - 1) / tiles, pf_step = (share + pairs - 1) / pairs;
+            const char *next = (const char *)(wb + pairs * 2 * NB);
+            const char *next_end = nb + 1 < nblocks && tiles > 1 && tiles <= PF_TILES ? next + lines * 64 : next;
             for (int64_t m0 = mc0; m0 < mc1; m0 += MR) {
                 const int mr = mc1 - m0 < MR ? (int)(mc1 - m0) : MR;
-                tile_any(mr, K, x + m0 * K, wb, bias, out);
+                const char *pf = next + (m0 - mc0) / MR * share * 64;
+                tile_any(mr, K, x + m0 * K, wb, bias, out, pf, pf + share * 64 < next_end ? pf + share * 64 : next_end, pf_step);
                 for (int r = 0; r < mr; r++) {
                     const float *o = out + r * NB;
                     if (silu_mul) {  // N % 64 == 0 (checked by the caller): whole blocks, N / 2 outputs a row

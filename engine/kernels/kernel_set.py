@@ -17,3 +17,6 @@ class CpuKernels:
     rope: PointwiseKernels | None = None
     argmax: PointwiseKernels | None = None
     decode_attn: DecodeAttention | None = None
+    # prompt chunks of up to this many tokens attend through decode_attn, one query row per token, over the cache
+    # (0: never): measured against SDPA's causal prefill (engine.kernels.op_choice.prefill_in_place_limit)
+    prefill_in_place: int = 0

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from engine.context import AttentionContext, reset_context, set_context
+from engine.context import AttentionContext, PrefillMeta, reset_context, set_context
 from engine.kernels import decode_attn, decode_attn_amx, decode_attn_dp
 from engine.kernels.decode_attn import DecodeAttention
 from engine.kernels.kernel_set import CpuKernels
@@ -25,6 +25,7 @@ from engine.layers.norm import RMSNorm
 ROWS = 32  # a decode batch: where these ops' per-call overhead matters
 CONTEXT = 256  # decode attention's tokens of context per sequence
 BLOCK = 16
+PREFILL_LENGTHS = (32, 128, 512, 2048)  # prompt chunks timed both ways for prefill in place
 
 
 def faster(
@@ -140,6 +141,61 @@ def choose_decode_attention(
     return fits.get(fastest(key, candidates, timer, cache))
 
 
+def prefill_probe(
+    attention: PagedAttention, dtype: torch.dtype, tokens: int
+) -> Callable[[DecodeAttention | None], Callable[[], object]]:
+    """One prompt of `tokens` tokens through a copy of `attention`'s shape: given a kernel, its rows attend in
+    place (one decode row per token, the context ending at that token); None: SDPA's causal prefill."""
+    h, kv, d = attention.num_heads, attention.num_kv_heads, attention.head_dim
+    probe = PagedAttention(h, kv, d, d**-0.5, (torch.empty(0, dtype=dtype), torch.empty(0, dtype=dtype)))
+    blocks = -(-tokens // BLOCK)
+    probe.k_cache = torch.randn(blocks + 1, BLOCK, kv, d).to(dtype)
+    probe.v_cache = torch.randn_like(probe.k_cache)
+    table = torch.arange(blocks).view(1, blocks)
+    slots = torch.arange(tokens)
+    in_place = AttentionContext(slots, tokens, table.expand(tokens, blocks).contiguous(), None, [],
+                                torch.arange(1, tokens + 1))  # fmt: skip
+    sdpa = AttentionContext(slots, 0, None, None, [PrefillMeta(0, tokens, tokens, None, None)])
+    q, kk, vv = (torch.randn(tokens, n, d).to(dtype) for n in (h, kv, kv))
+
+    def run(kernel: DecodeAttention | None) -> Callable[[], object]:
+        def step() -> object:
+            probe.kernel = kernel
+            set_context(sdpa if kernel is None else in_place)
+            try:
+                return probe(q, kk, vv)
+            finally:
+                reset_context()
+
+        step.kernel = kernel  # type: ignore[attr-defined]
+        return step
+
+    return run
+
+
+def prefill_in_place_limit(
+    kernel: DecodeAttention, attention: PagedAttention, dtype: torch.dtype, timer: Timer | None,
+    cache: PlanCache | None,
+) -> int:  # fmt: skip
+    """The longest prompt chunk (of PREFILL_LENGTHS) up to which `kernel` attending in place beat SDPA at every
+    length timed; 0 where it lost at the shortest. Without a timer (a forced configuration), the longest.
+
+    WHY: a prompt token attends exactly as a decode query whose context ends at it, so the decode kernel serves
+    prefill too. At short prompts SDPA's flash kernel spends more on its blocking than on arithmetic (a 158-token
+    prompt of SmolLM2's heads: ~0.6-0.9 ms a layer on a 2-core Zen 4); at long ones its tiles win."""
+    if timer is None:
+        return PREFILL_LENGTHS[-1]
+    h, kv, d = attention.num_heads, attention.num_kv_heads, attention.head_dim
+    limit = 0
+    for tokens in PREFILL_LENGTHS:
+        run = prefill_probe(attention, dtype, tokens)
+        key = f"op prefill_in_place {tokens} h{h} kv{kv} d{d} {dtype} {type(kernel).__name__}"
+        if fastest(key, {"torch": run(None), "kernel": run(kernel)}, timer, cache) != "kernel":
+            break
+        limit = tokens
+    return limit
+
+
 def choose_kernels(
     model: torch.nn.Module,
     pw: PointwiseKernels | None,
@@ -166,4 +222,6 @@ def choose_kernels(
             k.argmax = pw
     if layer is not None:
         k.decode_attn = choose_decode_attention(attn, layer, dtype, block_size, timer, cache)
+        if k.decode_attn is not None:
+            k.prefill_in_place = prefill_in_place_limit(k.decode_attn, layer, dtype, timer, cache)
     return k

@@ -36,6 +36,7 @@ class PagedAttention(nn.Module):
         # tensor per layer and step costs page faults, which are dear on a VM.
         self.scratch = scratch or (torch.empty(0), torch.empty(0))
         self.kernel: DecodeAttention | None = None  # reads the paged cache in place (engine.kernels.decode_attn)
+        self.prefill_in_place = 0  # prompt chunks up to this long go through the kernel too (CpuKernels)
 
     @property
     def block_size(self) -> int:
@@ -47,6 +48,7 @@ class PagedAttention(nn.Module):
             self.num_heads, self.num_kv_heads, self.head_dim, self.k_cache.dtype, self.block_size
         )
         self.kernel = k if fits else None
+        self.prefill_in_place = kernels.prefill_in_place if fits else 0
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [T, H, D]  k, v: [T, KV, D]  ->  [T, H * D]

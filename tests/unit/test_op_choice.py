@@ -11,12 +11,15 @@ import torch
 from engine.kernels import pointwise
 from engine.kernels.decode_attn import DecodeAttention
 from engine.kernels.op_choice import (
+    PREFILL_LENGTHS,
     attention_probe,
     choose_decode_attention,
     choose_kernels,
     decode_attention_kernels,
     faster,
     fastest,
+    prefill_in_place_limit,
+    prefill_probe,
 )
 from engine.kernels.select import PlanCache
 from engine.layers.attention import PagedAttention
@@ -106,3 +109,55 @@ def test_decode_attention_takes_the_fastest_kernel_and_none_when_torch_wins() ->
     torch_fastest = lambda fn: 1e-3 if _kernel_of(fn) is None else 1.0  # noqa: E731
     assert choose_decode_attention(kernels, layer, dtype, 16, torch_fastest, None) is None
     assert choose_decode_attention(kernels, layer, dtype, 16, None, None) is next(iter(kernels.values()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_in_place_gives_sdpa_causal_prefill_answer(dtype: torch.dtype) -> None:
+    """A prompt's tokens attending as decode rows (each row's context ending at its own token) must give what
+    SDPA's causal prefill gives, or the timing compares different work."""
+    kernels = decode_attention_kernels()
+    if not kernels:
+        pytest.skip("no decode attention kernel built here (the warning says why)")
+    layer = PagedAttention(8, 2, 64, 64**-0.5)
+    for tokens in (1, 17, 40):
+        run = prefill_probe(layer, dtype, tokens)
+        want = run(None)().float()  # type: ignore[attr-defined]
+        for k in kernels.values():
+            if k.takes(8, 2, 64, dtype, 16):
+                torch.testing.assert_close(run(k)().float(), want, rtol=2e-2, atol=2e-2)  # type: ignore[attr-defined]
+
+
+def test_prefill_in_place_goes_up_to_the_longest_length_it_won_at_every_step() -> None:
+    kernels = decode_attention_kernels()
+    if not kernels:
+        pytest.skip("no decode attention kernel built here (the warning says why)")
+    k = next(iter(kernels.values()))
+    layer, dtype = PagedAttention(8, 2, 64, 64**-0.5), torch.bfloat16
+    probed: list[int] = []
+
+    def timer_losing_from(tokens: int) -> Callable[[Callable[[], object]], float]:
+        def timer(fn: Callable[[], object]) -> float:
+            return 1e-3 if (_kernel_of(fn) is None) == (current[0] >= tokens) else 1.0
+
+        return timer
+
+    current = [0]
+    original = prefill_probe
+
+    def counting_probe(attention: PagedAttention, d: torch.dtype, tokens: int):  # type: ignore[no-untyped-def]
+        current[0] = tokens
+        probed.append(tokens)
+        return original(attention, d, tokens)
+
+    import engine.kernels.op_choice as op_choice
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(op_choice, "prefill_probe", counting_probe)
+    try:
+        assert prefill_in_place_limit(k, layer, dtype, timer_losing_from(512), None) == 128
+        assert probed == [32, 128, 512]  # no longer length is timed once one lost
+        assert prefill_in_place_limit(k, layer, dtype, timer_losing_from(32), None) == 0
+        assert prefill_in_place_limit(k, layer, dtype, timer_losing_from(10**6), None) == PREFILL_LENGTHS[-1]
+    finally:
+        mp.undo()
+    assert prefill_in_place_limit(k, layer, dtype, None, None) == PREFILL_LENGTHS[-1]  # forced: always in place
