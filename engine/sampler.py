@@ -37,10 +37,14 @@ class Sampler:
     def __init__(self) -> None:
         # torch.argmax(dim=-1), or a CPU kernel with the same answers (engine.kernels.pointwise)
         self.argmax: Callable[[torch.Tensor], torch.Tensor] = lambda x: x.argmax(dim=-1)
+        # inverse_cdf, or the CPU kernel doing it in one pass per row (engine.kernels.pointwise.sample)
+        self.inverse_cdf: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = inverse_cdf
 
     def bind_kernels(self, kernels: CpuKernels) -> None:
         if kernels.argmax is not None:
             self.argmax = kernels.argmax.argmax
+        if kernels.sample is not None:
+            self.inverse_cdf = kernels.sample.sample
 
     def __call__(
         self,
@@ -78,7 +82,7 @@ class Sampler:
         sub = sub / temps.unsqueeze(1)
         sub = apply_top_k_top_p_min_p(sub, [params[i] for i in rows])
         u = torch.cat([torch.rand(1, generator=generators[i], dtype=torch.float64, device=sub.device) for i in rows])
-        drawn = inverse_cdf(sub, u)
+        drawn = self.inverse_cdf(sub, u)
         if len(rows) == len(params):
             return drawn  # no greedy row: no argmax over the batch (0.5 ms at 16 x 49k on a 2-core Xeon)
         greedy = self.argmax(logits)

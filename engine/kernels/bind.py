@@ -1,9 +1,9 @@
 """The one pass that hands a model its CPU kernels.
 
 Layers own their reference math (torch) and take a kernel in one way: a module with `bind_kernels(kernels)`
-picks what it can use from the `CpuKernels` it is given (RMSNorm, RoPE, decode attention, the sampler's argmax);
-linear layers get a GemmPlan, chosen per weight shape by timing (engine.kernels.select). The runner calls
-`bind_cpu_kernels` once after loading and keeps only KV sizing and input preparation.
+picks what it can use from the `CpuKernels` it is given (RMSNorm, RoPE, decode attention, the sampler's argmax
+and inverse CDF); linear layers get a GemmPlan, chosen per weight shape by timing (engine.kernels.select). The
+runner calls `bind_cpu_kernels` once after loading and keeps only KV sizing and input preparation.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ class CpuKernels:
     rms_norm: PointwiseKernels | None = None
     rope: PointwiseKernels | None = None
     argmax: PointwiseKernels | None = None
+    sample: PointwiseKernels | None = None  # random sampling's inverse CDF (engine.sampler.inverse_cdf)
     decode_attn: DecodeAttention | None = None
     # prompt chunks of up to this many tokens attend through decode_attn, one query row per token, over the cache
     # (0: never): measured against SDPA's causal prefill (engine.kernels.op_choice.prefill_in_place_limit)

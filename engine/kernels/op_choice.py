@@ -1,7 +1,7 @@
-"""The same choice by measurement for the kernels beside the GEMMs: each of RMSNorm, RoPE, greedy argmax and
-paged decode attention is timed against its torch code at the model's own sizes, and kept only where faster.
-Decode attention has more than one kernel where the CPU has AVX512-BF16 (engine.kernels.decode_attn_dp) or AMX
-(engine.kernels.decode_attn_amx): the fastest of all the paths is kept.
+"""The same choice by measurement for the kernels beside the GEMMs: each of RMSNorm, RoPE, greedy argmax, random
+sampling's inverse CDF and paged decode attention is timed against its torch code at the model's own sizes, and
+kept only where faster. Decode attention has more than one kernel where the CPU has AVX512-BF16
+(engine.kernels.decode_attn_dp) or AMX (engine.kernels.decode_attn_amx): the fastest of all the paths is kept.
 
 The kernels were each checked against torch when they were built (engine.kernels.cbuild.Once); here only speed
 is in question. Timings go into the same on-disk table as the GEMMs' (engine.kernels.select.PlanCache)."""
@@ -21,6 +21,7 @@ from engine.kernels.pointwise import PointwiseKernels, apply_rotary, rms_norm
 from engine.kernels.select import MIN_ROUNDS, PlanCache, ShapeChoice, Timer
 from engine.layers.attention import PagedAttention
 from engine.layers.norm import RMSNorm
+from engine.sampler import inverse_cdf
 
 ROWS = 32  # a decode batch: where these ops' per-call overhead matters
 CONTEXT = 256  # decode attention's tokens of context per sequence
@@ -58,6 +59,12 @@ def rope_wins(
 def argmax_wins(k: PointwiseKernels, vocab: int, timer: Timer | None, cache: PlanCache | None) -> bool:
     logits = torch.randn(ROWS, vocab)
     return faster(f"op argmax {ROWS}x{vocab}", lambda: k.argmax(logits), lambda: logits.argmax(dim=-1), timer, cache)
+
+
+def sample_wins(k: PointwiseKernels, vocab: int, timer: Timer | None, cache: PlanCache | None) -> bool:
+    logits, u = torch.randn(ROWS, vocab), torch.rand(ROWS, dtype=torch.float64)
+    return faster(f"op sample {ROWS}x{vocab}", lambda: k.sample(logits, u), lambda: inverse_cdf(logits, u),
+                  timer, cache)  # fmt: skip
 
 
 def fastest(key: str, candidates: dict[str, Callable[[], object]], timer: Timer | None, cache: PlanCache | None) -> str:
@@ -220,6 +227,8 @@ def choose_kernels(
             k.rope = pw
         if head is not None and argmax_wins(pw, head.out_features, timer, cache):
             k.argmax = pw
+        if head is not None and sample_wins(pw, head.out_features, timer, cache):
+            k.sample = pw
     if layer is not None:
         k.decode_attn = choose_decode_attention(attn, layer, dtype, block_size, timer, cache)
         if k.decode_attn is not None:

@@ -7,16 +7,15 @@
 //   out = weight * y (rounded);
 // - rotary embedding (rotate_half layout) in place: out = x * cos (rounded) + rotate_half(x) * sin (rounded),
 //   the sum rounded;
-// - greedy argmax over float32 logits rows: the first index of the maximum, or of the first NaN, as torch.
+// - greedy argmax over float32 logits rows: the first index of the maximum, or of the first NaN, as torch;
+// - sampling: one token per float32 logits row drawn by inverting its CDF at a given uniform number, as
+//   engine/sampler.py's inverse_cdf does with four torch ops and a float64 copy of the row.
 #include <math.h>
+#include <stdlib.h>
 #include <stdint.h>
 #include <string.h>
 
-typedef float v16f __attribute__((vector_size(64)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-typedef uint16_t v16h __attribute__((vector_size(32)));
-#define VL 16
+#include "vec16.h"
 
 static inline v16f widen(const uint16_t *p) {
     v16h h;
@@ -222,5 +221,67 @@ void argmax_f32(int64_t rows, int64_t n, const float *logits, int64_t *out, int 
                     break;
                 }
         out[r] = bi < 0 ? 0 : bi;
+    }
+}
+
+// logits: [rows][n] float32 (already tempered and masked, -inf = excluded), u: [rows] in [0, 1) -> out[rows]: the
+// first token whose cumulative weight exceeds u * total, weights exp(x - max) in float32. Sums are float64 over
+// 16-token blocks in order: each block's sum is kept, so the search walks the same sums that made the total and
+// then one block's tokens. A token of zero weight is never drawn; where rounding leaves u * total at or past
+// the end, the last token with weight is. A row with no finite logit gives token 0.
+static inline v16f block_of(const float *x, int64_t b, int64_t n) {  // tokens [16b, 16b + 16); -inf past n
+    v16f v;
+    if (b * VL + VL <= n) {
+        memcpy(&v, x + b * VL, sizeof(v));  // a fixed size: one vector load
+    } else {
+        v = (v16f){0} - INFINITY;
+        memcpy(&v, x + b * VL, (size_t)((n - b * VL) * 4));
+    }
+    return v;
+}
+
+void sample_f32(int64_t rows, int64_t n, const float *logits, const double *u, int64_t *out, int nthreads) {
+#pragma omp parallel num_threads(nthreads) if (rows * n >= PARALLEL_ELEMS)
+    {
+        const int64_t nb = (n + VL - 1) / VL;
+        double *sums = malloc((size_t)(nb > 0 ? nb : 1) * sizeof(double));
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            const float *x = logits + r * n;
+            v16f best = (v16f){0} - INFINITY;
+            for (int64_t b = 0; b < nb; b++) {
+                const v16f v = block_of(x, b, n);
+                best = (v16f)(((v16i)v & (v16i)(v > best)) | ((v16i)best & ~(v16i)(v > best)));
+            }
+            const float mx = hmax(best);
+            if (!(mx > -INFINITY) || sums == NULL) {
+                out[r] = 0;
+                continue;
+            }
+            double total = 0.0;
+            int64_t last = 0;  // the last block with weight (the maximum's has some)
+            for (int64_t b = 0; b < nb; b++) {
+                const double s = hsum(vexp(block_of(x, b, n) - mx));
+                sums[b] = s;
+                total += s;
+                if (s > 0.0) last = b;
+            }
+            const double target = u[r] * total;
+            double before = 0.0;
+            int64_t b = 0;
+            while (b < nb && !(before + sums[b] > target)) before += sums[b++];
+            const int past = b == nb;  // u * total rounded up to the total: the last token with weight
+            if (past) b = last;
+            const v16f w = vexp(block_of(x, b, n) - mx);
+            int64_t pick = -1;
+            for (int i = 0; i < VL; i++) {
+                if (!(w[i] > 0.0f)) continue;
+                pick = b * VL + i;  // the last token with weight so far: the answer if rounding leaves none past
+                before += w[i];
+                if (!past && before > target) break;
+            }
+            out[r] = pick < 0 ? 0 : pick;
+        }
+        free(sums);
     }
 }

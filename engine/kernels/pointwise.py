@@ -50,9 +50,10 @@ class PointwiseKernels:
         for f in (lib.rmsnorm_f32, lib.rmsnorm_bf16):
             f.argtypes = [_i64, _i64, _ptr, _ptr, _ptr, _f32, _ptr, _ptr, _int]
         lib.argmax_f32.argtypes = [_i64, _i64, _ptr, _ptr, _int]
+        lib.sample_f32.argtypes = [_i64, _i64, _ptr, _ptr, _ptr, _int]
         for f in (lib.rope_f32, lib.rope_bf16):
             f.argtypes = [_i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _int]
-        for f in (lib.rmsnorm_f32, lib.rmsnorm_bf16, lib.argmax_f32, lib.rope_f32, lib.rope_bf16):
+        for f in (lib.rmsnorm_f32, lib.rmsnorm_bf16, lib.argmax_f32, lib.sample_f32, lib.rope_f32, lib.rope_bf16):
             f.restype = None
         self._norm = {torch.float32: lib.rmsnorm_f32, torch.bfloat16: lib.rmsnorm_bf16}
         self._rope = {torch.float32: lib.rope_f32, torch.bfloat16: lib.rope_bf16}
@@ -98,6 +99,40 @@ class PointwiseKernels:
         self.lib.argmax_f32(x.shape[0], x.shape[1], x.data_ptr(), out.data_ptr(), torch.get_num_threads())
         return out
 
+    def sample(self, logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """engine.sampler.inverse_cdf: one token per row of [B, V] float32 logits at uniform numbers u [B]."""
+        x = logits.contiguous()
+        uu = u.to(torch.float64).contiguous()
+        out = torch.empty(x.shape[0], dtype=torch.int64)
+        n = torch.get_num_threads()
+        self.lib.sample_f32(x.shape[0], x.shape[1], x.data_ptr(), uu.data_ptr(), out.data_ptr(), n)
+        return out
+
+
+def check_sample(k: PointwiseKernels) -> None:
+    """Each row's draw at the middle of chosen tokens' CDF intervals (float64 reference) must be that token; u = 0
+    takes the first token with weight, u just under 1 the last; tokens at -inf are never drawn."""
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(4, 1000, generator=g) * 3
+    logits[1, ::3] = float("-inf")  # masked: zero weight
+    logits[2, :995] = float("-inf")  # five tokens left, in the last (partial) block
+    w = (logits.double() - logits.double().max(dim=-1, keepdim=True).values).exp()
+    cdf = w.cumsum(dim=-1) / w.sum(dim=-1, keepdim=True)
+    for r in range(logits.shape[0]):
+        allowed = torch.nonzero(w[r] > 0).flatten().tolist()
+        picks = [allowed[0], allowed[len(allowed) // 2], allowed[-1], *allowed[1 : len(allowed) : 97]]
+        for tok in picks:
+            lo = cdf[r, tok - 1].item() if tok else 0.0
+            if cdf[r, tok].item() - lo < 1e-6:
+                continue  # an interval too narrow for float32 weights to place u inside it reliably
+            u = torch.zeros(logits.shape[0], dtype=torch.float64)
+            u[r] = (lo + cdf[r, tok].item()) / 2
+            if k.sample(logits, u)[r].item() != tok:
+                raise SelfCheckError(f"self-check failed for sampling: row {r}, token {tok}")
+        ends = k.sample(logits[r : r + 1].expand(2, -1), torch.tensor([0.0, 1.0 - 2**-53], dtype=torch.float64))
+        if ends.tolist() != [allowed[0], allowed[-1]]:
+            raise SelfCheckError(f"self-check failed for sampling at the ends of row {r}")
+
 
 def self_check(k: PointwiseKernels) -> None:
     """Each op against its torch definition on both dtypes: vector tails, one row and many."""
@@ -121,6 +156,7 @@ def self_check(k: PointwiseKernels) -> None:
     logits[3, 500] = float("nan")  # a NaN wins, as in torch
     if not torch.equal(k.argmax(logits), logits.argmax(dim=-1)):
         raise SelfCheckError("self-check failed for argmax")
+    check_sample(k)
 
 
 # The process-wide kernels built for this CPU, or None (logged once) where they cannot be built.

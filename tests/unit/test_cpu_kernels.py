@@ -127,6 +127,51 @@ def test_greedy_sampler_uses_the_kernel_with_the_same_tokens(pw: PointwiseKernel
     assert fast(logits, params, [None] * 8)[0] == plain(logits, params, [None] * 8)[0]
 
 
+# ---- random sampling's inverse CDF -----------------------------------------------------------------------------
+@pytest.mark.parametrize(("rows", "n"), [(1, 1), (32, 49152), (5, 1000), (3, 17)])
+def test_sample_draws_what_inverse_cdf_draws(pw: PointwiseKernels, rows: int, n: int) -> None:
+    from engine.sampler import inverse_cdf
+
+    x = _randn(rows, n, seed=9) * 3
+    for seed in range(4):
+        u = torch.rand(rows, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+        assert torch.equal(pw.sample(x, u), inverse_cdf(x, u))
+
+
+def test_sample_never_draws_a_masked_token_and_takes_the_ends(pw: PointwiseKernels) -> None:
+    x = _randn(3, 300, seed=10)
+    x[0, ::2] = float("-inf")  # every other token excluded
+    x[1, :299] = float("-inf")  # one token left, the last (in the scalar tail of the blocks)
+    x[2, 5:] = float("-inf")  # five left, the first block only
+    for u in torch.linspace(0, 1 - 2**-53, 101, dtype=torch.float64):
+        got = pw.sample(x, u.expand(3).contiguous())
+        assert torch.isfinite(x.gather(1, got.unsqueeze(1))).all()
+    assert pw.sample(x, torch.zeros(3, dtype=torch.float64)).tolist() == [1, 299, 0]  # the first with weight
+    ends = pw.sample(x, torch.full((3,), 1 - 2**-53, dtype=torch.float64)).tolist()
+    assert ends == [299, 299, 4]  # the last with weight
+
+
+def test_random_sampler_uses_the_kernel_with_the_same_tokens(pw: PointwiseKernels) -> None:
+    from engine.params import SamplingParams
+    from engine.sampler import Sampler
+
+    logits = _randn(8, 5000, seed=11)
+    plain, fast = Sampler(), Sampler()
+    fast.inverse_cdf = pw.sample
+    params = [SamplingParams(temperature=0.7, seed=i) for i in range(8)]
+    gens = [[torch.Generator().manual_seed(i) for i in range(8)] for _ in range(2)]
+    assert fast(logits, params, gens[0])[0] == plain(logits, params, gens[1])[0]
+
+
+def test_self_check_catches_a_wrong_sampler(monkeypatch: pytest.MonkeyPatch) -> None:
+    k = pointwise.kernel()
+    assert k is not None
+    pointwise.check_sample(k)
+    monkeypatch.setattr(k, "sample", lambda x, u: x.argmax(dim=-1))  # greedy, whatever u says
+    with pytest.raises(cbuild.SelfCheckError, match="self-check failed for sampling"):
+        pointwise.check_sample(k)
+
+
 # ---- paged decode attention -----------------------------------------------------------------------------------
 def _paged_case(
     b: int, h: int, kv: int, d: int, lens: list[int], dtype: torch.dtype, block: int = 16, seed: int = 8
