@@ -51,6 +51,7 @@ _SOURCES = [
         "avx512_math.h",
         "amx_tiles.h",
         "pointwise.c",
+        "vec16.h",
         "decode_attn.c",
         "decode_attn_amx.c",
         "decode_attn_dp.c",
