@@ -248,22 +248,26 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        sample_rows: list[int] = []
         prefills: list[PrefillMeta] = []
-        # rows [0, in_place) attend through the decode kernel: the decodes, then the prompt chunks that follow
-        # them while each is short enough (one row per token, its context ending at that token)
+        # rows [0, in_place) attend through the decode kernel: the decodes, then every prompt chunk short enough
+        # (one row per token, its context ending at that token), laid out before the longer ones, so that how a
+        # chunk attends depends on its own length only, never on what else is in the step
+        seqs, nd = sched.seqs, sched.num_decodes
+        fits = [len(seqs[i].token_ids) <= self.prefill_in_place for i in range(nd, len(seqs))]
+        order = [*range(nd), *(nd + j for j, f in enumerate(fits) if f), *(nd + j for j, f in enumerate(fits) if not f)]
+        first_row = [0] * len(seqs)
         in_place_seqs: list[tuple[list[int], int, int]] = []  # (block ids, first row's context length, rows)
         in_place = 0
-        for i, s in enumerate(sched.seqs):
+        for i in order:
+            s = seqs[i]
             n, row = len(s.token_ids), len(input_ids)
+            first_row[i] = row
             input_ids.extend(s.token_ids)
             pos = range(s.start, s.start + n)
             positions.extend(pos)
             slots.extend(s.block_ids[p // bs] * bs + p % bs for p in pos)
-            if s.sample:
-                sample_rows.append(row + n - 1)
             ctx_len = s.start + n
-            if in_place == row and (i < sched.num_decodes or n <= self.prefill_in_place):
+            if in_place == row and (i < nd or n <= self.prefill_in_place):
                 in_place_seqs.append((s.block_ids[: cdiv(ctx_len, bs)], s.start + 1, n))
                 in_place += n
                 continue
@@ -278,6 +282,8 @@ class ModelRunner:
                 mask = torch.arange(ctx_len, device=dev) <= torch.arange(s.start, ctx_len, device=dev).unsqueeze(1)
                 prefills.append(PrefillMeta(row, row + n, ctx_len, block_ids, mask))
 
+        # the sampled rows in the order of sched.seqs, as the caller reads them
+        sample_rows = [first_row[i] + len(s.token_ids) - 1 for i, s in enumerate(seqs) if s.sample]
         tables, dmask, ctx_lens = None, None, None
         if in_place_seqs:
             width = max(len(ids) for ids, _, _ in in_place_seqs)

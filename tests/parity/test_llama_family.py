@@ -44,6 +44,26 @@ def test_prefill_logits_match(model_dir: Path, hf_models: dict, prompts: dict[st
         torch.testing.assert_close(ours[i], ref, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("limit", [0, 20, 4096], ids=["sdpa", "split", "in-place"])
+def test_prompts_attend_in_place_or_through_sdpa_alike(model_dir: Path, hf_models: dict, limit: int) -> None:
+    """Prompt chunks up to `prefill_in_place` tokens attend through the decode kernel, longer ones through SDPA;
+    with the limit between the prompts' lengths (20: 3, 17 and 8 tokens in place, 33, 64, 40 and 25 not) the
+    runner lays the short ones out first, and each row's logits still go back to its own request."""
+    core = make_core(model_dir, gemm_path="onednn")  # forced: every kernel bound, decode attention included
+    assert core.runner.attention_in_place
+    core.runner.prefill_in_place = limit
+    prompts = {r: p for r, p in mixed_prompts().items() if len(p) > 1}
+    ours = step_logits(core, prompts, 1)[0]
+    hf = hf_model(hf_models, model_dir)
+    for i, p in enumerate(prompts.values()):
+        with torch.no_grad():
+            ref = hf(torch.tensor([p])).logits[0, -1]
+        torch.testing.assert_close(ours[i], ref, rtol=1e-4, atol=1e-4)
+    core = make_core(model_dir, gemm_path="onednn")
+    core.runner.prefill_in_place = limit
+    assert run_core(core, prompts, NEW_TOKENS) == _expected(hf_models, model_dir, prompts)
+
+
 @pytest.mark.parametrize("prompts", [mixed_prompts(), same_length_prompts()], ids=["mixed", "same-length"])
 def test_greedy_batch_matches_generate(model_dir: Path, hf_models: dict, prompts: dict[str, list[int]]) -> None:
     assert run_core(make_core(model_dir), prompts, NEW_TOKENS) == _expected(hf_models, model_dir, prompts)
