@@ -1,8 +1,9 @@
-// AVX-512 float32 math shared by the bf16 kernels (bf16mm.c, amxmm.c, decode_attn_amx.c). cbuild.py hashes
+// AVX-512 float32 math shared by the bf16 kernels (bf16mm.c, amxmm.c, decode_attn_amx.c, decode_attn_dp.c). cbuild.py hashes
 // this header with every source that includes it, so a change here rebuilds them all.
 #ifndef TIANMEN_AVX512_MATH_H
 #define TIANMEN_AVX512_MATH_H
 #include <immintrin.h>
+#include <stdint.h>
 
 static inline __m512 round_bf16(__m512 v) {  // to the nearest bf16 and back to float32
     const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
@@ -32,6 +33,19 @@ static inline __m512 silu_mul16(__m512 gate, __m512 up) {
     const __m512 one = _mm512_set1_ps(1.0f);
     const __m512 s = round_bf16(_mm512_div_ps(gate, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), gate)))));
     return _mm512_mul_ps(s, round_bf16(up));
+}
+
+// One head's P.V sums over head_dim, kept as decode attention's bf16 dot products leave them (per 32 of head_dim,
+// the unpacklo half o[2s] and the unpackhi half o[2s + 1] of interleaved token pairs), times inv, stored as bf16 in
+// head_dim order: lane 4L + i of the unpacklo half is d = 8L + i, of the unpackhi half d = 8L + 4 + i.
+static inline void store_deinterleaved(uint16_t *orow, const __m512 *o, int64_t steps, __m512 inv) {
+    const __m512i lo_order = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+    const __m512i hi_order = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
+    for (int64_t s = 0; s < steps; s++) {
+        const __m512 lo = _mm512_mul_ps(o[2 * s], inv), hi = _mm512_mul_ps(o[2 * s + 1], inv);
+        const __m512 d0 = _mm512_permutex2var_ps(lo, lo_order, hi), d1 = _mm512_permutex2var_ps(lo, hi_order, hi);
+        _mm512_storeu_si512((void *)(orow + 32 * s), (__m512i)_mm512_cvtne2ps_pbh(d1, d0));
+    }
 }
 
 #endif

@@ -124,11 +124,42 @@ def self_check(kernel: DecodeAttention) -> None:
     check_against_reference(kernel, (torch.float32, torch.bfloat16), ((7, 1, 64), (4, 4, 16)), 4, (14, 1, 9))
 
 
+def check_peaked_scores(kernel: DecodeAttention) -> None:
+    """Scores far apart (one key aligned with the query, 300 others near zero, bf16): the running maximum must
+    carry across the kernel's slices or segments, or exp() over- or underflows."""
+    g = torch.Generator().manual_seed(3)
+    d, n = 64, 300
+    q = torch.randn(1, 4, d, generator=g).bfloat16() * 8
+    kc = torch.randn(n // 16 + 1, 16, 1, d, generator=g).bfloat16() * 0.01
+    kc.view(-1, d)[250] = q[0, 0] * 4  # the peak sits late: past the first 128-token segment, in a late slice
+    vc = torch.randn_like(kc)
+    tables = torch.arange(n // 16 + 1).view(1, -1)
+    lens = torch.tensor([n])
+    got = kernel(q, kc, vc, tables, lens, d**-0.5).float()
+    want = reference(q, kc, vc, tables, lens, d**-0.5)
+    if not (torch.isfinite(got).all() and torch.allclose(got, want, rtol=2e-2, atol=2e-2)):
+        raise SelfCheckError("self-check failed for peaked scores")
+
+
+def bf16_slices_fit(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, block_size: int) -> bool:
+    """What the bf16 kernels that read 16-token slices of a block 32 of head_dim at a time need
+    (decode_attn_dp.c, decode_attn_amx.c): a slice never crosses a block, G = H / KV <= 16."""
+    return (
+        dtype == torch.bfloat16
+        and block_size % 16 == 0
+        and head_dim % 32 == 0
+        and head_dim <= 256
+        and num_heads % num_kv_heads == 0
+        and num_heads // num_kv_heads <= 16
+    )
+
+
 def self_check_bf16(kernel: DecodeAttention) -> None:
     """For kernels of 16-token blocks and bf16 only: G = 1, 7 and 16, head_dim 32/64/128, contexts across
-    segments of 128 tokens, odd and even, under and over one block."""
+    segments of 128 tokens, odd and even, under and over one block; peaked scores."""
     heads = ((7, 1, 64), (4, 4, 32), (16, 1, 128))
     check_against_reference(kernel, (torch.bfloat16,), heads, 16, (1, 16, 17, 300, 128, 129, 2))
+    check_peaked_scores(kernel)
 
 
 # The process-wide kernel built for this CPU, or None (logged once) where it cannot be built.

@@ -134,20 +134,11 @@ static inline __attribute__((always_inline)) void task(int64_t b, int64_t kvh, i
                 o[g][j] = _mm512_fmadd_ps(o[g][j], _mm512_set1_ps(al[g]), _mm512_load_ps(Oseg[g]));
         }
     }
-    // back to head_dim order: lane 4L + i of the unpacklo half is d = 8L + i, of the unpackhi half d = 8L + 4 + i
-    const __m512i lo_order = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
-    const __m512i hi_order = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
     float lv[16] __attribute__((aligned(64)));
     _mm512_store_ps(lv, l);
-    for (int64_t g = 0; g < G; g++) {
-        const __m512 inv = _mm512_set1_ps(lv[g] > 0.0f ? 1.0f / lv[g] : 0.0f);
-        uint16_t *orow = out + (b * H + kvh * G + g) * D;
-        for (int64_t s = 0; s < steps; s++) {
-            const __m512 lo = _mm512_mul_ps(o[g][2 * s], inv), hi = _mm512_mul_ps(o[g][2 * s + 1], inv);
-            const __m512 d0 = _mm512_permutex2var_ps(lo, lo_order, hi), d1 = _mm512_permutex2var_ps(lo, hi_order, hi);
-            _mm512_storeu_si512((void *)(orow + 32 * s), (__m512i)_mm512_cvtne2ps_pbh(d1, d0));
-        }
-    }
+    for (int64_t g = 0; g < G; g++)
+        store_deinterleaved(out + (b * H + kvh * G + g) * D, o[g], steps,
+                            _mm512_set1_ps(lv[g] > 0.0f ? 1.0f / lv[g] : 0.0f));
 }
 
 // q, out: [B][H][D] bf16; caches: [blocks][bs][KV][D] bf16; tables: [B][W] block ids; ctx_lens: [B].

@@ -144,18 +144,8 @@ static inline __attribute__((always_inline)) void task(int64_t b, int64_t k0, in
                 }
         }
     }
-    // back to head_dim order: lane 4L + i of the unpacklo half is d = 8L + i, of the unpackhi half d = 8L + 4 + i
-    const __m512i lo_order = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
-    const __m512i hi_order = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
-    for (int64_t h = 0; h < NH; h++) {
-        const __m512 inv = _mm512_set1_ps(l[h] > 0.0f ? 1.0f / l[h] : 0.0f);
-        uint16_t *orow = out + (b * H + k0 * G + h) * D;
-        for (int64_t s = 0; s < steps; s++) {
-            const __m512 lo = _mm512_mul_ps(o[h][2 * s], inv), hi = _mm512_mul_ps(o[h][2 * s + 1], inv);
-            const __m512 d0 = _mm512_permutex2var_ps(lo, lo_order, hi), d1 = _mm512_permutex2var_ps(lo, hi_order, hi);
-            _mm512_storeu_si512((void *)(orow + 32 * s), (__m512i)_mm512_cvtne2ps_pbh(d1, d0));
-        }
-    }
+    for (int64_t h = 0; h < NH; h++)
+        store_deinterleaved(out + (b * H + k0 * G + h) * D, o[h], steps, _mm512_set1_ps(l[h] > 0.0f ? 1.0f / l[h] : 0.0f));
 }
 
 // q, out: [B][H][D] bf16; caches: [blocks][bs][KV][D] bf16; tables: [B][W] block ids; ctx_lens: [B].

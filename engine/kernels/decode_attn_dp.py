@@ -16,7 +16,7 @@ import torch
 
 from engine.kernels import bf16mm
 from engine.kernels.cbuild import Once, build
-from engine.kernels.decode_attn import DecodeAttention, self_check_bf16
+from engine.kernels.decode_attn import DecodeAttention, bf16_slices_fit, self_check_bf16
 
 log = logging.getLogger(__name__)
 
@@ -34,14 +34,7 @@ class DotDecodeAttention(DecodeAttention):
 
     def takes(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, block_size: int = 16) -> bool:
         """What decode_attn_dp.c needs: 16-token slices of a block, 32 of head_dim a bf16 vector."""
-        return (
-            dtype == torch.bfloat16
-            and block_size % 16 == 0
-            and head_dim % 32 == 0
-            and head_dim <= 256
-            and num_heads % num_kv_heads == 0
-            and num_heads // num_kv_heads <= 16
-        )
+        return bf16_slices_fit(num_heads, num_kv_heads, head_dim, dtype, block_size)
 
 
 _once = Once(
