@@ -1,5 +1,5 @@
-// AVX-512 float32 math shared by the bf16 kernels (bf16mm.c, amxmm.c, decode_attn_amx.c, decode_attn_dp.c). cbuild.py hashes
-// this header with every source that includes it, so a change here rebuilds them all.
+// AVX-512 float32 math shared by the bf16 kernels (bf16mm.c, amxmm.c, decode_attn_amx.c, decode_attn_dp.c).
+// cbuild.py hashes this header with every source that includes it, so a change here rebuilds them all.
 #ifndef TIANMEN_AVX512_MATH_H
 #define TIANMEN_AVX512_MATH_H
 #include <immintrin.h>

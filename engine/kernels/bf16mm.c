@@ -120,7 +120,8 @@ static void run(int64_t M, int64_t N, int64_t K, const uint16_t *x, const uint16
             for (int64_t m0 = mc0; m0 < mc1; m0 += MR) {
                 const int mr = mc1 - m0 < MR ? (int)(mc1 - m0) : MR;
                 const char *pf = next + (m0 - mc0) / MR * share * 64;
-                tile_any(mr, K, x + m0 * K, wb, bias, out, pf, pf + share * 64 < next_end ? pf + share * 64 : next_end, pf_step);
+                const char *pf_end = pf + share * 64 < next_end ? pf + share * 64 : next_end;
+                tile_any(mr, K, x + m0 * K, wb, bias, out, pf, pf_end, pf_step);
                 for (int r = 0; r < mr; r++) {
                     const float *o = out + r * NB;
                     if (silu_mul) {  // N % 64 == 0 (checked by the caller): whole blocks, N / 2 outputs a row

@@ -129,7 +129,8 @@ static inline __attribute__((always_inline)) void task(int64_t b, int64_t k0, in
                     for (int gg = 0; gg < PV_G; gg++)
                         for (int jj = 0; jj < PV_J; jj++)
                             if (g0 + gg < G && j0 + jj < nv)
-                                acc[gg][jj] = _mm512_mul_ps(oh[(g0 + gg) * MAX_STEPS * 2 + j0 + jj], _mm512_set1_ps(alpha[g0 + gg]));
+                                acc[gg][jj] = _mm512_mul_ps(oh[(g0 + gg) * MAX_STEPS * 2 + j0 + jj],
+                                                            _mm512_set1_ps(alpha[g0 + gg]));
                     for (int64_t i = 0; i < pairs; i++)
                         for (int gg = 0; gg < PV_G; gg++) {
                             if (g0 + gg >= G) break;
@@ -145,7 +146,8 @@ static inline __attribute__((always_inline)) void task(int64_t b, int64_t k0, in
         }
     }
     for (int64_t h = 0; h < NH; h++)
-        store_deinterleaved(out + (b * H + k0 * G + h) * D, o[h], steps, _mm512_set1_ps(l[h] > 0.0f ? 1.0f / l[h] : 0.0f));
+        store_deinterleaved(out + (b * H + k0 * G + h) * D, o[h], steps,
+                            _mm512_set1_ps(l[h] > 0.0f ? 1.0f / l[h] : 0.0f));
 }
 
 // q, out: [B][H][D] bf16; caches: [blocks][bs][KV][D] bf16; tables: [B][W] block ids; ctx_lens: [B].

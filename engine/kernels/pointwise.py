@@ -100,8 +100,10 @@ class PointwiseKernels:
         return out
 
     def sample(self, logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        """engine.sampler.inverse_cdf: one token per row of [B, V] float32 logits at uniform numbers u [B]."""
-        x = logits.contiguous()
+        """engine.sampler.inverse_cdf: one token per row of [B, V] logits (CPU; read as float32) at uniform
+        numbers u [B]."""
+        assert logits.dim() == 2 and logits.device.type == "cpu", "sample takes [B, V] logits on the CPU"
+        x = logits.to(torch.float32).contiguous()
         uu = u.to(torch.float64).contiguous()
         out = torch.empty(x.shape[0], dtype=torch.int64)
         n = torch.get_num_threads()
