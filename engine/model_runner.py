@@ -250,11 +250,12 @@ class ModelRunner:
         slots: list[int] = []
         prefills: list[PrefillMeta] = []
         # rows [0, in_place) attend through the decode kernel: the decodes, then every prompt chunk short enough
-        # (one row per token, its context ending at that token), laid out before the longer ones, so that how a
-        # chunk attends depends on its own length only, never on what else is in the step
+        # (one row per token, its context ending at that token). Chunks are laid out shortest first, so those are
+        # a prefix and how a chunk attends depends on its own length only, never on what else is in the step.
+        # NOTE: the layout must not depend on the measured limit itself: tensor-parallel ranks each measure their
+        # own, and their all-reduces add row to row
         seqs, nd = sched.seqs, sched.num_decodes
-        fits = [len(seqs[i].token_ids) <= self.prefill_in_place for i in range(nd, len(seqs))]
-        order = [*range(nd), *(nd + j for j, f in enumerate(fits) if f), *(nd + j for j, f in enumerate(fits) if not f)]
+        order = [*range(nd), *sorted(range(nd, len(seqs)), key=lambda i: len(seqs[i].token_ids))]
         first_row = [0] * len(seqs)
         in_place_seqs: list[tuple[list[int], int, int]] = []  # (block ids, first row's context length, rows)
         in_place = 0

@@ -7,8 +7,9 @@
 //   - the softmax runs on that vector, and P is rounded to bf16, as flash attention does;
 //   - P.V is bf16 dot products over pairs of tokens: V rows of tokens 2i, 2i+1 interleaved (unpacklo/hi), the
 //     pair of probabilities broadcast, float32 accumulators in the interleaved lane order until the end.
-// No software prefetch: on a 2-core Zen 4, prefetching one, two, four or eight slices ahead (into L1 or L2) was no
-// faster in a model than the hardware prefetchers alone (0.47-0.50 ms a layer, Qwen2-0.5B's heads, batch 32).
+// No software prefetch: on a 2-core Zen 4 it was no faster than the hardware prefetchers alone, timed alone with
+// cold caches (one to eight slices ahead, into L1 or L2) nor in the model (two ahead: 0.50 against 0.47 ms a
+// layer, Qwen2-0.5B's heads, batch 32).
 //
 // Requires: bf16 cache, block_size % 16 == 0, head_dim % 32 == 0 and <= 256, G = H / KV <= 16.
 #if !defined(__AVX512BF16__) || !defined(__AVX512BW__)

@@ -87,27 +87,24 @@ def fastest(key: str, candidates: dict[str, Callable[[], object]], timer: Timer 
     return won
 
 
-def attention_probe(
-    attention: PagedAttention, dtype: torch.dtype
-) -> Callable[[DecodeAttention | None], Callable[[], object]]:
-    """A decode step of ROWS sequences of CONTEXT tokens through a copy of `attention`'s shape: given a kernel
-    (None: gather + SDPA), the call that runs it."""
+Probe = Callable[[DecodeAttention | None], Callable[[], object]]
+
+
+def _probe(
+    attention: PagedAttention, dtype: torch.dtype, blocks: int, rows: int,
+    context: Callable[[DecodeAttention | None], AttentionContext],
+) -> Probe:  # fmt: skip
+    """A copy of `attention`'s shape over random caches of `blocks` blocks (+ a spare) and `rows` query rows:
+    given a kernel (None: the torch path), the call that runs one forward under `context(kernel)`."""
     h, kv, d = attention.num_heads, attention.num_kv_heads, attention.head_dim
     probe = PagedAttention(h, kv, d, d**-0.5, (torch.empty(0, dtype=dtype), torch.empty(0, dtype=dtype)))
-    per_seq = CONTEXT // BLOCK
-    probe.k_cache = torch.randn(ROWS * per_seq + 1, BLOCK, kv, d).to(dtype)
+    probe.k_cache = torch.randn(blocks + 1, BLOCK, kv, d).to(dtype)
     probe.v_cache = torch.randn_like(probe.k_cache)
-    tables = torch.arange(ROWS * per_seq).view(ROWS, per_seq)
-    lens = torch.full((ROWS,), CONTEXT)
-    mask = torch.zeros(ROWS, 1, 1, CONTEXT, dtype=dtype)
-    ctx = AttentionContext(tables[:, -1] * BLOCK + BLOCK - 1, ROWS, tables, mask, [], lens)
-    q, kk, vv = (
-        torch.randn(ROWS, h, d).to(dtype),
-        torch.randn(ROWS, kv, d).to(dtype),
-        torch.randn(ROWS, kv, d).to(dtype),
-    )
+    q, kk, vv = (torch.randn(rows, n, d).to(dtype) for n in (h, kv, kv))
 
     def run(kernel: DecodeAttention | None) -> Callable[[], object]:
+        ctx = context(kernel)
+
         def step() -> object:
             probe.kernel = kernel
             set_context(ctx)
@@ -120,6 +117,16 @@ def attention_probe(
         return step
 
     return run
+
+
+def attention_probe(attention: PagedAttention, dtype: torch.dtype) -> Probe:
+    """A decode step of ROWS sequences of CONTEXT tokens through a copy of `attention`'s shape: given a kernel
+    (None: gather + SDPA), the call that runs it."""
+    per_seq = CONTEXT // BLOCK
+    tables = torch.arange(ROWS * per_seq).view(ROWS, per_seq)
+    mask = torch.zeros(ROWS, 1, 1, CONTEXT, dtype=dtype)
+    ctx = AttentionContext(tables[:, -1] * BLOCK + BLOCK - 1, ROWS, tables, mask, [], torch.full((ROWS,), CONTEXT))
+    return _probe(attention, dtype, ROWS * per_seq, ROWS, lambda kernel: ctx)
 
 
 def decode_attention_kernels() -> dict[str, DecodeAttention]:
@@ -148,36 +155,15 @@ def choose_decode_attention(
     return fits.get(fastest(key, candidates, timer, cache))
 
 
-def prefill_probe(
-    attention: PagedAttention, dtype: torch.dtype, tokens: int
-) -> Callable[[DecodeAttention | None], Callable[[], object]]:
+def prefill_probe(attention: PagedAttention, dtype: torch.dtype, tokens: int) -> Probe:
     """One prompt of `tokens` tokens through a copy of `attention`'s shape: given a kernel, its rows attend in
     place (one decode row per token, the context ending at that token); None: SDPA's causal prefill."""
-    h, kv, d = attention.num_heads, attention.num_kv_heads, attention.head_dim
-    probe = PagedAttention(h, kv, d, d**-0.5, (torch.empty(0, dtype=dtype), torch.empty(0, dtype=dtype)))
     blocks = -(-tokens // BLOCK)
-    probe.k_cache = torch.randn(blocks + 1, BLOCK, kv, d).to(dtype)
-    probe.v_cache = torch.randn_like(probe.k_cache)
-    table = torch.arange(blocks).view(1, blocks)
+    table = torch.arange(blocks).view(1, blocks).expand(tokens, blocks).contiguous()
     slots = torch.arange(tokens)
-    in_place = AttentionContext(slots, tokens, table.expand(tokens, blocks).contiguous(), None, [],
-                                torch.arange(1, tokens + 1))  # fmt: skip
+    in_place = AttentionContext(slots, tokens, table, None, [], torch.arange(1, tokens + 1))
     sdpa = AttentionContext(slots, 0, None, None, [PrefillMeta(0, tokens, tokens, None, None)])
-    q, kk, vv = (torch.randn(tokens, n, d).to(dtype) for n in (h, kv, kv))
-
-    def run(kernel: DecodeAttention | None) -> Callable[[], object]:
-        def step() -> object:
-            probe.kernel = kernel
-            set_context(sdpa if kernel is None else in_place)
-            try:
-                return probe(q, kk, vv)
-            finally:
-                reset_context()
-
-        step.kernel = kernel  # type: ignore[attr-defined]
-        return step
-
-    return run
+    return _probe(attention, dtype, blocks, tokens, lambda kernel: sdpa if kernel is None else in_place)
 
 
 def prefill_in_place_limit(

@@ -64,6 +64,28 @@ def test_prompts_attend_in_place_or_through_sdpa_alike(model_dir: Path, hf_model
     assert run_core(core, prompts, NEW_TOKENS) == _expected(hf_models, model_dir, prompts)
 
 
+def test_the_row_layout_does_not_depend_on_the_in_place_limit(model_dir: Path) -> None:
+    """Tensor-parallel ranks each measure their own limit and then add their rows together: the rows a step lays
+    out (tokens, positions, cache slots, sampled rows) must be the same whatever the limit, only how many of
+    them attend in place may differ."""
+    from engine.params import SamplingParams
+    from engine.request import Request
+
+    core = make_core(model_dir, gemm_path="onednn")
+    for rid, p in mixed_prompts().items():
+        core.add_request(Request(rid, p, SamplingParams(max_tokens=2, temperature=0)))
+    sched = core.scheduler.schedule()
+    layouts, in_place = [], []
+    for limit in (0, 20, 4096):
+        core.runner.prefill_in_place = limit
+        ids, pos, ctx, rows = core.runner._prepare(sched)
+        layouts.append((ids.tolist(), pos.tolist(), ctx.slot_mapping.tolist(), rows.tolist()))
+        in_place.append(ctx.num_decodes)
+    assert layouts[0] == layouts[1] == layouts[2]
+    # the one-token prompt schedules as a decode; then the 3-, 8- and 17-token prompts (shortest first) fit 20
+    assert in_place == [1, 1 + 3 + 8 + 17, sum(len(p) for p in mixed_prompts().values())]
+
+
 @pytest.mark.parametrize("prompts", [mixed_prompts(), same_length_prompts()], ids=["mixed", "same-length"])
 def test_greedy_batch_matches_generate(model_dir: Path, hf_models: dict, prompts: dict[str, list[int]]) -> None:
     assert run_core(make_core(model_dir), prompts, NEW_TOKENS) == _expected(hf_models, model_dir, prompts)
