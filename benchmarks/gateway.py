@@ -1,11 +1,12 @@
 """Gateway overhead: the full HTTPS + JWT path against calling the engine directly, max_tokens=1.
 
-    python -m benchmarks.gateway [--requests 640] [--concurrency 32] [--model DIR]
+    python -m benchmarks.gateway [--requests 640] [--concurrency 32] [--model DIR | --tiny]
 
 Starts `tianmen serve` in a subprocess (embedded default: dev TLS + dev JWT, the demo model unless --model)
 and drives it from this process with 32 keep-alive HTTPS clients; the direct run uses AsyncEngine in-process.
 Also reports the server's CPU per request during the timed run: its event loop (the main thread) and the
-whole process (engine threads included), read from /proc (Linux).
+whole process (engine threads included), read from /proc (Linux). `--tiny` serves a 2-layer random model (the
+tests' tiny chat model) so that engine time is negligible and what is left is the gateway's own cost.
 """
 
 from __future__ import annotations
@@ -41,6 +42,17 @@ def process_cpu_s(pid: int) -> float:
     """User + system CPU seconds of every thread of the process (clock-tick resolution)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def pin(cpus: str | None):  # type: ignore[no-untyped-def]
+    """With --server-cpus the server and the load generator do not share cores (stabler CPU figures)."""
+    if cpus is None:
+        return None
+    server = {int(c) for c in cpus.split(",")}
+    client = set(os.sched_getaffinity(0)) - server
+    if client:
+        os.sched_setaffinity(0, client)
+    return lambda: os.sched_setaffinity(0, server)
 
 
 def pct(xs: list[float], p: float) -> float:
@@ -103,6 +115,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=640)
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--model", type=Path, help="model directory (default: the demo model)")
+    ap.add_argument("--tiny", action="store_true", help="a tiny random model: (almost) no engine time")
+    ap.add_argument("--server-cpus", help="pin the server to these CPUs (e.g. 0) and this client to the others")
     ap.add_argument("--port", type=int, default=18443)
     args = ap.parse_args()
 
@@ -113,15 +127,21 @@ def main() -> None:
         "TIANMEN_SERVER_PORT": str(args.port),
         "TIANMEN_ENGINE_MAX_NUM_SEQS": str(args.concurrency),
         "TIANMEN_SERVER_LOG_LEVEL": "warning",
+        # the limiter still runs on every request; it must not be what bounds the rate measured
+        "TIANMEN_RATELIMIT_REQUESTS_PER_MINUTE": "1000000000",
     }
-    if args.model is None:  # the demo model, sealed under the dev key of the usual home
+    if args.tiny:
+        from tests.tiny_model import build_tiny_chat_model
+
+        args.model = build_tiny_chat_model(home / "tiny-chat")
+    elif args.model is None:  # the demo model, sealed under the dev key of the usual home
         demo_home = Path(os.environ.get("TIANMEN_HOME", ".tianmen"))
         args.model = ensure_demo_model(demo_home)
         env.setdefault("TIANMEN_ENGINE_KEY_PROVIDER", dev_key_spec(demo_home))
     env["TIANMEN_ENGINE_MODEL"] = str(args.model)
     settings = load_settings(environ=env)
     pki = ensure_dev_pki(home)
-    server = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve"], env=env)
+    server = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve"], env=env, preexec_fn=pin(args.server_cpus))
     url = f"https://127.0.0.1:{args.port}"
     try:
         for _ in range(600):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import sys
@@ -68,6 +69,11 @@ class Server(uvicorn.Server):
         base = next(c for c in config.http_protocol_class.__mro__ if c.__module__.startswith("uvicorn."))
         log.info("HTTP protocol %s, event loop %s", base.__name__, type(loop).__module__.split(".")[0])
         self.started = True
+        # WHY: start-up leaves millions of long-lived objects (torch, the tokenizer, the model's modules); every
+        # full collection walked them all again while serving. Frozen, they are never scanned (measured below
+        # 3% of the event loop's CPU per short request before)
+        gc.collect()
+        gc.freeze()
         if self.on_ready is not None:
             self.on_ready()
 

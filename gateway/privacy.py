@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from engine import RequestOutput
+from gateway import offload
 from gateway.errors import APIError, error_body
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.settings import PrivacySettings, SettingsError
@@ -31,7 +32,6 @@ from security.pii_terms import TermList, TermListError
 
 log = logging.getLogger("tianmen.privacy")
 
-INLINE_CHARS = 16_384  # prompts up to this are screened on the event loop (a thread hop costs more than the scan)
 Body = ChatCompletionRequest | CompletionRequest
 
 
@@ -152,9 +152,7 @@ class PrivacySession:
         size = sum(len(m.text()) for m in body.messages) if isinstance(body, ChatCompletionRequest) else 0
         if isinstance(body, CompletionRequest):
             size = len(body.prompt) if body.token_ids() is not None else len(body.text())
-        if size <= INLINE_CHARS:
-            return self.screen(body, tokenizer)
-        return await asyncio.to_thread(self.screen, body, tokenizer)
+        return await offload.run(size, self.screen, body, tokenizer)
 
     # ---- completions -----------------------------------------------------------------------------------
     def check_request(self, body: Body) -> None:

@@ -9,7 +9,6 @@ markup). The template rendering, the control-token scan and the encoding run lat
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import math
 from dataclasses import dataclass
@@ -35,16 +34,23 @@ class PromptBounds:
     max_token_chars: int  # the longest token's text, +1 for a decoder that drops a word's leading space
 
 
-@functools.cache  # one entry per served model's tokenizer, which the process holds anyway
 def _bounds(tokenizer: Any) -> PromptBounds:
     size = int(tokenizer.vocab_size)
     longest = max((len(tokenizer.token_text(i)) for i in range(size)), default=1)
     return PromptBounds(size, longest + 1)
 
 
+# a tokenizer (by identity; one per served model, which the process holds anyway) → its bounds: once computed,
+# read without a thread hop
+_known: dict[Any, PromptBounds] = {}
+
+
 async def bounds(tokenizer: Any) -> PromptBounds:
     """Computed once per tokenizer (a pass over the vocabulary), off the event loop."""
-    return await asyncio.to_thread(_bounds, tokenizer)
+    known = _known.get(tokenizer)
+    if known is None:
+        known = _known[tokenizer] = await asyncio.to_thread(_bounds, tokenizer)
+    return known
 
 
 def check_token_ids(body: Body, vocab_size: int) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any
 
@@ -10,7 +9,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from engine.structured import StructuredOutputs
-from gateway import admission, completion, json_body, prompt, structured
+from gateway import admission, completion, json_body, offload, prompt, structured
 from gateway.errors import APIError
 from gateway.models import ModelRegistry, ServedModel
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, openapi_schema, parse
@@ -117,7 +116,7 @@ async def _complete(request: Request, chat: bool) -> Response:
     principal: Principal = request.scope["principal"]
     state: RequestState = request.scope["request_state"]
     raw = await _body(request)
-    body = await asyncio.to_thread(_parse, ChatCompletionRequest if chat else CompletionRequest, raw)
+    body = await offload.run(len(raw), _parse, ChatCompletionRequest if chat else CompletionRequest, raw)
     state.model, state.stream = body.model, body.stream
     served = _route(deps.models, principal, body.model)
     state.model = served.name  # the audit trail and metrics name the model that served, not the alias
@@ -140,7 +139,8 @@ async def _complete(request: Request, chat: bool) -> Response:
     try:
         if privacy is not None:  # what the model sees, and what the audit trail keeps of the prompt
             body = await privacy.screen_async(body, engine.tokenizer)
-        ids, state.prompt_text = await asyncio.to_thread(_tokenize, engine.tokenizer, body, tools)
+        # the raw body bounds what the template renders (messages, tools) and what gets tokenized
+        ids, state.prompt_text = await offload.run(len(raw), _tokenize, engine.tokenizer, body, tools)
         state.prompt_tokens = len(ids)
         _check_context(len(ids), requested, limit, params)
         max_tokens = limit - len(ids) if requested is None else requested
@@ -185,7 +185,7 @@ def _constraints(
 def _tokenize(
     tokenizer: Any, body: ChatCompletionRequest | CompletionRequest, tools: ToolPlan | None = None
 ) -> tuple[list[int], str]:
-    """The prompt's token ids and its text for the audit content policy (blocking: run in a thread)."""
+    """The prompt's token ids and its text for the audit content policy (blocking: see gateway.offload)."""
     ids = prompt.prompt_ids(tokenizer, body, tools)
     if isinstance(body, ChatCompletionRequest):
         return ids, json.dumps([m.model_dump(exclude_none=True) for m in body.messages], ensure_ascii=False)

@@ -171,20 +171,20 @@ class JWTVerifier:
         }
 
     async def verify(self, token: str) -> Principal:
-        alg, kid = self._read_header(token)
+        alg, kid = self._verified.header(token) or self._read_header(token)
         if alg == "HS256":
             return self._verify_hs256(token, kid, await self._jwks.keys() if self._jwks else ())
         if self._jwks is None:
             raise AuthError("unknown_kid")
-        return self._decode(token, alg, _select_key(alg, kid, await self._jwks.keys(kid)))
+        return self._decode(token, alg, kid, _select_key(alg, kid, await self._jwks.keys(kid)))
 
     def verify_sync(self, token: str) -> Principal:
-        alg, kid = self._read_header(token)
+        alg, kid = self._verified.header(token) or self._read_header(token)
         if alg == "HS256":
             return self._verify_hs256(token, kid, self._jwks.keys_sync() if self._jwks else ())
         if self._jwks is None:
             raise AuthError("unknown_kid")
-        return self._decode(token, alg, _select_key(alg, kid, self._jwks.keys_sync(kid)))
+        return self._decode(token, alg, kid, _select_key(alg, kid, self._jwks.keys_sync(kid)))
 
     def _read_header(self, token: str) -> tuple[str, str | None]:
         if not token:
@@ -211,9 +211,9 @@ class JWTVerifier:
         # asymmetric key is refused outright as a confusion attempt.
         if kid is not None and any(k.kid == kid for k in keys):
             raise AuthError("alg_not_allowed", "HS256 token names an asymmetric key")
-        return self._decode(token, "HS256", self.config.hs256_secret)
+        return self._decode(token, "HS256", kid, self.config.hs256_secret)
 
-    def _decode(self, token: str, alg: str, key: PublicKey | bytes) -> Principal:
+    def _decode(self, token: str, alg: str, kid: str | None, key: PublicKey | bytes) -> Principal:
         cfg = self.config
         if (cached := self._verified.get(token, key, cfg.leeway_s)) is not None:
             return cached
@@ -244,7 +244,7 @@ class JWTVerifier:
         except jwt_errors.PyJWTError:
             raise AuthError("malformed") from None
         principal = self._principal(claims)
-        self._verified.put(token, key, principal, claims)
+        self._verified.put(token, key, principal, claims, (alg, kid))
         return principal
 
     def _principal(self, claims: dict[str, Any]) -> Principal:

@@ -9,6 +9,7 @@ still grow (a 16-digit card that a 17th digit would turn into another number), a
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -34,6 +35,7 @@ class Scanner:
     def __init__(self, detectors: Sequence[Detector], terms: Sequence[tuple[str, TermMatcher]] = ()) -> None:
         self.detectors = tuple(detectors)
         self.terms = tuple(terms)
+        self._zoned = all(d.zone is not None for d in self.detectors)  # every detector needs a digit or an "@"
 
     @property
     def empty(self) -> bool:
@@ -45,6 +47,8 @@ class Scanner:
         hits: list[Hit] = []
         nhold = len(norm.text)
         zones = _Zones(norm, nstart) if final else None
+        if zones is not None and zones.bare and self._zoned and not self.terms:
+            return [], len(text)  # the usual prompt: no digit and no "@", so nothing any detector could match
         for rank, det in enumerate(self.detectors):
             if zones is not None and det.zone is not None:
                 found, h = [], len(norm.text)
@@ -63,37 +67,50 @@ class Scanner:
         return hits, hold
 
 
+SHORT_TEXT = 4096  # up to this many characters the anchors are found by a regex, past it by numpy
+_DIGIT_RUN = re.compile("[0-9]+")  # the normalized text: every decimal digit a detector reads is ASCII here
+_AT = re.compile("@")
 MANY_ZONES = 64  # beyond this many zones one pass over the whole text costs fewer calls than a pass per zone
 
 
 class _Zones:
-    """The runs of digits and the "@"s of one text, found once (numpy), and each zone shape's merged zones.
+    """The runs of digits and the "@"s of one text, found once, and each zone shape's merged zones.
 
-    Few anchors (the usual prompt): plain Python, numpy's per-call cost would dominate. Many (a text made of
-    numbers, an adversary's "1 1 1 …"): vectorised, and past MANY_ZONES the whole text is one zone, so the cost
-    stays linear in the text with a small constant whatever it holds."""
+    Few anchors (the usual prompt): plain Python, and a short text is searched with one regex (numpy's per-call
+    cost would dominate). Many (a text made of numbers, an adversary's "1 1 1 …"): vectorised, and past
+    MANY_ZONES the whole text is one zone, so the cost stays linear in the text with a small constant whatever
+    it holds."""
 
     def __init__(self, norm: Normalized, start: int) -> None:
         self.text, self.start = norm.text, start
+        self._merged: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
+        if len(self.text) <= SHORT_TEXT:
+            runs = [m.span() for m in _DIGIT_RUN.finditer(self.text)]
+            self.run_start: np.ndarray | list[int] = [a for a, _ in runs]
+            self.run_end: np.ndarray | list[int] = [b for _, b in runs]
+            self.ats: np.ndarray | list[int] = [m.start() for m in _AT.finditer(self.text)]
+            self.bare = not runs and not self.ats
+            return
         cps = norm.cps
         digit = np.zeros(len(cps) + 2, dtype=np.int8)
         digit[1:-1] = (cps >= 48) & (cps <= 57)
         edges = np.diff(digit)
         self.run_start, self.run_end = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
         self.ats = np.flatnonzero(cps == 64) if "@" in self.text else np.zeros(0, dtype=np.int64)
-        self._merged: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
+        self.bare = not len(self.run_start) and not len(self.ats)
 
-    def _merge(self, anchors: np.ndarray, before: int, after: int) -> list[tuple[int, int]]:
+    def _merge(self, anchors: np.ndarray | list[int], before: int, after: int) -> list[tuple[int, int]]:
         n = len(self.text)
         if len(anchors) <= MANY_ZONES:
             merged: list[tuple[int, int]] = []
-            for s in anchors.tolist():
+            for s in anchors.tolist() if isinstance(anchors, np.ndarray) else anchors:
                 lo, hi = max(self.start, s - before), min(n, s + after)
                 if merged and lo <= merged[-1][1]:
                     merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
                 else:
                     merged.append((lo, hi))
             return merged
+        anchors = np.asarray(anchors, dtype=np.int64)
         lo = np.maximum(anchors - before, self.start)
         hi = np.maximum.accumulate(np.minimum(anchors + after, n))
         breaks = np.flatnonzero(lo[1:] > hi[:-1])
@@ -109,8 +126,10 @@ class _Zones:
         key = (zone.min_digits, zone.before, zone.after)
         merged = self._merged.get(key)
         if merged is None:  # detectors with the same zone shape share it
-            if zone.min_digits:
-                anchors = self.run_start[(self.run_end - self.run_start) >= zone.min_digits]
+            if zone.min_digits and isinstance(self.run_start, list):
+                anchors = [a for a, b in zip(self.run_start, self.run_end) if b - a >= zone.min_digits]
+            elif zone.min_digits:
+                anchors = self.run_start[(self.run_end - self.run_start) >= zone.min_digits]  # type: ignore[operator]
             else:
                 anchors = self.ats
             merged = self._merged[key] = self._merge(anchors, zone.before, zone.after)

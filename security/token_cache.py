@@ -26,6 +26,7 @@ class _Entry:
     exp: float
     nbf: float | None
     key: object  # the key object that verified it: compared by identity with the current key set
+    header: tuple[str, str | None]  # its (alg, kid): a repeated token skips parsing its header again
 
 
 class VerifiedTokens:
@@ -57,12 +58,25 @@ class VerifiedTokens:
             self._entries.move_to_end(token)
             return entry.principal
 
-    def put(self, token: str, key: object, principal: Principal, claims: dict[str, object]) -> None:
+    def header(self, token: str) -> tuple[str, str | None] | None:
+        """The (alg, kid) of a token that verified before (the exact text, so the same header); `get` still
+        decides whether the token is still good."""
+        entry = self._entries.get(token)  # one dict read: atomic under the GIL, no lock needed
+        return None if entry is None else entry.header
+
+    def put(
+        self,
+        token: str,
+        key: object,
+        principal: Principal,
+        claims: dict[str, object],
+        header: tuple[str, str | None],
+    ) -> None:
         exp, nbf = claims.get("exp"), claims.get("nbf")
         if self._max <= 0 or not _number(exp) or not (nbf is None or _number(nbf)):
             return
         with self._lock:
-            self._entries[token] = _Entry(principal, float(exp), None if nbf is None else float(nbf), key)  # type: ignore[arg-type]
+            self._entries[token] = _Entry(principal, float(exp), None if nbf is None else float(nbf), key, header)  # type: ignore[arg-type]
             self._entries.move_to_end(token)
             while len(self._entries) > self._max:
                 self._entries.popitem(last=False)

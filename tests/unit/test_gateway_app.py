@@ -10,6 +10,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from engine import EngineDeadError, EngineOverloadedError, RequestFailedError, RequestOutput, SamplingParams, Usage
+from gateway import offload
 from gateway.app import Deps, create_app
 from gateway.auth_guard import FailedAuthLimiter
 from gateway.state import RequestState
@@ -259,12 +260,22 @@ def test_logit_bias_reaches_the_engine_and_is_bounded() -> None:
             assert r.status_code == 400 and r.json()["error"]["param"] == param, (bias, r.text)
 
 
+@pytest.mark.parametrize("inline_bytes", [0, offload.INLINE_BYTES])
+def test_only_a_small_prompt_is_tokenized_on_the_event_loop(inline_bytes: int, monkeypatch) -> None:
+    monkeypatch.setattr(offload, "INLINE_BYTES", inline_bytes)  # 0: every body counts as large
+    c, engine = client()
+    with c:
+        assert c.post("/v1/chat/completions", json=CHAT, headers=AUTH).status_code == 200
+    on_loop = engine.tokenizer.threads == [engine.loop_thread]
+    assert on_loop == (inline_bytes > 0), (engine.tokenizer.threads, engine.loop_thread)
+
+
 def test_out_of_quota_requests_are_refused_before_any_tokenizing() -> None:
     limiter = RateLimiter(RateLimitConfig(tiers={"default": RateLimitTier(requests_per_minute=1)}))
     c, engine = client(limiter=limiter)
     with c:
         assert c.post("/v1/chat/completions", json=CHAT, headers=AUTH).status_code == 200
-        assert len(engine.tokenizer.threads) == 1 and engine.tokenizer.threads[0] != engine.loop_thread
+        assert len(engine.tokenizer.threads) == 1
         r = c.post("/v1/chat/completions", json=CHAT, headers=AUTH)
         assert r.status_code == 429 and r.headers["retry-after"]
     assert len(engine.tokenizer.threads) == 1  # the refused request was never templated nor tokenized

@@ -153,9 +153,13 @@ def test_random_short_digit_runs_are_nothing() -> None:
         assert found(f"金额{run}元") == [], run
 
 
-def test_searching_only_the_zones_finds_what_searching_everything_finds() -> None:
+@pytest.mark.parametrize("short_text", [0, 4096])  # anchors found by numpy (long texts) or by a regex (short)
+def test_searching_only_the_zones_finds_what_searching_everything_finds(short_text: int, monkeypatch) -> None:
     """The scanner searches around digit runs and "@"s only; on mixed text it must agree with a full search."""
+    from security import pii_scan
     from security.pii_text import normalize
+
+    monkeypatch.setattr(pii_scan, "SHORT_TEXT", short_text)
 
     rng = random.Random(7)
     pieces = [
@@ -173,6 +177,7 @@ def test_searching_only_the_zones_finds_what_searching_everything_finds() -> Non
         lambda: gen.luhn_invalid(rng, 17),
         lambda: str(rng.randrange(10**6)),
         lambda: rng.choice(["，", "。", " ", "abc", "客户", "-", "@", ".", "x" * 30, "1" * 40]),
+        lambda: rng.choice(["What is the capital of France?", "no digits here", "中文的句子"]),
     ]
     for _ in range(300):
         text = "".join(rng.choice(pieces)() for _ in range(rng.randint(1, 12)))

@@ -50,6 +50,18 @@ async def test_a_repeated_token_is_verified_once(tmp_path: Path, key, monkeypatc
     assert calls == [tok]
 
 
+async def test_a_repeated_token_header_is_parsed_once(tmp_path: Path, key, monkeypatch) -> None:
+    v = JWTVerifier(JWTConfig(jwks_file=write_jwks(tmp_path / "j.json", (key, "ed")), issuer=ISS, audience=AUD))
+    parsed: list[str] = []
+    real = jwt.get_unverified_header
+    monkeypatch.setattr(jwt, "get_unverified_header", lambda tok: parsed.append(tok) or real(tok))
+    tok, other = token(key), token(key, sub="bob")
+    first = await v.verify(tok)
+    assert [await v.verify(tok) for _ in range(3)] == [first] * 3 and v.verify_sync(tok) == first
+    assert (await v.verify(other)).subject == "bob"
+    assert parsed == [tok, other]
+
+
 async def test_a_tampered_copy_of_a_cached_token_is_still_refused(tmp_path: Path, key) -> None:
     v = JWTVerifier(JWTConfig(jwks_file=write_jwks(tmp_path / "j.json", (key, "ed")), issuer=ISS, audience=AUD))
     tok = token(key)
@@ -84,15 +96,15 @@ def test_entries_expire_with_the_token_and_honour_nbf() -> None:
     now = [1000.0]
     cache = VerifiedTokens(clock=lambda: now[0])
     p, k = Principal("alice", "acme", frozenset(), None, None), object()
-    cache.put("t", k, p, {"exp": 1100, "nbf": 990})
+    cache.put("t", k, p, {"exp": 1100, "nbf": 990}, ("EdDSA", None))
     assert cache.get("t", k, leeway_s=0) == p
     assert cache.get("t", object(), leeway_s=0) is None  # another key object: never a hit
-    cache.put("t", k, p, {"exp": 1100, "nbf": 990})
+    cache.put("t", k, p, {"exp": 1100, "nbf": 990}, ("EdDSA", None))
     now[0] = 1100.0
     assert cache.get("t", k, leeway_s=0) is None  # exp <= now: expired, and dropped
-    cache.put("t", k, p, {"exp": 1100})
+    cache.put("t", k, p, {"exp": 1100}, ("EdDSA", None))
     assert cache.get("t", k, leeway_s=30) == p  # within the leeway, as PyJWT accepts it
-    cache.put("late", k, p, {"exp": 2000, "nbf": 1200})
+    cache.put("late", k, p, {"exp": 2000, "nbf": 1200}, ("EdDSA", None))
     assert cache.get("late", k, leeway_s=30) is None
 
 
@@ -100,13 +112,13 @@ def test_the_cache_is_bounded_and_can_be_off() -> None:
     cache = VerifiedTokens(max_entries=3, clock=lambda: 0.0)
     p, k = Principal("alice", "acme", frozenset(), None, None), object()
     for i in range(10):
-        cache.put(f"t{i}", k, p, {"exp": 10})
+        cache.put(f"t{i}", k, p, {"exp": 10}, ("EdDSA", None))
     assert len(cache) == 3 and cache.get("t9", k, 0) == p and cache.get("t0", k, 0) is None
     for bad in ({"exp": "10"}, {"exp": True}, {}, {"exp": 10, "nbf": "x"}):
-        cache.put("odd", k, p, bad)
+        cache.put("odd", k, p, bad, ("EdDSA", None))
         assert cache.get("odd", k, 0) is None
     off = VerifiedTokens(max_entries=0)
-    off.put("t", k, p, {"exp": 10**12})
+    off.put("t", k, p, {"exp": 10**12}, ("EdDSA", None))
     assert off.get("t", k, 0) is None and len(off) == 0
 
 
