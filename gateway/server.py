@@ -28,7 +28,7 @@ from gateway.state import RequestState
 from gateway.warmup import WarmupError, warm_up
 from security.devpki import DevPKI, ensure_dev_pki
 from security.jwt import JWTConfig, JWTVerifier
-from security.keys import KeyProviderError, provider_from_spec
+from security.keys import KeyProviderError
 from security.manifest import SealError
 from security.ratelimit import RateLimitConfig, RateLimiter, RateLimitTier
 from security.sealed import SealedFiles, is_sealed
@@ -70,7 +70,8 @@ def _open(settings: Settings, spec: ModelSettings) -> _Opened:
         if is_sealed(model):
             if key is None:
                 raise SettingsError(f"model {name!r}: {model} is sealed: set key_provider to the key that opens it")
-            files = SealedFiles(model, provider_from_spec(key, settings.environ), threads=threads, progress=True)
+            # from a spec, so tensor-parallel workers it spawns can reopen it themselves
+            files = SealedFiles.from_spec(model, key, settings.environ, threads=threads, progress=True)
             log.info("model %s is sealed: key %s, manifest sm3 %s", name, files.manifest.key_id, files.digest)
         return _Opened(spec, EngineConfig(model=model, **fields), files)
     except (SealError, KeyProviderError) as e:

@@ -12,14 +12,14 @@ import mmap
 import os
 import stat
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from security.keys import KeyProvider, KeyProviderError
+from security.keys import KeyProvider, KeyProviderError, provider_from_spec
 from security.manifest import (
     HEADER,
     MANIFEST,
@@ -135,6 +135,7 @@ class SealedFiles:
         check_digests: bool = False,
     ) -> None:
         self.path = Path(path)
+        self._recipe: tuple[str, str, dict[str, str] | None, int] | None = None  # set by from_spec
         self.manifest, dek, raw = open_manifest(self.path, provider)
         self.digest = sm3(raw).hexdigest()  # names exactly this sealed model in logs and audit events
         self.threads = threads or default_threads()
@@ -151,6 +152,36 @@ class SealedFiles:
         extra = sorted(set(os.listdir(self.path)) - listed)
         if extra:
             log.warning("%s: ignoring files not listed in %s: %s", self.path, MANIFEST, ", ".join(extra))
+
+    @classmethod
+    def from_spec(
+        cls,
+        path: str | Path,
+        spec: str,
+        environ: Mapping[str, str] | None = None,
+        *,
+        threads: int | None = None,
+        progress: bool = False,
+        digest: str | None = None,
+    ) -> SealedFiles:
+        """Opened with the key provider a spec names (security.keys.provider_from_spec). Such files can be copied
+        to a worker process (pickle): the copy carries the spec, never key material, and reopens the directory
+        there, unwrapping the data key itself (an HSM is logged into by each process). `digest`: the copy must
+        find the very manifest the original opened, or SealError (files swapped in between)."""
+        files = cls(path, provider_from_spec(spec, environ), threads=threads, progress=progress)
+        if digest is not None and files.digest != digest:
+            raise SealError(f"{files.path}: its {MANIFEST} changed after the model was opened (sm3 {digest})")
+        files._recipe = (str(files.path), spec, _spec_environ(spec, environ), files.threads)
+        return files
+
+    def __reduce__(self) -> tuple[object, tuple[object, ...]]:
+        if self._recipe is None:
+            raise TypeError(
+                "sealed model files opened with a key provider object cannot be copied to another process: open "
+                "them with SealedFiles.from_spec"
+            )
+        path, spec, environ, threads = self._recipe
+        return _reopen, (path, spec, environ, threads, self.digest)
 
     def names(self) -> list[str]:
         return sorted([*self.manifest.files, *self.manifest.clear])
@@ -226,6 +257,20 @@ class SealedFiles:
 
     def _bar(self, total: int, name: str) -> tqdm[None]:
         return tqdm(total=total, desc=name, unit="B", unit_scale=True, unit_divisor=1024, disable=not self.progress)
+
+
+def _reopen(path: str, spec: str, environ: dict[str, str] | None, threads: int, digest: str) -> SealedFiles:
+    return SealedFiles.from_spec(path, spec, environ, threads=threads, digest=digest)
+
+
+def _spec_environ(spec: str, environ: Mapping[str, str] | None) -> dict[str, str] | None:
+    """Only the variables the spec reads (env:NAME, a PKCS#11 pin-env=NAME) travel with a copy: the rest of the
+    environment may hold other secrets, and a spawned worker inherits the process's own anyway."""
+    if environ is None:
+        return None
+    kind, _, rest = spec.partition(":")
+    names = [rest] if kind == "env" else [f[len("pin-env=") :] for f in rest.split(";") if f.startswith("pin-env=")]
+    return {n: environ[n] for n in names if n in environ}
 
 
 def verify(

@@ -126,8 +126,9 @@ def _check_portable(files: ModelFiles) -> None:
         pickle.dumps(files)
     except Exception:
         raise ConfigError(
-            f"tensor_parallel_size > 1 cannot hand these model files ({type(files).__name__}, e.g. a sealed model) "
-            "to the worker processes it starts; start the ranks with torchrun, where each opens the model itself"
+            f"tensor_parallel_size > 1 cannot hand these model files ({type(files).__name__}, e.g. a sealed model "
+            "opened with a key provider object rather than from its spec) to the worker processes it starts; start "
+            "the ranks with torchrun, where each opens the model itself"
         ) from None
 
 

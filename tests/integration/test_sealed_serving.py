@@ -53,6 +53,11 @@ def test_gateway_serves_a_sealed_model_like_the_clear_one(sealed: tuple[Path, Pa
     _, want = answer(clear, tmp_path / "a", {})
     _, got = answer(sealed_dir, tmp_path / "b", {"TIANMEN_ENGINE_KEY_PROVIDER": f"file:{key}"})
     assert got == want and got
+    f32 = {"TIANMEN_ENGINE_DTYPE": "float32"}  # two ranks add in another order: float32 keeps greedy tokens equal
+    _, want = answer(clear, tmp_path / "c", f32)
+    tp2 = {**f32, "TIANMEN_ENGINE_KEY_PROVIDER": f"file:{key}", "TIANMEN_ENGINE_TENSOR_PARALLEL_SIZE": "2"}
+    _, got = answer(sealed_dir, tmp_path / "d", tp2)  # its worker process reopens the sealed model itself
+    assert got == want and got
 
 
 def test_verify_cli_and_tampering(

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import pickle
+import shutil
 from pathlib import Path
 
 import pytest
@@ -83,3 +85,47 @@ def test_tensor_parallel_workers_it_would_spawn_cannot_take_a_sealed_model(
     config = EngineConfig(model=sealed, dtype="float32", device="cpu", tensor_parallel_size=2)
     with pytest.raises(ConfigError, match="torchrun"):
         EngineCore(config, SealedFiles(sealed, kek))
+
+
+def test_tensor_parallel_workers_reopen_a_sealed_model_from_its_spec(
+    model: tuple[Path, Path, FileKeyProvider],
+) -> None:
+    clear, sealed, kek = model
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    want = LLM(EngineConfig(model=clear, dtype="float32", device="cpu")).generate(PROMPTS, params)
+    files = SealedFiles.from_spec(sealed, f"file:{kek.path}")
+    config = EngineConfig(model=sealed, dtype="float32", device="cpu", tensor_parallel_size=2)
+    llm = LLM(config, files=files)  # rank 1 is a spawned process: it unwrapped the data key itself
+    try:
+        got = llm.generate(PROMPTS, params)
+    finally:
+        llm.close()
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+
+
+def test_a_copy_carries_the_spec_and_only_the_variables_it_names(
+    model: tuple[Path, Path, FileKeyProvider], tmp_path: Path
+) -> None:
+    _, sealed, kek = model
+    secret = kek.path.read_text().strip()
+    environ = {"TIANMEN_KEK": secret, "OTHER_SECRET": "s3cret"}
+    files = SealedFiles.from_spec(sealed, "env:TIANMEN_KEK", environ)
+    blob = pickle.dumps(files)
+    assert b"s3cret" not in blob and b"OTHER_SECRET" not in blob
+    copy = pickle.loads(blob)
+    assert copy.digest == files.digest and copy.read("config.json") == files.read("config.json")
+    with pytest.raises(TypeError, match="from_spec"):
+        pickle.dumps(SealedFiles(sealed, kek))
+
+
+def test_a_copy_refuses_a_manifest_swapped_after_the_open(
+    model: tuple[Path, Path, FileKeyProvider], tmp_path: Path
+) -> None:
+    clear, sealed, kek = model
+    moved = tmp_path / "sealed"
+    shutil.copytree(sealed, moved)
+    blob = pickle.dumps(SealedFiles.from_spec(moved, f"file:{kek.path}"))
+    shutil.rmtree(moved)
+    seal(clear, moved, kek, chunk_size=4096)  # the same weights sealed again: another data key, another manifest
+    with pytest.raises(SealError, match="changed after the model was opened"):
+        pickle.loads(blob)
