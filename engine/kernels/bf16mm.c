@@ -23,8 +23,12 @@
 // while every column block streams past them; measured best at 48-384 on Zen 4, 1.1x faster than one pass.
 #define MC 192
 // Row tiles a block may have for the next block to be prefetched by software (see run()); with more, the block's
-// arithmetic outlasts the stream anyway, and with one the hardware prefetchers follow the single pass.
+// arithmetic outlasts the stream anyway, and with one the hardware prefetchers follow the single pass. 8 was
+// measured on a Zen 4 only: the library is also built with -DPF_TILES=1 (no software prefetch), and the GEMM
+// selection times both on the machine it runs on (engine.kernels.bind).
+#ifndef PF_TILES
 #define PF_TILES 8
+#endif
 
 // Row r's k-pair kp of x as one 32-bit lane; an odd K's last pair holds a zero, never the next row's value
 // (which the zero weight padding would turn into NaN if it were inf).

@@ -78,8 +78,20 @@ def self_check(kernel: BF16MM) -> None:
 
 
 _once = Once(BF16MM.build, log, "bfloat16 linear layers will use oneDNN (slower at small batches)", check=self_check)
+# the same kernel without its software prefetch of the next weight block (tuned on one CPU): timed beside it
+_once_plain = Once(
+    lambda: BF16MM.build(("-march=native", "-DPF_TILES=1")),
+    log,
+    "bfloat16 linear layers are not timed without software prefetch",
+    check=self_check,
+)
 
 
 def kernel() -> BF16MM | None:
     """The process-wide kernel for this CPU; None without AVX512-BF16, or (logged once) where it can't be built."""
     return _once() if supported() else None
+
+
+def kernel_without_prefetch() -> BF16MM | None:
+    """The kernel built with no software prefetch (PF_TILES=1), as kernel() otherwise."""
+    return _once_plain() if supported() else None

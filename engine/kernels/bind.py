@@ -69,6 +69,9 @@ class BindReport:
         return [f"gemm {shape} x{count}: {choice.describe()}" for shape, (count, choice) in self.shapes.items()]
 
 
+TIMED_ONLY = "-noprefetch"  # a kernel variant the selection times, never one gemm_path can force
+
+
 def gemm_paths(dtype: torch.dtype, batch_hint: int, use_kernels: bool, bf16_weights: bool) -> list[GemmPath]:
     """The candidates on this machine for `dtype` math; our kernels only where they built and passed their check."""
     onednn = OneDNNPath(dtype, batch_hint)
@@ -77,6 +80,9 @@ def gemm_paths(dtype: torch.dtype, batch_hint: int, use_kernels: bool, bf16_weig
         return paths
     if dtype == torch.bfloat16 and (k := bf16mm.kernel()) is not None:
         paths += [KernelPath("bf16mm", k, dtype), FusedSiluPath(bf16mm.SiluMulBF16MM(k))]
+        if (plain := bf16mm.kernel_without_prefetch()) is not None:  # whether prefetching pays is measured
+            plain_silu = FusedSiluPath(bf16mm.SiluMulBF16MM(plain), "bf16mm-silu" + TIMED_ONLY)
+            paths += [KernelPath("bf16mm" + TIMED_ONLY, plain, dtype), plain_silu]
     if dtype == torch.bfloat16 and (a := amxmm.kernel()) is not None:
         paths += [KernelPath("amxmm", a, dtype), FusedSiluPath(amxmm.SiluMulAMXMM(a), "amxmm-silu")]
     if dtype == torch.float32 and bf16_weights and (w := wbf16.kernel()) is not None:
@@ -93,6 +99,7 @@ def make_selector(
     half the last-level cache (the rest is for its KV cache and activations) stays there between steps, so its
     small batches are timed hot, without evicting it first."""
     if forced != "auto":
+        paths = [p for p in paths if not p.name.endswith(TIMED_ONLY)]  # only the timing chooses between those
         family = [p for p in paths if p.name.split("-")[0] == forced]  # bf16mm: its fused variant first
         if not family:
             log.warning("gemm_path=%s is not available on this CPU and dtype; using oneDNN / F.linear", forced)

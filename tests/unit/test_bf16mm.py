@@ -6,6 +6,7 @@ has it: Zen 4 and Intel from Cooper Lake on."""
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -139,3 +140,19 @@ def test_gated_mlp_fuses_silu_only_where_the_kernel_takes_the_weight(kernel: BF1
     assert set(mlp.gate_up_act.names) == {"bf16mm-silu" if fused else "bf16mm"}
     assert set(mlp.down_proj.plan.names) == {"bf16mm"}
     torch.testing.assert_close(mlp(x).float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_the_build_without_prefetch_computes_the_same_and_is_only_ever_timed(
+    kernel: BF16MM, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from engine.kernels.bind import TIMED_ONLY, gemm_paths, make_selector
+
+    monkeypatch.setenv("TIANMEN_KERNEL_CACHE", str(tmp_path))
+    plain = BF16MM.build(("-march=native", "-DPF_TILES=1"))
+    for i, (m, n, k) in enumerate(((1, 192, 96), (16, 640, 130), (40, 200, 64))):  # 2-8 row tiles: it prefetches
+        x, w = _bf16(m, k, seed=i), _bf16(n, k, seed=10 + i)
+        assert torch.equal(plain.linear(x, plain.pack(w), n, None), kernel.linear(x, kernel.pack(w), n, None))
+    names = [p.name for p in gemm_paths(torch.bfloat16, 1, True, True)]
+    assert "bf16mm" + TIMED_ONLY in names and "bf16mm-silu" + TIMED_ONLY in names
+    forced = make_selector(gemm_paths(torch.bfloat16, 1, True, True), torch.bfloat16, forced="bf16mm")
+    assert not any(name.endswith(TIMED_ONLY) for name in forced.paths)
