@@ -186,9 +186,6 @@ def build_model(
     cls = model_class(hf_config)
     group = group or SingleGroup()
     spec = quant_spec(hf_config)  # checkpoint-format layers replace the linear layers it quantizes
-    if spec is not None and group.size > 1:
-        # NOTE: engine.quant's layers load whole tensors and know nothing of the parallel layouts
-        raise ConfigError(f"tensor_parallel_size > 1 does not load quantized ({spec.scheme}) checkpoints yet")
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -266,9 +263,15 @@ def _load_one(
             if param is None:
                 break
             module = model.get_submodule(pname.rsplit(".", 1)[0])
-            rows = getattr(module, "checkpoint_rows", lambda _: None)(shard)
+            part_of = getattr(module, "checkpoint_part", None)  # a quantized layer: each tensor has its layout
+            if part_of is not None:
+                part = part_of(pname.rsplit(".", 1)[1], shard)
+                rows = None if part is None else (part.dim, part.start, part.length)
+            else:
+                rows = getattr(module, "checkpoint_rows", lambda _: None)(shard)
+                rows = None if rows is None else (0, *rows)
             try:
-                tensor = lazy.full() if rows is None else lazy.part(0, *rows)
+                tensor = lazy.full() if rows is None else lazy.part(*rows)
                 _widen_if_needed(param, tensor, widen_to)
                 module.load_shard(param, tensor, shard)  # type: ignore[operator]
             except (AssertionError, RuntimeError, ValueError) as e:

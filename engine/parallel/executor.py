@@ -35,6 +35,7 @@ from engine.parallel import control
 from engine.parallel.group import Group
 from engine.parallel.launch import env_store, local_store, open_groups, torchrun_rank
 from engine.parallel.worker import WorkerSpec, rank_config, rank_stats, serve, spawned_main
+from engine.quant.modules import quantize_modules
 from engine.quant.spec import quant_spec
 
 log = logging.getLogger(__name__)
@@ -106,14 +107,16 @@ class _Shape(Group):
 
 
 def check_shardable(hf_config: dict[str, Any], size: int, expert_parallel: bool) -> None:
-    """ConfigError now, before any worker starts, if the model does not split over `size` ranks: the model is
-    built on the meta device (no memory), where its layers check their splits."""
-    if quant_spec(hf_config) is not None:
-        raise ConfigError("tensor_parallel_size > 1 does not load quantized checkpoints yet")
+    """ConfigError (ModelLoadError for a quantized layout) now, before any worker starts, if the model does not
+    split over `size` ranks: the model is built on the meta device (no memory), where its layers check their
+    splits."""
+    spec = quant_spec(hf_config)
     try:
         with torch.device("meta"):
-            model_class(hf_config)(hf_config, _Shape(size), expert_parallel)
-    except ConfigError:
+            model = model_class(hf_config)(hf_config, _Shape(size), expert_parallel)
+            if spec is not None:  # a rank's slice must hold whole packed words and whole groups
+                quantize_modules(model, spec)
+    except (ConfigError, ModelLoadError):
         raise
     except (KeyError, TypeError, ValueError) as e:
         raise ModelLoadError(f"config.json is missing or has a bad field: {e}") from None

@@ -26,13 +26,17 @@ AWQ_REVERSE = tuple(AWQ_ORDER.index(j) for j in range(8))  # column j is in nibb
 @dataclass(slots=True, frozen=True)
 class StoredTensor:
     """One checkpoint tensor of a layer: shape for [N, K], and which dimension runs over output channels
-    (None: not per channel) with how many channels each index holds (8 where packed along it)."""
+    (None: not per channel) with how many channels each index holds (8 where packed along it); the same for the
+    input channels (`in_dim`, `per_in`: 8 where packed, the group size for per-group tensors), which is how a
+    tensor-parallel rank finds its part of either."""
 
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
     out_dim: int | None = 0
     per_index: int = 1
+    in_dim: int | None = None
+    per_in: int = 1
 
 
 def stored_tensors(spec: QuantSpec, n: int, k: int) -> list[StoredTensor]:
@@ -40,24 +44,31 @@ def stored_tensors(spec: QuantSpec, n: int, k: int) -> list[StoredTensor]:
     be stored so (K not a multiple of the group size, ...)."""
     g = spec.group_size
     if spec.scheme == "w8a8":
-        return [StoredTensor("weight", (n, k), torch.int8), StoredTensor("weight_scale", (n, 1), torch.float32)]
+        return [
+            StoredTensor("weight", (n, k), torch.int8, in_dim=1),
+            StoredTensor("weight_scale", (n, 1), torch.float32),  # per output channel: every rank's K shares it
+        ]
     if k % g or k % 8 or n % 8:
         raise ModelLoadError(f"a {n}x{k} weight cannot hold 4-bit groups of {g} (K must be a multiple of it and 8)")
     f32, i32 = torch.float32, torch.int32
     if spec.fmt == "compressed-tensors":
         out = [
-            StoredTensor("weight_packed", (n, k // 8), i32),
-            StoredTensor("weight_scale", (n, k // g), f32),
+            StoredTensor("weight_packed", (n, k // 8), i32, in_dim=1, per_in=8),
+            StoredTensor("weight_scale", (n, k // g), f32, in_dim=1, per_in=g),
             StoredTensor("weight_shape", (2,), torch.int64, None),
         ]
         if not spec.symmetric:
-            out.append(StoredTensor("weight_zero_point", (n // 8, k // g), i32, 0, 8))
+            out.append(StoredTensor("weight_zero_point", (n // 8, k // g), i32, 0, 8, in_dim=1, per_in=g))
         return out
     if spec.fmt == "gptq":
-        qweight = StoredTensor("qweight", (k // 8, n), i32, 1)
+        qweight = StoredTensor("qweight", (k // 8, n), i32, 1, in_dim=0, per_in=8)
     else:
-        qweight = StoredTensor("qweight", (k, n // 8), i32, 1, 8)
-    return [qweight, StoredTensor("qzeros", (k // g, n // 8), i32, 1, 8), StoredTensor("scales", (k // g, n), f32, 1)]
+        qweight = StoredTensor("qweight", (k, n // 8), i32, 1, 8, in_dim=0)
+    return [
+        qweight,
+        StoredTensor("qzeros", (k // g, n // 8), i32, 1, 8, in_dim=0, per_in=g),
+        StoredTensor("scales", (k // g, n), f32, 1, in_dim=0, per_in=g),
+    ]
 
 
 def unpack_int32(words: torch.Tensor, dim: int, order: tuple[int, ...] | None = None) -> torch.Tensor:

@@ -11,6 +11,7 @@ from torch import nn
 
 from engine.errors import ModelLoadError
 from engine.layers.linear import Linear
+from engine.layers.parallel import Part
 from engine.quant.layouts import stored_tensors, to_weight
 from engine.quant.spec import QuantSpec
 from engine.quant.weights import QuantWeight
@@ -36,6 +37,40 @@ class QuantLinear(Linear):
         self.bias = lin.bias
         self.plan = None
         self.quantized: QuantWeight | None = None
+        # tensor parallel: where this rank's rows (column-parallel) or columns (row-parallel) lie in each tensor
+        self.checkpoint_starts: dict[str, int] = dict(getattr(lin, "checkpoint_starts", {}))
+        self.split_dim: int | None = None
+        source = getattr(lin, "tp_slices", None)
+        if source is not None:
+            self.split_dim = source["weight"].dim
+            self.tp_slices = {"bias": source["bias"], **self._parts(source["weight"])}
+        elif self.checkpoint_starts:
+            self.split_dim = 0
+
+    def _parts(self, weight: Part) -> dict[str, Part]:
+        """The weight's part (rows: dim 0, columns: dim 1 of [N, K]) in each stored tensor's own layout; a tensor
+        that does not run along the split dimension (a per-channel scale under a column split) is read whole."""
+        parts = {}
+        for name, t in self.stored.items():
+            dim, per = (t.out_dim, t.per_index) if weight.dim == 0 else (t.in_dim, t.per_in)
+            if dim is None:
+                continue
+            if weight.start % per or weight.length % per:
+                raise ModelLoadError(f"a rank's {weight.length} of {name} do not split the packed or grouped axis")
+            parts[name] = Part(dim, weight.start // per, weight.length // per)
+        return parts
+
+    def checkpoint_part(self, name: str, shard: str) -> Part | None:
+        """The part of checkpoint tensor `name` (a leaf: weight_scale, bias, ...) of projection `shard` this rank
+        loads (column-parallel merged layers); None: the whole tensor."""
+        start = self.checkpoint_starts.get(shard)
+        if start is None:
+            return None
+        size = self.shard_offsets[shard][1]
+        t = self.stored.get(name)
+        if t is None:  # the bias
+            return Part(0, start, size)
+        return self._parts(Part(0, start, size)).get(name)
 
     def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard: str) -> None:
         """One projection's tensor (q of qkv, gate of gate_up) into its rows (or packed columns) of `param`."""
@@ -45,8 +80,11 @@ class QuantLinear(Linear):
             param.data[offset : offset + size].copy_(loaded)
             return
         t = next(t for name, t in self.stored.items() if getattr(self, name) is param)
-        if t.out_dim is None:  # weight_shape: the shard's own [N_shard, K]
-            assert [int(v) for v in loaded.tolist()] == [size, self.in_features], f"shard {shard}: weight_shape"
+        if t.out_dim is None:  # weight_shape: the shard's own [N_shard, K] (its whole rows under tensor parallel)
+            got = [int(v) for v in loaded.tolist()]
+            assert got[1] == self.in_features and (got[0] == size or shard in self.checkpoint_starts), (
+                f"shard {shard}: weight_shape {got}"
+            )
             param.data.copy_(torch.tensor([self.out_features, self.in_features]))
             return
         assert offset % t.per_index == 0 and size % t.per_index == 0, f"shard {shard} splits a packed word"
@@ -59,6 +97,13 @@ class QuantLinear(Linear):
     def finish_loading(self, dtype: torch.dtype) -> None:
         """Checkpoint tensors → the in-memory form; they are dropped. `dtype`: the model's, for a dequantized one."""
         tensors = {name: getattr(self, name).data for name in self.stored}
+        shape = tensors.get("weight_shape")
+        if shape is not None and self.split_dim is not None:  # the checkpoint's whole [N, K]: check the unsplit
+            whole, local = [int(v) for v in shape.tolist()], [self.out_features, self.in_features]
+            keep = 1 - self.split_dim
+            if whole[keep] != local[keep]:
+                raise ModelLoadError(f"weight_shape {whole} does not match this rank's layer {local}")
+            tensors["weight_shape"] = torch.tensor(local)
         for name in self.stored:
             delattr(self, name)
         self.quantized = to_weight(self.spec, tensors, self.out_features, self.in_features)
@@ -122,7 +167,12 @@ def quantize_modules(model: nn.Module, spec: QuantSpec) -> int:
         flags = {spec.quantizes(n) for n in names}
         if len(flags) > 1:
             raise ModelLoadError(f"the checkpoint quantizes only some of {', '.join(names)}, which run as one layer")
-        return cls(lin, spec) if flags.pop() else None
+        if not flags.pop():
+            return None
+        try:
+            return cls(lin, spec)
+        except ModelLoadError as e:  # a tensor-parallel rank's share of a layer: say which layer
+            raise ModelLoadError(f"{name}: {e}") from None
 
     if spec.fmt == "gptq":  # g_idx is k // group_size when desc_act is false: nothing to read
         model.ignored_weights = (*getattr(model, "ignored_weights", ()), ".g_idx")

@@ -141,12 +141,3 @@ def test_a_model_that_does_not_split_is_refused_before_any_worker_starts(
     size = 3 if over["num_attention_heads"] == 4 else 4  # 6 KV heads neither split over 4 ranks nor divide 4
     with pytest.raises(ConfigError, match=message):
         EngineCore(EngineConfig(model=path, dtype="float32", device="cpu", tensor_parallel_size=size))
-
-
-def test_a_quantized_checkpoint_is_refused_under_tp(tmp_path: Path) -> None:
-    path = build_llama(tmp_path / "m")
-    hf = json.loads((path / "config.json").read_text())
-    hf["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": False}
-    (path / "config.json").write_text(json.dumps(hf))
-    with pytest.raises(ConfigError, match="quantized"):
-        EngineCore(EngineConfig(model=path, dtype="float32", device="cpu", tensor_parallel_size=2))
