@@ -10,34 +10,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
-from engine.config import EngineConfig
-from engine.core import EngineCore
 from engine.errors import ModelLoadError
-from engine.loader import DirectoryFiles, weight_files
-from engine.params import SamplingParams
-from engine.request import Request
-from engine.tokenizer import Tokenizer
+from engine.loader import DirectoryFiles
+from engine.quant.calibrate import CheckpointTensors, calibration_ids, calibration_text, float_core, prefill
 
 # norm → the projections that read its output, by checkpoint name (Llama family: Llama, Qwen2, Mistral)
 GROUPS = {"input_layernorm": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
           "post_attention_layernorm": ("mlp.gate_proj", "mlp.up_proj")}  # fmt: skip
 CALIBRATION_TOKENS = 1024
-
-
-def calibration_text() -> str:
-    """Python's own pydoc topics, from the end backwards (fidelity checks read it from the start)."""
-    from pydoc_data.topics import topics
-
-    return "\n\n".join(topics[k] for k in sorted(topics, reverse=True))
+__all__ = ["SMOOTHABLE", "activation_maxima", "calibration_text", "smoothing", "smoothing_scales"]
 
 
 def activation_maxima(src: str, token_ids: list[int]) -> dict[str, torch.Tensor]:
     """max |x_j| over the calibration tokens of each norm's output, by name (model.layers.0.input_layernorm)."""
-    cfg = EngineConfig(model=src, dtype="float32", device="cpu", max_num_seqs=1, cpu_kernels=False,
-                       max_num_batched_tokens=max(len(token_ids), 16), max_model_len=len(token_ids) + 16)  # fmt: skip
-    core = EngineCore(cfg)
+    core = float_core(src, len(token_ids))
     maxima: dict[str, torch.Tensor] = {}
 
     def keep(name: str, _m: object, _args: object, out: tuple[torch.Tensor, torch.Tensor]) -> None:
@@ -47,10 +34,7 @@ def activation_maxima(src: str, token_ids: list[int]) -> dict[str, torch.Tensor]
     for i, layer in enumerate(core.runner.model.model.layers):
         for norm in GROUPS:
             getattr(layer, norm).register_forward_hook(partial(keep, f"model.layers.{i}.{norm}"))
-    core.add_request(Request("calibration", token_ids, SamplingParams(max_tokens=1, temperature=0)))
-    for _ in range(len(token_ids) + 2):  # bounded: one prefill chunk, then the token; never an endless wait
-        if not core.has_unfinished() or any(out.finish_reason is not None for out in core.step()):
-            break
+    prefill(core, token_ids)
     if len(maxima) != len(GROUPS) * len(core.runner.model.model.layers):
         raise ModelLoadError("the calibration run did not reach every layer")
     return maxima
@@ -73,24 +57,13 @@ def smoothing(src: Path, hf: dict[str, Any], alpha: float) -> dict[str, torch.Te
         raise ModelLoadError(f"smoothing supports {', '.join(SMOOTHABLE)} models; got {hf.get('model_type')!r}")
     if not 0 < alpha < 1:
         raise ModelLoadError(f"the smoothing strength must be between 0 and 1; got {alpha}")
-    files = DirectoryFiles(src)
-    tokenizer = Tokenizer.from_files(files.read)
-    longest = int(hf.get("max_position_embeddings") or CALIBRATION_TOKENS) - 1
-    ids = tokenizer.encode(calibration_text(), add_special_tokens=False)[: min(CALIBRATION_TOKENS, longest)]
-    maxima = activation_maxima(str(src), ids)
-    where = {}
-    for fname in weight_files(files):
-        with safe_open(files.path / fname, framework="pt") as f:
-            where |= dict.fromkeys(f.keys(), fname)
+    maxima = activation_maxima(str(src), calibration_ids(DirectoryFiles(src), hf, CALIBRATION_TOKENS))
+    tensors = CheckpointTensors(src)
     factors: dict[str, torch.Tensor] = {}
     for norm, act_max in maxima.items():
         layer = norm.rpartition(".")[0]
         names = [f"{layer}.{p}.weight" for p in GROUPS[norm.rpartition(".")[2]]]
-        weights = []
-        for name in names:
-            with safe_open(files.path / where[name], framework="pt") as f:
-                weights.append(f.get_tensor(name))
-        s = smoothing_scales(act_max, weights, alpha)
+        s = smoothing_scales(act_max, [tensors.get(name) for name in names], alpha)
         factors[f"{norm}.weight"] = 1 / s
         factors |= dict.fromkeys(names, s[None, :])
     return factors
