@@ -125,17 +125,18 @@ def _take_over(
         parent, _, leaf = full.rpartition(".")
         shards = getattr(lin, "shard_offsets", None) or {"": (0, lin.out_features)}
         rows = [(f"{parent}.{names.get((leaf, s), leaf)}" if s else full, off, n) for s, (off, n) in shards.items()]
-        w = torch.cat([tensors.get(f"{ckpt}.weight") for ckpt, _, _ in rows]).float()
-        smooth = factors.get(f"{rows[0][0]}.weight")  # [1, K], the same for every projection of one norm
+        w = torch.cat([tensors.get(f"{ckpt}.weight").float() * factors.get(f"{ckpt}.weight", 1) for ckpt, _, _ in rows])
+        # the first projection's factor is its input's s [1, K] alone (q of qkv, gate of gate_up; up_proj's rows
+        # are smoothed too, for down_proj)
+        smooth = factors.get(f"{rows[0][0]}.weight")
         if smooth is not None:
-            w = w * smooth
+            assert smooth.shape == (1, w.shape[1]), f"{rows[0][0]}: a smoothing factor per input, not {smooth.shape}"
             smooth = smooth[0]
         bias = lin.bias.data.float() if lin.bias is not None else None
         grid = grid_for(tensors.get(f"{rows[0][0]}.weight").dtype if smooth is None else torch.float32)
         if grid.group_size is not None and lin.in_features % grid.group_size:
-            raise ModelLoadError(
-                f"{full}: in_features {lin.in_features} is not a multiple of the group size {grid.group_size}"
-            )
+            what, g = ", ".join(ckpt for ckpt, _, _ in rows), grid.group_size
+            raise ModelLoadError(f"{what}: in_features {lin.in_features} is not a multiple of the group size {g}")
         t = TakenLayer(rows, w, bias, smooth, grid, settings, grid.group_size is None)
         lin.plan = t  # type: ignore[assignment]  # Linear.forward calls its plan
         taken.append(t)
