@@ -15,7 +15,9 @@ from engine.errors import ModelLoadError
 from engine.quant.grid import INT4, INT8, channel_scale, from_grid, group_params, to_grid
 
 BLOCK = 128  # columns per lazy batch update
-DAMP = 0.01  # of the mean diagonal, added to it: keeps the Cholesky factorisation well conditioned
+# of the mean diagonal, added to it: keeps the factorisation well conditioned. GPTQ's paper uses 1%; on the demo
+# model W4A16 group 32 asymmetric agreed 82.5% / +12.8% perplexity with 10% against 80.7% / +15.2% with 1%
+DAMP = 0.1
 
 
 @dataclass(frozen=True, slots=True)

@@ -216,10 +216,11 @@ def _convert(
     group: int,
     lm_head: bool,
     report: QuantizeReport,
-    done: dict[str, Quantized],
+    done: dict[str, Quantized] | None = None,
 ) -> dict[str, torch.Tensor]:
     """One checkpoint tensor → what the quantized checkpoint stores for it; `done`: values GPTQ chose, by module
     (the others round to nearest)."""
+    done = done if done is not None else {}
     if not _is_linear_weight(name, t, lm_head):
         module, _, leaf = name.rpartition(".")
         if leaf == "weight" and t.dim() == 2 and module.rpartition(".")[2] in ROUTERS:

@@ -4,8 +4,8 @@ with the best recipe measured for each scheme (benchmarks.quant_fidelity), score
 
 The issue's targets are top-1 ≥ 98% and perplexity ≤ +3% for W8A8, ≥ 90% and ≤ +15% for W4A16. Reached on a
 2-core AMD EPYC (2026-12-01): W8A8 (SmoothQuant 0.5, down_proj smoothed through up_proj, then round-to-nearest)
-95.1% / +0.7%; W4A16 (group 32, asymmetric, GPTQ) 80.7% / +15.2%. Both top-1 targets are missed, so the bounds
-below are the levels reached, less a margin; see docs/PERFORMANCE.md."""
+95.1% / +0.7%; W4A16 (group 32, asymmetric, GPTQ) 82.5% / +12.8%. Both top-1 targets are missed, so those
+bounds are the levels reached, less a margin; see docs/PERFORMANCE.md."""
 
 from __future__ import annotations
 
@@ -59,5 +59,5 @@ def test_w4a16_gptq_beats_round_to_nearest(demo: Path, ids: list[int], reference
     print(f"w4a16 g32 asym: rtn {rtn.top1_agreement:.2%} {rtn.perplexity_change:+.2%}, "
           f"gptq {f.top1_agreement:.2%} {f.perplexity_change:+.2%}")  # fmt: skip
     assert f.top1_agreement >= rtn.top1_agreement + 0.02 and f.perplexity_change <= rtn.perplexity_change - 0.04
-    assert f.perplexity_change <= 0.18  # target +15%: missed by 0.2 points (+15.2% measured)
-    assert f.top1_agreement >= 0.78  # target 90%: missed (80.7% measured)
+    assert f.perplexity_change <= 0.15  # target +15%: met (+12.8% measured)
+    assert f.top1_agreement >= 0.80  # target 90%: missed (82.5% measured)
