@@ -64,6 +64,7 @@ class EngineConfig:
     # CPU: how each linear layer runs. auto: the fastest measured on this CPU, per weight shape and batch size
     # (engine.kernels.select, cached), and the other kernels only where they beat torch; a path's name forces it
     # wherever it applies and binds every other kernel that builds, untimed (debugging, tests)
+    # With cpu_kernels False only torch is honoured (oneDNN otherwise): F.linear, and quantized layers dequantized
     gemm_path: str = "auto"
     gemm_layouts: int = 2  # at most this many packed copies of a weight, each run for the batch sizes it wins
     # what the checkpoint's quantization_config holds (engine.quant): auto takes it; none | w8a8 | w4a16 insist on

@@ -114,10 +114,11 @@ class ModelRunner:
         c = self.config
         use = c.cpu_kernels
         paths = gemm_paths(self.dtype, c.max_num_seqs, use, bf16_weights)
+        # without our kernels oneDNN leads, unless torch is asked for: its quantized path is the reference
+        # (dequantize, then F.linear), what fidelity checks want (engine.quant.fidelity)
+        forced = c.gemm_path if use or c.gemm_path == "torch" else "onednn"
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        selector = make_selector(
-            paths, self.dtype, c.gemm_path if use else "onednn", max_layouts=c.gemm_layouts, model_bytes=weights
-        )
+        selector = make_selector(paths, self.dtype, forced, max_layouts=c.gemm_layouts, model_bytes=weights)
         kernels = CpuKernels()
         if use:
             pw = pointwise.kernel()

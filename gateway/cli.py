@@ -153,6 +153,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         args.quantize_lm_head,
         symmetric=not args.asymmetric,
         smooth=args.smooth,
+        gptq=args.gptq,
     )
     size = f"{r.bytes_in / 2**20:.1f} MiB -> {r.bytes_out / 2**20:.1f} MiB"
     print(f"wrote {args.dst}: {r.quantized} {r.scheme} layers, {size}")
@@ -229,6 +230,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--asymmetric", action="store_true", help="w4a16: a zero point per group (W4A16_ASYM)")
     p.add_argument("--quantize-lm-head", action="store_true", help="quantize the LM head too (default: kept)")
     p.add_argument("--smooth", type=float, metavar="ALPHA", help="w8a8: SmoothQuant of strength ALPHA (e.g. 0.5)")
+    p.add_argument("--gptq", action="store_true", help="GPTQ instead of round-to-nearest (calibrates on ~2k tokens)")
     p.set_defaults(func=cmd_quantize)
     return ap
 

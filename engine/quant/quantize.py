@@ -1,7 +1,8 @@
 """`tianmen quantize`: a bf16/fp32 HuggingFace directory → a compressed-tensors checkpoint (what llm-compressor
-writes and vLLM loads), by round-to-nearest: per-channel symmetric int8 (W8A8, activations quantized per token
-at run time) or per-group symmetric 4-bit (W4A16). Embeddings, norms, MoE routers and (unless asked) the LM head
-stay as they are. `tianmen-quant.json` records what was done."""
+writes and vLLM loads): per-channel symmetric int8 (W8A8, activations quantized per token at run time) or
+per-group 4-bit, symmetric or with zero points (W4A16), by round-to-nearest or by GPTQ (engine.quant.gptq),
+optionally after SmoothQuant (W8A8). Embeddings, norms, MoE routers and (unless asked) the LM head stay as they
+are. `tianmen-quant.json` records what was done."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
@@ -19,7 +21,11 @@ from tqdm import tqdm
 
 from engine.errors import ModelLoadError
 from engine.loader import INDEX, DirectoryFiles, read_json, weight_files
+from engine.quant.grid import rtn_int4, rtn_int8
 from engine.quant.weights import pack_nibbles
+
+if TYPE_CHECKING:
+    from engine.quant.gptq_model import GptqSettings, Quantized
 
 SCHEMES = ("w8a8", "w4a16")
 ROUTERS = ("gate", "router")  # a MoE layer's expert choice: small, and sensitive to rounding
@@ -36,38 +42,11 @@ class QuantizeReport:
     method: str = "rtn"
     symmetric: bool = True
     smooth_alpha: float | None = None
+    gptq: dict[str, Any] | None = None  # how GPTQ calibrated (engine.quant.gptq_model.GptqSettings)
     quantized: int = 0
     kept: list[str] = field(default_factory=list)
     bytes_in: int = 0
     bytes_out: int = 0
-
-
-def rtn_int8(w: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] → int8 [N, K] and its per-channel scale [N, 1] (stored in `scale_dtype`, quantized with that one);
-    as llm-compressor's min-max observer, the largest magnitude maps to 127.5 steps."""
-    w = w.float()
-    scale = (w.abs().amax(dim=1, keepdim=True) / 127.5).clamp_min(1e-12).to(scale_dtype)
-    return torch.round(w / scale.float()).clamp_(-128, 127).to(torch.int8), scale
-
-
-def rtn_int4(
-    w: torch.Tensor, group: int, scale_dtype: torch.dtype, symmetric: bool = True
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """[N, K] → signed 4-bit values int8 [N, K] in -8..7, per-group scales [N, K/G] and (asymmetric) signed zero
-    points int8 [N, K/G], as compressed-tensors' min-max observer: symmetric maps the largest magnitude to 7.5
-    steps; asymmetric spans [min, max] (0 included) in 15 steps, x ≈ (q - zero) · scale."""
-    n, k = w.shape
-    g = w.float().view(n, k // group, group)
-    lo, hi = g.amin(dim=-1).clamp(max=0), g.amax(dim=-1).clamp(min=0)
-    if symmetric:
-        scale = (torch.maximum(-lo, hi) / 7.5).clamp_min(1e-12).to(scale_dtype)
-        q = torch.round(g / scale.float()[..., None]).clamp_(-8, 7).to(torch.int8)
-        return q.view(n, k), scale, None
-    scale = ((hi - lo) / 15).to(scale_dtype)
-    scale = torch.where(scale == 0, torch.finfo(scale_dtype).eps, scale)
-    zero = torch.round((-8 - lo / scale.float()).clamp(-8, 7))
-    q = torch.round(g / scale.float()[..., None] + zero[..., None]).clamp_(-8, 7).to(torch.int8)
-    return q.view(n, k), scale, zero.to(torch.int8)
 
 
 def pack_int4_words(q: torch.Tensor) -> torch.Tensor:
@@ -130,10 +109,13 @@ def quantize(
     shard_bytes: int = SHARD_BYTES,
     symmetric: bool = True,
     smooth: float | None = None,
+    gptq: bool = False,
+    gptq_settings: GptqSettings | None = None,
 ) -> QuantizeReport:
     """Write the quantized checkpoint of `src` into `dst` (created; must not exist or be empty), in safetensors
     files of at most `shard_bytes` each (beyond one, with an index, as transformers writes them). `smooth`
-    (w8a8): SmoothQuant's strength α, calibrated on a text that ships with Python (engine.quant.smooth)."""
+    (w8a8): SmoothQuant's strength α; `gptq`: GPTQ instead of round-to-nearest (`gptq_settings`: how many
+    calibration tokens, ...); both calibrate on a text that ships with Python (engine.quant.calibrate)."""
     if scheme not in SCHEMES:
         raise ModelLoadError(f"scheme must be one of {', '.join(SCHEMES)}; got {scheme!r}")
     if scheme == "w8a8" and not symmetric:
@@ -157,6 +139,19 @@ def quantize(
 
         factors = smoothing(files.path, hf, smooth)
         report.method, report.smooth_alpha = "smoothquant+rtn", smooth
+    done: dict[str, Quantized] = {}
+    if gptq:
+        from engine.quant.gptq import Grid
+        from engine.quant.gptq_model import GptqSettings, gptq_model
+
+        settings = gptq_settings or GptqSettings()
+
+        def grid_for(dtype: torch.dtype) -> Grid:
+            return Grid(group_size if scheme == "w4a16" else None, symmetric, _scale_dtype(dtype))
+
+        done = gptq_model(files.path, hf, grid_for, factors, settings, lm_head)
+        report.method = "smoothquant+gptq" if smooth is not None else "gptq"
+        report.gptq = asdict(settings)
     shard: dict[str, torch.Tensor] = {}
     written: list[tuple[Path, list[str]]] = []  # each full shard goes to disk at once: memory stays one shard
 
@@ -167,7 +162,7 @@ def quantize(
         shard.clear()
 
     try:
-        _convert_all(files, scheme, group_size, lm_head, shard_bytes, report, shard, flush, factors)
+        _convert_all(files, scheme, group_size, lm_head, shard_bytes, report, shard, flush, factors, done)
     except BaseException:
         for part, _ in written:  # a failed run leaves the destination as it found it
             part.unlink(missing_ok=True)
@@ -187,6 +182,7 @@ def _convert_all(
     shard: dict[str, torch.Tensor],
     flush: Callable[[], None],
     factors: dict[str, torch.Tensor],
+    done: dict[str, Quantized],
 ) -> None:
     names, size = weight_files(files), 0
     with tqdm(total=len(names), desc=f"quantize {scheme}", unit="file", file=sys.stderr) as bar:
@@ -197,7 +193,7 @@ def _convert_all(
                     report.bytes_in += t.nbytes
                     if key in factors:  # smoothing: norms shrink, the weights after them grow to match
                         t = (t.float() * factors[key]).to(t.dtype if key.endswith("norm.weight") else torch.float32)
-                    for name, value in _convert(key, t, scheme, group_size, lm_head, report).items():
+                    for name, value in _convert(key, t, scheme, group_size, lm_head, report, done).items():
                         if size + value.nbytes > shard_bytes and shard:
                             flush()
                             size = 0
@@ -208,9 +204,23 @@ def _convert_all(
     flush()
 
 
+def _scale_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Scales are stored in the weight's own float type (float32 for anything else)."""
+    return dtype if dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
+
+
 def _convert(
-    name: str, t: torch.Tensor, scheme: str, group: int, lm_head: bool, report: QuantizeReport
+    name: str,
+    t: torch.Tensor,
+    scheme: str,
+    group: int,
+    lm_head: bool,
+    report: QuantizeReport,
+    done: dict[str, Quantized] | None = None,
 ) -> dict[str, torch.Tensor]:
+    """One checkpoint tensor → what the quantized checkpoint stores for it; `done`: values GPTQ chose, by module
+    (the others round to nearest)."""
+    done = done if done is not None else {}
     if not _is_linear_weight(name, t, lm_head):
         module, _, leaf = name.rpartition(".")
         if leaf == "weight" and t.dim() == 2 and module.rpartition(".")[2] in ROUTERS:
@@ -218,13 +228,15 @@ def _convert(
         return {name: t}
     module = name.removesuffix(".weight")
     report.quantized += 1
-    scale_dtype = t.dtype if t.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
     if scheme == "w8a8":
-        q, scale = rtn_int8(t, scale_dtype)
+        q, scale, _ = done.pop(module) if module in done else (*rtn_int8(t, _scale_dtype(t.dtype)), None)
         return {f"{module}.weight": q, f"{module}.weight_scale": scale}
     if t.shape[1] % group:
         raise ModelLoadError(f"{module}: in_features {t.shape[1]} is not a multiple of the group size {group}")
-    q, scale, zero = rtn_int4(t, group, scale_dtype, report.symmetric)
+    if module in done:
+        q, scale, zero = done.pop(module)
+    else:
+        q, scale, zero = rtn_int4(t, group, _scale_dtype(t.dtype), report.symmetric)
     shape = torch.tensor(list(t.shape), dtype=torch.int64)
     out = {
         f"{module}.weight_packed": pack_int4_words(q),

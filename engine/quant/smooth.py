@@ -5,53 +5,49 @@ come from running the float model (our engine) over a calibration text that ship
 
 from __future__ import annotations
 
+import re
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
-from engine.config import EngineConfig
-from engine.core import EngineCore
 from engine.errors import ModelLoadError
-from engine.loader import DirectoryFiles, weight_files
-from engine.params import SamplingParams
-from engine.request import Request
-from engine.tokenizer import Tokenizer
+from engine.loader import DirectoryFiles
+from engine.quant.calibrate import CheckpointTensors, calibration_ids, calibration_text, float_core, prefill
 
-# norm → the projections that read its output, by checkpoint name (Llama family: Llama, Qwen2, Mistral)
+# where a smoothed activation comes from → the projections that read it, by checkpoint name within a layer
+# (Llama family: Llama, Qwen2, Mistral). A norm's weight divides its output by s; so do up_proj's rows, as
+# down_proj reads act(gate) · up, linear in up (llm-compressor's SmoothQuant maps these three too)
 GROUPS = {"input_layernorm": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-          "post_attention_layernorm": ("mlp.gate_proj", "mlp.up_proj")}  # fmt: skip
+          "post_attention_layernorm": ("mlp.gate_proj", "mlp.up_proj"),
+          "mlp.up_proj": ("mlp.down_proj",)}  # fmt: skip
+LAYER = re.compile(r"(model\.layers\.\d+)\.(.+)")  # a source's layer, and its name within the layer
 CALIBRATION_TOKENS = 1024
-
-
-def calibration_text() -> str:
-    """Python's own pydoc topics, from the end backwards (fidelity checks read it from the start)."""
-    from pydoc_data.topics import topics
-
-    return "\n\n".join(topics[k] for k in sorted(topics, reverse=True))
+__all__ = ["SMOOTHABLE", "activation_maxima", "calibration_text", "smoothing", "smoothing_scales"]
 
 
 def activation_maxima(src: str, token_ids: list[int]) -> dict[str, torch.Tensor]:
-    """max |x_j| over the calibration tokens of each norm's output, by name (model.layers.0.input_layernorm)."""
-    cfg = EngineConfig(model=src, dtype="float32", device="cpu", max_num_seqs=1, cpu_kernels=False,
-                       max_num_batched_tokens=max(len(token_ids), 16), max_model_len=len(token_ids) + 16)  # fmt: skip
-    core = EngineCore(cfg)
+    """max |x_j| over the calibration tokens of each group's activations, by layer and source
+    (model.layers.0.input_layernorm, model.layers.0.mlp.up_proj)."""
+    core = float_core(src, len(token_ids))
     maxima: dict[str, torch.Tensor] = {}
 
-    def keep(name: str, _m: object, _args: object, out: tuple[torch.Tensor, torch.Tensor]) -> None:
-        m = out[0].detach().abs().amax(dim=0).float()
+    def keep(name: str, x: torch.Tensor) -> None:
+        m = x.detach().reshape(-1, x.shape[-1]).abs().amax(dim=0).float()
         maxima[name] = torch.maximum(maxima[name], m) if name in maxima else m
 
-    for i, layer in enumerate(core.runner.model.model.layers):
-        for norm in GROUPS:
-            getattr(layer, norm).register_forward_hook(partial(keep, f"model.layers.{i}.{norm}"))
-    core.add_request(Request("calibration", token_ids, SamplingParams(max_tokens=1, temperature=0)))
-    for _ in range(len(token_ids) + 2):  # bounded: one prefill chunk, then the token; never an endless wait
-        if not core.has_unfinished() or any(out.finish_reason is not None for out in core.step()):
-            break
-    if len(maxima) != len(GROUPS) * len(core.runner.model.model.layers):
+    layers = core.runner.model.model.layers
+    for i, layer in enumerate(layers):
+        for norm in ("input_layernorm", "post_attention_layernorm"):  # their output: (normed, residual)
+            getattr(layer, norm).register_forward_hook(
+                partial(lambda n, _m, _a, out: keep(n, out[0]), f"model.layers.{i}.{norm}")
+            )
+        layer.mlp.down_proj.register_forward_pre_hook(
+            partial(lambda n, _m, args: keep(n, args[0]), f"model.layers.{i}.mlp.up_proj")
+        )
+    prefill(core, token_ids)
+    if len(maxima) != len(GROUPS) * len(layers):
         raise ModelLoadError("the calibration run did not reach every layer")
     return maxima
 
@@ -67,30 +63,24 @@ SMOOTHABLE = ("llama", "qwen2", "mistral")
 
 
 def smoothing(src: Path, hf: dict[str, Any], alpha: float) -> dict[str, torch.Tensor]:
-    """Per checkpoint tensor name, the factor it is multiplied by: 1/s for each norm's weight, s (per input
-    column) for the projections that read it. The float model's outputs do not change."""
+    """Per checkpoint tensor name, the factor it is multiplied by: 1/s for each norm's weight (and each row of
+    up_proj), s (per input column) for the projections that read them. The float model's outputs do not change."""
     if hf.get("model_type") not in SMOOTHABLE:
         raise ModelLoadError(f"smoothing supports {', '.join(SMOOTHABLE)} models; got {hf.get('model_type')!r}")
     if not 0 < alpha < 1:
         raise ModelLoadError(f"the smoothing strength must be between 0 and 1; got {alpha}")
-    files = DirectoryFiles(src)
-    tokenizer = Tokenizer.from_files(files.read)
-    longest = int(hf.get("max_position_embeddings") or CALIBRATION_TOKENS) - 1
-    ids = tokenizer.encode(calibration_text(), add_special_tokens=False)[: min(CALIBRATION_TOKENS, longest)]
-    maxima = activation_maxima(str(src), ids)
-    where = {}
-    for fname in weight_files(files):
-        with safe_open(files.path / fname, framework="pt") as f:
-            where |= dict.fromkeys(f.keys(), fname)
+    maxima = activation_maxima(str(src), calibration_ids(DirectoryFiles(src), hf, CALIBRATION_TOKENS))
+    tensors = CheckpointTensors(src)
     factors: dict[str, torch.Tensor] = {}
-    for norm, act_max in maxima.items():
-        layer = norm.rpartition(".")[0]
-        names = [f"{layer}.{p}.weight" for p in GROUPS[norm.rpartition(".")[2]]]
-        weights = []
+
+    def scale(name: str, f: torch.Tensor) -> None:  # up_proj is smoothed twice: its columns, then its rows
+        factors[name] = factors[name] * f if name in factors else f
+
+    for source, act_max in maxima.items():
+        layer, kind = LAYER.fullmatch(source).groups()  # type: ignore[union-attr]
+        names = [f"{layer}.{p}.weight" for p in GROUPS[kind]]
+        s = smoothing_scales(act_max, [tensors.get(name) for name in names], alpha)
+        scale(f"{source}.weight", 1 / s if kind != "mlp.up_proj" else (1 / s)[:, None])
         for name in names:
-            with safe_open(files.path / where[name], framework="pt") as f:
-                weights.append(f.get_tensor(name))
-        s = smoothing_scales(act_max, weights, alpha)
-        factors[f"{norm}.weight"] = 1 / s
-        factors |= dict.fromkeys(names, s[None, :])
+            scale(name, s[None, :])
     return factors

@@ -31,7 +31,8 @@ def test_folded_scales_leave_the_float_model_unchanged(src: Path, tmp_path: Path
     factors = smoothing(src, cfg, 0.5)
     assert set(factors) == {f"model.layers.{i}.{n}" for i in range(2) for n in (
         "input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-        "post_attention_layernorm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight")}  # fmt: skip
+        "post_attention_layernorm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+        "mlp.down_proj.weight")}  # fmt: skip
     assert any(not torch.allclose(f, torch.ones_like(f)) for f in factors.values())
     state = load_file(str(src / "model.safetensors"))
     smoothed = {k: v * factors[k] if k in factors else v for k, v in state.items()}

