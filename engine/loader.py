@@ -266,12 +266,11 @@ def _load_one(
             part_of = getattr(module, "checkpoint_part", None)  # a quantized layer: each tensor has its layout
             if part_of is not None:
                 part = part_of(pname.rsplit(".", 1)[1], shard)
-                rows = None if part is None else (part.dim, part.start, part.length)
             else:
                 rows = getattr(module, "checkpoint_rows", lambda _: None)(shard)
-                rows = None if rows is None else (0, *rows)
+                part = None if rows is None else Part(0, *rows)
             try:
-                tensor = lazy.full() if rows is None else lazy.part(*rows)
+                tensor = lazy.full() if part is None else lazy.part(part.dim, part.start, part.length)
                 _widen_if_needed(param, tensor, widen_to)
                 module.load_shard(param, tensor, shard)  # type: ignore[operator]
             except (AssertionError, RuntimeError, ValueError) as e:

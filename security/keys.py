@@ -150,3 +150,14 @@ def provider_from_spec(spec: str, environ: Mapping[str, str] | None = None) -> K
 
         return Pkcs11KeyProvider.from_spec(rest, environ or {})
     raise KeyProviderError(f"unknown key provider {kind!r}: use {SPEC_HELP}")
+
+
+def spec_variables(spec: str) -> list[str]:
+    """The environment variables a provider spec reads (`env:NAME`, a PKCS#11 `pin-env=NAME`), by the same split
+    provider_from_spec and the PKCS#11 parser make; none for the other kinds."""
+    kind, _, rest = spec.partition(":")
+    if kind == "env":
+        return [rest] if rest else []
+    if kind == "pkcs11":
+        return [v for name, _, v in (f.partition("=") for f in rest.split(";")) if name == "pin-env" and v]
+    return []

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from security.keys import KeyProvider, KeyProviderError, provider_from_spec
+from security.keys import KeyProvider, KeyProviderError, provider_from_spec, spec_variables
 from security.manifest import (
     HEADER,
     MANIFEST,
@@ -264,13 +264,11 @@ def _reopen(path: str, spec: str, environ: dict[str, str] | None, threads: int, 
 
 
 def _spec_environ(spec: str, environ: Mapping[str, str] | None) -> dict[str, str] | None:
-    """Only the variables the spec reads (env:NAME, a PKCS#11 pin-env=NAME) travel with a copy: the rest of the
-    environment may hold other secrets, and a spawned worker inherits the process's own anyway."""
+    """Only the variables the spec reads travel with a copy: the rest of the environment may hold other secrets,
+    and a spawned worker inherits the process's own anyway."""
     if environ is None:
         return None
-    kind, _, rest = spec.partition(":")
-    names = [rest] if kind == "env" else [f[len("pin-env=") :] for f in rest.split(";") if f.startswith("pin-env=")]
-    return {n: environ[n] for n in names if n in environ}
+    return {n: environ[n] for n in spec_variables(spec) if n in environ}
 
 
 def verify(

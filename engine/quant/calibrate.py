@@ -19,11 +19,16 @@ from engine.request import Request
 from engine.tokenizer import Tokenizer
 
 
-def calibration_text() -> str:
-    """Python's own pydoc topics, from the end backwards (fidelity checks read it from the start)."""
+def pydoc_topics(reverse: bool) -> str:
+    """Python's own pydoc topics joined, in key order or (reverse) from the end backwards."""
     from pydoc_data.topics import topics
 
-    return "\n\n".join(topics[k] for k in sorted(topics, reverse=True))
+    return "\n\n".join(topics[k] for k in sorted(topics, reverse=reverse))
+
+
+def calibration_text() -> str:
+    """The pydoc topics from the end backwards (fidelity checks read them from the start)."""
+    return pydoc_topics(reverse=True)
 
 
 def calibration_ids(files: DirectoryFiles, hf: dict[str, Any], tokens: int) -> list[int]:

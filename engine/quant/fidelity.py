@@ -13,7 +13,7 @@ import torch
 
 from engine.errors import ModelLoadError
 from engine.loader import DirectoryFiles
-from engine.quant.calibrate import float_core, prefill
+from engine.quant.calibrate import float_core, prefill, pydoc_topics
 from engine.tokenizer import Tokenizer
 
 FIDELITY_TOKENS = 2048
@@ -21,10 +21,8 @@ ROWS = 256  # positions per LM-head call: [ROWS, vocab] float32 logits at a time
 
 
 def fidelity_text() -> str:
-    """Python's own pydoc topics, in order from the start."""
-    from pydoc_data.topics import topics
-
-    return "\n\n".join(topics[k] for k in sorted(topics))
+    """The pydoc topics in order from the start (calibration reads them from the end)."""
+    return pydoc_topics(reverse=False)
 
 
 def fidelity_ids(model: str | Path, positions: int = FIDELITY_TOKENS) -> list[int]:

@@ -154,3 +154,12 @@ def test_pkcs11_pin_file_must_be_private(tmp_path: Path) -> None:
     pin.chmod(0o644)
     with pytest.raises(KeyProviderError, match=r"PIN file .* chmod 600"):
         provider_from_spec(f"pkcs11:module=/x.so;token=L;key=k;pin-file={pin}")
+
+
+def test_spec_variables_are_what_the_spec_reads() -> None:
+    from security.keys import spec_variables
+
+    assert spec_variables("env:TIANMEN_KEK") == ["TIANMEN_KEK"]
+    assert spec_variables("pkcs11:module=/m.so;token=t;key=k;pin-env=HSM_PIN") == ["HSM_PIN"]
+    assert spec_variables("pkcs11:module=/m.so;token=t;key=k;pin-file=/run/pin") == []
+    assert spec_variables("file:/etc/kek") == []
