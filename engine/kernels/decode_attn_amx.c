@@ -7,7 +7,10 @@
 // scatter, V rows interleaved), P rounded to bf16 as flash attention does. Measured against the portable kernel
 // and torch by engine.kernels.op_choice.
 //
-// Requires: bf16 cache, block_size % 16 == 0, head_dim % 32 == 0 and <= 256, G = H / KV <= 16.
+// Requires: bf16 cache, block_size % 16 == 0, head_dim % 32 == 0 and <= 576, G = H / KV <= 16.
+//
+// MLA (DeepSeek) decode is this kernel too: one latent "KV head" of kv_lora_rank + rope columns shared by all
+// query heads, K and V the same cached row (the caller drops the rope columns of the output).
 #if !defined(__AMX_TILE__) || !defined(__AMX_BF16__) || !defined(__AVX512BF16__)
 #error "this kernel needs AMX-BF16 and AVX512-BF16"
 #endif
@@ -20,7 +23,7 @@
 #include "avx512_math.h"
 
 #define SEG 128     // tokens per softmax update: scores, P pairs and interleaved V of a segment stay in L1/L2
-#define MAX_STEPS 8  // head_dim / 32
+#define MAX_STEPS 18  // head_dim / 32: up to 576, MLA's latent + rope width (engine/layers/mla.py)
 
 int decode_attn_amx_init(void) { return request_tile_state(); }
 
@@ -151,10 +154,11 @@ void decode_attn_amx_bf16(int64_t B, int64_t H, int64_t KV, int64_t D, const uin
 #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < B * KV; t++) {
 #define TASK(steps) task(t / KV, t % KV, H, KV, D, q, kc, vc, bs, tables, W, ctx_lens[t / KV], scale, out, steps)
-            // head_dim 64 and 128 get their own compiled copies: a constant vector count keeps the sums in registers
+            // head_dim 64, 128 and 576 get their own compiled copies: a constant vector count keeps the sums in registers
             switch (D) {
             case 64: TASK(2); break;
             case 128: TASK(4); break;
+            case 576: TASK(18); break;
             default: TASK(D / 32); break;
             }
 #undef TASK

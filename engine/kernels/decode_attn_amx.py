@@ -38,6 +38,11 @@ class AMXDecodeAttention(DecodeAttention):
         """What the tile layout needs (decode_attn_amx.c): 16-token slices of a block, 32 of head_dim a tile."""
         return bf16_slices_fit(num_heads, num_kv_heads, head_dim, dtype, block_size)
 
+    def takes_latent(self, num_heads: int, width: int, dtype: torch.dtype, block_size: int = 16) -> bool:
+        """MLA decode (engine.layers.mla): all query heads over one cached latent row of `width` (latent + rope),
+        which is K and V at once."""
+        return dtype == torch.bfloat16 and block_size % 16 == 0 and width % 32 == 0 and width <= 576 and num_heads <= 16
+
 
 _once = Once(
     AMXDecodeAttention.build, log, "decode attention will not use AMX tiles (the portable kernel still may)",

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.kernels.amxmm import AMXMM
 from engine.kernels.decode_attn import DecodeAttention
+from engine.kernels.decode_attn_amx import AMXDecodeAttention
 from engine.kernels.pointwise import PointwiseKernels
 
 
@@ -21,3 +23,9 @@ class CpuKernels:
     # prompt chunks of up to this many tokens attend through decode_attn, one query row per token, over the cache
     # (0: never): measured against SDPA's causal prefill (engine.kernels.op_choice.prefill_in_place_limit)
     prefill_in_place: int = 0
+    # a MoE layer's routed experts in one grouped call per projection (engine.kernels.amxmm.GroupedExperts), where
+    # that beat a oneDNN call per expert (engine.kernels.op_choice.grouped_experts_win)
+    moe_experts: AMXMM | None = None
+    # MLA decode over the paged latent cache in place (engine.layers.mla), where it beat gather + SDPA
+    # (engine.kernels.op_choice.latent_attention_wins)
+    latent_attn: AMXDecodeAttention | None = None

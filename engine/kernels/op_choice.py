@@ -14,12 +14,17 @@ from collections.abc import Callable
 import torch
 
 from engine.context import AttentionContext, PrefillMeta, reset_context, set_context
-from engine.kernels import decode_attn, decode_attn_amx, decode_attn_dp
+from engine.kernels import amxmm, decode_attn, decode_attn_amx, decode_attn_dp
+from engine.kernels.amxmm import GroupedExperts
 from engine.kernels.decode_attn import DecodeAttention
+from engine.kernels.gemm import OneDNNPath, TorchPath
 from engine.kernels.kernel_set import CpuKernels
 from engine.kernels.pointwise import PointwiseKernels, apply_rotary, rms_norm
 from engine.kernels.select import MIN_ROUNDS, PlanCache, ShapeChoice, Timer
+from engine.layers.activation import ActAndMul
 from engine.layers.attention import PagedAttention
+from engine.layers.mla import MLAttention, latent_attention
+from engine.layers.moe import MoE
 from engine.layers.norm import RMSNorm
 from engine.sampler import inverse_cdf
 
@@ -85,6 +90,73 @@ def fastest(key: str, candidates: dict[str, Callable[[], object]], timer: Timer 
     if cache is not None:
         cache.put(key, ShapeChoice([won], {k: [v * 1e6] for k, v in best.items()}))
     return won
+
+
+def grouped_experts_win(
+    kernel: amxmm.AMXMM, moe: MoE, dtype: torch.dtype, timer: Timer | None, cache: PlanCache | None
+) -> bool:
+    """Whether the grouped call (engine.kernels.amxmm.GroupedExperts) beat one oneDNN GEMM per expert and
+    projection on random weights of `moe`'s expert shapes, ROWS tokens routed at random to its top-k."""
+    experts = moe.local_experts()
+    if dtype != torch.bfloat16 or not experts:
+        return False
+    (n, h), i = experts[0].gate_up_proj.weight.shape, experts[0].down_proj.weight.shape[1]
+    g = torch.Generator().manual_seed(0)
+    gate_up = [torch.randn(n, h, generator=g).bfloat16() for _ in experts]
+    down = [torch.randn(h, i, generator=g).bfloat16() for _ in experts]
+    if not GroupedExperts.accepts(gate_up, down):
+        return False
+    top_k = min(getattr(moe.gate, "top_k", 1), len(experts))
+    picks = torch.rand(ROWS, len(experts), generator=g).topk(top_k, dim=-1)[1].flatten()
+    counts = torch.bincount(picks, minlength=len(experts)).tolist()
+    x = torch.randn(ROWS * top_k, h, generator=g).bfloat16()
+    grouped = GroupedExperts(kernel, gate_up, down)
+    onednn = OneDNNPath(dtype, ROWS)
+    base = onednn if onednn.available else TorchPath(dtype)  # what the experts' GEMM plans never fall below
+    ups = [base.prepare(w, None, None) for w in gate_up]
+    downs = [base.prepare(w, None, None) for w in down]
+    act = ActAndMul("silu")
+    return faster(f"op moe_experts {len(experts)}x{n}x{h} {dtype} vs {base.name}", lambda: grouped(x, counts),
+                  lambda: _each_expert(x, counts, ups, downs, act), timer, cache)  # fmt: skip
+
+
+def latent_attention_wins(
+    kernel: decode_attn_amx.AMXDecodeAttention, mla: MLAttention, dtype: torch.dtype, timer: Timer | None,
+    cache: PlanCache | None,
+) -> bool:  # fmt: skip
+    """Whether `kernel` reading the paged latents in place beat gather + SDPA (engine.layers.mla.latent_attention)
+    for a decode step of ROWS sequences of CONTEXT tokens at `mla`'s sizes."""
+    h, lat, width = mla.num_heads, mla.kv_lora_rank, mla.kv_lora_rank + mla.rope
+    if not kernel.takes_latent(h, width, dtype, BLOCK):
+        return False
+    per_seq = CONTEXT // BLOCK
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(ROWS * per_seq + 1, BLOCK, width, generator=g).to(dtype)
+    q = torch.randn(ROWS, h, width, generator=g).to(dtype)
+    tables = torch.arange(ROWS * per_seq).view(ROWS, per_seq)
+    lens, mask = torch.full((ROWS,), CONTEXT), torch.zeros(ROWS, 1, 1, CONTEXT, dtype=dtype)
+    scratch = torch.empty(0, dtype=dtype)
+
+    def torch_path() -> torch.Tensor:
+        gathered = torch.index_select(rows, 0, tables.flatten(), out=scratch.resize_(ROWS * per_seq, BLOCK, width))
+        return latent_attention(q, gathered, mask, mla.scale, lat)
+
+    four_d = rows.unsqueeze(2)
+    return faster(f"op latent_attention {ROWS}x{CONTEXT} h{h} w{width} {dtype}",
+                  lambda: kernel(q, four_d, four_d, tables, lens, mla.scale), torch_path, timer, cache)  # fmt: skip
+
+
+def _each_expert(
+    x: torch.Tensor, counts: list[int], ups: list[Callable[[torch.Tensor], torch.Tensor]],
+    downs: list[Callable[[torch.Tensor], torch.Tensor]], act: ActAndMul,
+) -> torch.Tensor:  # fmt: skip
+    """What MoE.forward runs without the grouped kernel: a GEMM per expert and projection."""
+    y, start = torch.empty_like(x), 0
+    for n, up, down in zip(counts, ups, downs, strict=True):
+        if n:
+            y[start : start + n] = down(act(up(x[start : start + n])))
+            start += n
+    return y
 
 
 Probe = Callable[[DecodeAttention | None], Callable[[], object]]
@@ -215,6 +287,15 @@ def choose_kernels(
             k.argmax = pw
         if head is not None and sample_wins(pw, head.out_features, timer, cache):
             k.sample = pw
+    mla = next((m for m in model.modules() if isinstance(m, MLAttention)), None)
+    amx_attn = attn.get("amx")
+    amx_fits = mla is not None and isinstance(amx_attn, decode_attn_amx.AMXDecodeAttention)
+    if amx_fits and latent_attention_wins(amx_attn, mla, dtype, timer, cache):  # type: ignore[arg-type]
+        k.latent_attn = amx_attn  # type: ignore[assignment]
+    moe = next((m for m in model.modules() if isinstance(m, MoE)), None)
+    grouped = amxmm.kernel() if moe is not None else None
+    if moe is not None and grouped is not None and grouped_experts_win(grouped, moe, dtype, timer, cache):
+        k.moe_experts = grouped
     if layer is not None:
         k.decode_attn = choose_decode_attention(attn, layer, dtype, block_size, timer, cache)
         if k.decode_attn is not None:

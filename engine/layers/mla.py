@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.context import PrefillMeta, get_context
+from engine.context import AttentionContext, PrefillMeta, get_context
 from engine.layers.linear import Linear, MergedLinear
 from engine.layers.norm import RMSNorm
 from engine.layers.parallel import column_linear, row_linear, split
 from engine.layers.rotary import apply_rotary, apply_rotary_interleaved
 from engine.parallel.group import Group, SingleGroup
+
+if TYPE_CHECKING:
+    from engine.kernels.decode_attn_amx import AMXDecodeAttention
+    from engine.kernels.kernel_set import CpuKernels
 
 
 class _UnpackedLinear(Linear):
@@ -69,6 +75,13 @@ class MLAttention(nn.Module):
         # NOTE: gathered cache rows land in one buffer the model's layers share (they run one at a time):
         # a fresh tensor per layer and step costs page faults once it outgrows malloc's mmap threshold
         self.scratch = torch.empty(0) if scratch is None else scratch
+        self._absorbed: tuple[tuple[int, int], torch.Tensor, torch.Tensor] | None = None
+        self.kernel: AMXDecodeAttention | None = None  # decode attends over the paged latents in place
+
+    def bind_kernels(self, kernels: CpuKernels) -> None:
+        k = kernels.latent_attn
+        width, block = self.kv_lora_rank + self.rope, self.kv_cache.shape[1] if self.kv_cache.dim() == 3 else 16
+        self.kernel = k if k is not None and k.takes_latent(self.num_heads, width, self.kv_cache.dtype, block) else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden]  cos, sin: [T, 1, R]
@@ -87,29 +100,41 @@ class MLAttention(nn.Module):
 
         nd = ctx.num_decodes
         if not ctx.prefills:
-            out = self._decode(q_nope, q_pe, ctx.decode_block_tables, ctx.decode_mask)
+            out = self._decode(q_nope, q_pe, ctx)
         else:
             out = q.new_empty(t, h, self.v_dim)
             if nd:
-                out[:nd] = self._decode(q_nope[:nd], q_pe[:nd], ctx.decode_block_tables, ctx.decode_mask)
+                out[:nd] = self._decode(q_nope[:nd], q_pe[:nd], ctx)
             for p in ctx.prefills:
                 out[p.start : p.end] = self._prefill(q_nope[p.start : p.end], q_pe[p.start : p.end], latent, p)
         return self.group.all_reduce(self.o_proj(out.flatten(1)))
 
-    def _decode(
-        self, q_nope: torch.Tensor, q_pe: torch.Tensor, block_tables: torch.Tensor, mask: torch.Tensor
-    ) -> torch.Tensor:
-        b, lat = q_nope.shape[0], self.kv_lora_rank
-        w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, lat)
-        w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]  # [H, N, L], [H, V, L]
+    def _decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        lat = self.kv_lora_rank
+        w_uk, w_uv_t = self._absorbed_weights()
         q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [B, H, L]
-        # NOTE: one latent "KV head" shared by all H query heads, which SDPA sees as H query positions. The values
-        # are the latents c; passing the whole cached row (c | k_pe) and dropping the rope columns after keeps
-        # q, k and v one width, which SDPA's fused CPU kernel needs (~2x faster than its fallback).
-        q = torch.cat((q_lat, q_pe), dim=-1).unsqueeze(1)  # [B, 1, H, L + R]
-        kv = self._gather(block_tables.flatten()).view(b, 1, -1, lat + self.rope)  # [B, 1, S, L + R]
-        o = F.scaled_dot_product_attention(q, kv, kv, attn_mask=mask, scale=self.scale)[..., :lat]  # [B, 1, H, L]
-        return torch.bmm(o.squeeze(1).transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [B, H, V]
+        q = torch.cat((q_lat, q_pe), dim=-1)  # [B, H, L + R]
+        assert ctx.decode_block_tables is not None
+        if self.kernel is not None and ctx.decode_context_lens is not None:
+            rows = self.kv_cache.unsqueeze(2)  # [blocks, block_size, 1, L + R]: K and V at once
+            o = self.kernel(q, rows, rows, ctx.decode_block_tables, ctx.decode_context_lens, self.scale)[..., :lat]
+        else:
+            assert ctx.decode_mask is not None
+            o = latent_attention(q, self._gather(ctx.decode_block_tables.flatten()), ctx.decode_mask, self.scale, lat)
+        return torch.bmm(o.transpose(0, 1), w_uv_t).transpose(0, 1)  # [B, H, V]
+
+    def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_UK [H, N, L] and W_UV^T [H, L, V], each contiguous, copied from kv_b_proj's weight once (again only
+        if the weight changes). NOTE: bmm over the strided views copied them at every call: at one decoded token,
+        125 + 275 against 73 + 73 us a layer on a 2-core Xeon (DeepSeek-V2-tiny's heads); the copies cost
+        kv_b_proj's size in memory again."""
+        w = self.kv_b_proj.weight
+        key = (w.data_ptr(), w._version)
+        if self._absorbed is None or self._absorbed[0] != key:
+            w3 = w.detach().view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
+            uk, uv_t = w3[:, : self.nope].contiguous(), w3[:, self.nope :].transpose(1, 2).contiguous()
+            self._absorbed = (key, uk, uv_t)
+        return self._absorbed[1], self._absorbed[2]
 
     def _prefill(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, p: PrefillMeta) -> torch.Tensor:
         h, lat = self.num_heads, self.kv_lora_rank
@@ -134,3 +159,15 @@ class MLAttention(nn.Module):
     def _gather(self, block_ids: torch.Tensor) -> torch.Tensor:
         out = self.scratch.resize_(block_ids.shape[0], *self.kv_cache.shape[1:])  # keeps its storage when big enough
         return torch.index_select(self.kv_cache, 0, block_ids, out=out)  # [n, block_size, L + R]
+
+
+def latent_attention(q: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor, scale: float, lat: int) -> torch.Tensor:
+    """Decode attention of q [B, H, L + R] over each sequence's gathered latent rows ([B * blocks, block_size,
+    L + R], padding masked by `mask`) → [B, H, L]: SDPA's path where no kernel reads the paged cache in place.
+
+    NOTE: one latent "KV head" shared by all H query heads, which SDPA sees as H query positions. The values are
+    the latents c; passing the whole cached row (c | k_pe) and dropping the rope columns after keeps q, k and v
+    one width, which SDPA's fused CPU kernel needs (~2x faster than its fallback)."""
+    b, width = q.shape[0], q.shape[-1]
+    kv = rows.view(b, 1, -1, width)  # [B, 1, S, L + R]
+    return F.scaled_dot_product_attention(q.unsqueeze(1), kv, kv, attn_mask=mask, scale=scale)[:, 0, :, :lat]

@@ -10,13 +10,19 @@ An all-to-all dispatch pays off only where attention is data parallel (tokens sp
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kernels.amxmm import GroupedExperts
 from engine.layers.mlp import GatedMLP
 from engine.layers.parallel import split
 from engine.parallel.group import Group, SingleGroup
+
+if TYPE_CHECKING:
+    from engine.kernels.kernel_set import CpuKernels
 
 
 class MoEGate(nn.Module):
@@ -102,6 +108,23 @@ class MoE(nn.Module):
             size = moe_intermediate_size * num_shared_experts
             self.shared_experts = GatedMLP(hidden_size, size, hidden_act, shared_bias, inner, reduce=False)
 
+        self.grouped: GroupedExperts | None = None  # this rank's experts in one call (bind_kernels)
+
+    def local_experts(self) -> list[GatedMLP]:
+        return list(self.experts[self.first : self.first + self.num_local])  # type: ignore[arg-type]
+
+    def bind_kernels(self, kernels: CpuKernels) -> None:
+        """Take the grouped experts kernel where it fits; the experts then keep only its layout (no GEMM plans)."""
+        experts = self.local_experts()
+        gate_up = [e.gate_up_proj.weight.data for e in experts]
+        down = [e.down_proj.weight.data for e in experts]
+        fits = all(e.act.is_silu_and_mul and e.gate_up_proj.bias is None and e.down_proj.bias is None for e in experts)
+        if kernels.moe_experts is None or not fits or not GroupedExperts.accepts(gate_up, down):
+            return
+        self.grouped = GroupedExperts(kernels.moe_experts, gate_up, down)
+        for e in experts:
+            e.gate_up_proj.packable = e.down_proj.packable = False  # engine.kernels.bind plans them no GEMM
+
     def holds_expert(self, e: int) -> bool:
         return self.first <= e < self.first + self.num_local
 
@@ -117,13 +140,15 @@ class MoE(nn.Module):
         order = order[lo:hi]
         tokens = order // top_k
         xs = x[tokens]  # [pairs, hidden], expert-major
-        ys = torch.empty_like(xs)
-        start = 0
         mine = slice(self.first, self.first + self.num_local)
-        for expert, n in zip(self.experts[mine], counts[mine], strict=True):
-            if n:
-                ys[start : start + n] = expert(xs[start : start + n])
-                start += n
+        if self.grouped is not None:
+            ys = self.grouped(xs, counts[mine])
+        else:
+            ys, start = torch.empty_like(xs), 0
+            for expert, n in zip(self.experts[mine], counts[mine], strict=True):
+                if n:
+                    ys[start : start + n] = expert(xs[start : start + n])
+                    start += n
         ys = (ys.float() * weights.flatten()[order].unsqueeze(1)).to(x.dtype)
         out = torch.zeros_like(x).index_add_(0, tokens, ys)  # [T, hidden]
         if self.shared_experts is not None and self.shared_here:

@@ -83,3 +83,33 @@ def test_the_self_check_catches_a_wrong_fused_epilogue(kernel: AMXMM, monkeypatc
     monkeypatch.setattr(SiluMulAMXMM, "linear", lambda self, x, packed, n, b: torch.zeros(x.shape[0], n // 2))
     with pytest.raises(SelfCheckError, match="fused SiLU"):
         amxmm.self_check(kernel)
+
+
+def _experts(e: int, hidden: int, inner: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    gate_up = [_bf16(2 * inner, hidden, seed=10 + i) for i in range(e)]
+    return gate_up, [_bf16(hidden, inner, seed=50 + i) for i in range(e)]
+
+
+# counts: every expert a few rows, empty experts between busy ones (one past a 32-row block), single rows
+@pytest.mark.parametrize("counts", [[3, 3, 3, 3], [0, 5, 0, 40, 1, 0], [1, 0, 0, 1], [0, 0, 0]])
+def test_grouped_experts_equal_one_unfused_torch_mlp_per_expert(kernel: AMXMM, counts: list[int]) -> None:
+    hidden, inner = 96, 64
+    gate_up, down = _experts(len(counts), hidden, inner)
+    grouped = amxmm.GroupedExperts(kernel, gate_up, down)
+    x = _bf16(sum(counts), hidden, seed=3)
+    got, start = grouped(x, counts).float(), 0
+    assert got.shape == (sum(counts), hidden)
+    for e, n in enumerate(counts):
+        gate, up = torch.nn.functional.linear(x[start : start + n], gate_up[e]).chunk(2, dim=-1)  # bf16, as torch runs
+        want = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, down[e]).float()
+        torch.testing.assert_close(got[start : start + n], want, rtol=3e-2, atol=3e-2)
+        start += n
+
+
+def test_grouped_experts_take_only_bf16_weights_in_whole_tiles() -> None:
+    gate_up, down = _experts(2, 96, 64)
+    assert amxmm.GroupedExperts.accepts(gate_up, down)
+    assert not amxmm.GroupedExperts.accepts([w.float() for w in gate_up], down)
+    assert not amxmm.GroupedExperts.accepts(*_experts(2, 96, 48))  # I = 48: not whole 32-wide steps / block pairs
+    assert not amxmm.GroupedExperts.accepts(*_experts(2, 80, 64))  # K = 80
+    assert not amxmm.GroupedExperts.accepts(gate_up, down[:1])

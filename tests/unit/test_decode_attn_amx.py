@@ -55,3 +55,28 @@ def test_self_check_catches_a_wrong_kernel(kernel: AMXDecodeAttention, monkeypat
     monkeypatch.setattr(AMXDecodeAttention, "__call__", lambda self, q, *args: q * 1.1)
     with pytest.raises(cbuild.SelfCheckError, match="self-check failed"):
         decode_attn.self_check_bf16(kernel)
+
+
+# MLA (engine.layers.mla): all query heads over one latent row that is K and V at once; DeepSeek-V2's
+# 512 + 64 columns (18 tile steps), and a small one
+@pytest.mark.parametrize(("h", "width"), [(16, 576), (4, 64)])
+def test_latent_rows_as_key_and_value_equal_the_reference(kernel: AMXDecodeAttention, h: int, width: int) -> None:
+    g = torch.Generator().manual_seed(5)
+    lens = (1, 17, 130, 300)
+    per_seq = max(-(-n // 16) for n in lens)
+    rows = torch.randn(len(lens) * per_seq + 1, 16, 1, width, generator=g).bfloat16()
+    q = torch.randn(len(lens), h, width, generator=g).bfloat16()
+    tables = torch.randperm(len(lens) * per_seq, generator=g).view(len(lens), per_seq)
+    used = torch.tensor(lens)
+    got = kernel(q, rows, rows, tables, used, 0.05).float()
+    want = decode_attn.reference(q, rows, rows, tables, used, 0.05)
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    assert kernel.takes_latent(h, width, torch.bfloat16, 16)
+
+
+def test_takes_only_the_latent_widths_the_tiles_fit(kernel: AMXDecodeAttention) -> None:
+    assert kernel.takes_latent(16, 576, torch.bfloat16, 64)
+    assert not kernel.takes_latent(16, 608, torch.bfloat16, 16)  # past 18 tile steps
+    assert not kernel.takes_latent(17, 576, torch.bfloat16, 16)  # more query heads than a tile's 16
+    assert not kernel.takes_latent(16, 560, torch.bfloat16, 16)  # not whole 32-wide steps
+    assert not kernel.takes_latent(16, 576, torch.float32, 16)

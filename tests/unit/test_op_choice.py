@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.kernels import pointwise
+from engine.kernels import amxmm, decode_attn_amx, pointwise
 from engine.kernels.decode_attn import DecodeAttention
 from engine.kernels.op_choice import (
     PREFILL_LENGTHS,
@@ -18,11 +18,15 @@ from engine.kernels.op_choice import (
     decode_attention_kernels,
     faster,
     fastest,
+    grouped_experts_win,
+    latent_attention_wins,
     prefill_in_place_limit,
     prefill_probe,
 )
 from engine.kernels.select import PlanCache
 from engine.layers.attention import PagedAttention
+from engine.layers.mla import MLAttention
+from engine.layers.moe import MoE, MoEGate
 
 
 def quiet() -> bool:  # the machine is never busy for these tests
@@ -161,3 +165,42 @@ def test_prefill_in_place_goes_up_to_the_longest_length_it_won_at_every_step() -
     finally:
         mp.undo()
     assert prefill_in_place_limit(k, layer, dtype, None, None) == PREFILL_LENGTHS[-1]  # forced: always in place
+
+
+def _marking(monkeypatch: pytest.MonkeyPatch, cls: type) -> Callable[[Callable[[], object]], float]:
+    """`cls`'s calls leave a mark; the fake timer returned says 1 ms for a candidate that ran it, 1 s for any
+    other."""
+    marks: list[bool] = []
+    original = cls.__call__
+    monkeypatch.setattr(cls, "__call__", lambda self, *a: marks.append(True) or original(self, *a))
+
+    def kernel_fast(fn: Callable[[], object]) -> float:
+        marks.clear()
+        fn()
+        return 1e-3 if marks else 1.0
+
+    return kernel_fast
+
+
+@pytest.mark.skipif(not amxmm.supported(), reason="this CPU has no AMX tiles: no grouped experts kernel")
+def test_grouped_experts_are_bound_only_where_they_beat_a_gemm_per_expert(monkeypatch: pytest.MonkeyPatch) -> None:
+    kernel = amxmm.kernel()
+    assert kernel is not None
+    moe = MoE(MoEGate(64, 8, 2, "softmax", 1, 1, False, 1.0), 64, 32, 0, "silu")
+    kernel_fast = _marking(monkeypatch, amxmm.GroupedExperts)
+    assert grouped_experts_win(kernel, moe, torch.bfloat16, kernel_fast, None)
+    assert not grouped_experts_win(kernel, moe, torch.bfloat16, lambda fn: 1.0 - 0.999 * kernel_fast(fn), None)
+    assert not grouped_experts_win(kernel, moe, torch.float32, None, None)  # bf16 math only
+    assert grouped_experts_win(kernel, moe, torch.bfloat16, None, None)  # forced
+
+
+@pytest.mark.skipif(not amxmm.supported(), reason="this CPU has no AMX tiles: no latent decode kernel")
+def test_latent_attention_is_bound_only_where_it_beats_gather_and_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
+    kernel = decode_attn_amx.kernel()
+    assert kernel is not None
+    mla = MLAttention(64, 4, None, 32, 16, 32, 16, False, 0.2, False)
+    kernel_fast = _marking(monkeypatch, decode_attn_amx.AMXDecodeAttention)
+    assert latent_attention_wins(kernel, mla, torch.bfloat16, kernel_fast, None)
+    assert not latent_attention_wins(kernel, mla, torch.bfloat16, lambda fn: 1.0 - 0.999 * kernel_fast(fn), None)
+    narrow = MLAttention(64, 4, None, 32, 16, 8, 16, False, 0.2, False)  # latent + rope = 40: not whole tiles
+    assert not latent_attention_wins(kernel, narrow, torch.bfloat16, None, None)
