@@ -59,47 +59,61 @@ class AMXMM:
         return run_bf16(self.lib.amxmm_linear, x, packed, n, bias, n)
 
 
+class GroupedLinear:
+    """Several bf16 linear layers of one shape (no bias) over consecutive row groups of one input, in one
+    parallel region (amxmm_grouped): group g's rows go through weight g. For many small GEMMs in a row, where a
+    call each paid a parallel region and a Python round trip: a MoE layer's experts, MLA's per-head W_UK / W_UV.
+    With `silu_mul` the weights are gated MLPs' merged [gate; up] projections and the result silu(gate) * up."""
+
+    def __init__(self, kernel: AMXMM, weights: list[torch.Tensor], silu_mul: bool = False) -> None:
+        self.kernel, self.silu_mul = kernel, silu_mul
+        self.n, self.k = weights[0].shape
+        self.packed = [kernel.pack(interleave_halves(w) if silu_mul else w) for w in weights]
+        self._ptrs = (_ptr * len(weights))(*(t.data_ptr() for t in self.packed))
+
+    @staticmethod
+    def accepts(weights: list[torch.Tensor], silu_mul: bool = False) -> bool:
+        """bf16 weights of one shape, K in whole tiles (and whole gate/up block pairs for silu_mul)."""
+        if not weights:
+            return False
+        n, k = weights[0].shape
+        same = all(w.dtype == torch.bfloat16 and w.dim() == 2 and w.shape == (n, k) for w in weights)
+        return same and k % KB == 0 and (not silu_mul or n % 64 == 0)
+
+    def __call__(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """x [rows, K] bf16, group-major (counts[g] rows for group g, in order) → [rows, N] (N / 2 with silu_mul)."""
+        x = x.contiguous()
+        y = torch.empty(x.shape[0], self.n // 2 if self.silu_mul else self.n, dtype=torch.bfloat16)
+        c = (ctypes.c_int64 * len(counts))(*counts)
+        self.kernel.lib.amxmm_grouped(
+            len(counts), c, self.n, self.k, x.data_ptr(), self._ptrs, y.data_ptr(), torch.get_num_threads(),
+            int(self.silu_mul),
+        )  # fmt: skip
+        return y
+
+
 class GroupedExperts:
     """A mixture-of-experts layer's routed experts (SiLU gated MLPs, no bias) in two calls a step instead of two
-    per expert: amxmm_grouped runs every expert's gate/up projection with the fused SiLU, then every expert's
-    down projection, each as one parallel region over all experts' column blocks."""
+    per expert: every expert's gate/up projection with the fused SiLU, then every expert's down projection, each
+    one GroupedLinear call over all experts' column blocks."""
 
     def __init__(self, kernel: AMXMM, gate_up: list[torch.Tensor], down: list[torch.Tensor]) -> None:
         """gate_up: each expert's [2I, H] merged weight ([gate; up]); down: each expert's [H, I]."""
-        self.kernel = kernel
-        self.inner, self.hidden = down[0].shape[1], down[0].shape[0]
-        self.gate_up = [kernel.pack(interleave_halves(w)) for w in gate_up]
-        self.down = [kernel.pack(w) for w in down]
-        self._gate_up_ptrs = (_ptr * len(gate_up))(*(t.data_ptr() for t in self.gate_up))
-        self._down_ptrs = (_ptr * len(down))(*(t.data_ptr() for t in self.down))
+        self.gate_up = GroupedLinear(kernel, gate_up, silu_mul=True)
+        self.down = GroupedLinear(kernel, down)
 
     @staticmethod
     def accepts(gate_up: list[torch.Tensor], down: list[torch.Tensor]) -> bool:
-        """bf16 weights of one shape, K in whole tiles for both projections, whole gate/up block pairs."""
-        if not gate_up or len(gate_up) != len(down):
+        """Both projections GroupedLinear's, one expert each, and they chain: [2I, H] then [H, I]."""
+        if not gate_up or len(gate_up) != len(down) or gate_up[0].dim() != 2 or down[0].dim() != 2:
             return False
         (n, k), (h, i) = gate_up[0].shape, down[0].shape
-        return (
-            all(w.dtype == torch.bfloat16 and w.shape == (n, k) for w in gate_up)
-            and all(w.dtype == torch.bfloat16 and w.shape == (h, i) for w in down)
-            and n == 2 * i
-            and h == k
-            and k % KB == 0
-            and i % KB == 0
-            and n % 64 == 0
-        )
+        chained = n == 2 * i and h == k
+        return chained and GroupedLinear.accepts(gate_up, silu_mul=True) and GroupedLinear.accepts(down)
 
     def __call__(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x [rows, H] bf16, expert-major (counts[e] rows for expert e, in order) → the experts' outputs, [rows, H]."""
-        rows = x.shape[0]
-        x = x.contiguous()
-        c = (ctypes.c_int64 * len(counts))(*counts)
-        h = torch.empty(rows, self.inner, dtype=torch.bfloat16)
-        y = torch.empty(rows, self.hidden, dtype=torch.bfloat16)
-        threads, grouped = torch.get_num_threads(), self.kernel.lib.amxmm_grouped
-        grouped(len(counts), c, 2 * self.inner, self.hidden, x.data_ptr(), self._gate_up_ptrs, h.data_ptr(), threads, 1)
-        grouped(len(counts), c, self.hidden, self.inner, h.data_ptr(), self._down_ptrs, y.data_ptr(), threads, 0)
-        return y
+        return self.down(self.gate_up(x, counts), counts)
 
 
 class SiluMulAMXMM(SiluMulKernel):

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from engine.kernels.amxmm import AMXMM
+from engine.kernels.amxmm import AMXMM, GroupedLinear
 from engine.kernels.decode_attn import DecodeAttention
 from engine.kernels.decode_attn_amx import AMXDecodeAttention
 from engine.kernels.pointwise import PointwiseKernels
+
+if TYPE_CHECKING:
+    from engine.layers.mla import MLAttention
 
 
 @dataclass(slots=True)
@@ -29,3 +34,6 @@ class CpuKernels:
     # MLA decode over the paged latent cache in place (engine.layers.mla), where it beat gather + SDPA
     # (engine.kernels.op_choice.latent_attention_wins)
     latent_attn: AMXDecodeAttention | None = None
+    # MLA decode's per-head W_UK / W_UV products as one grouped call each, where that beat torch.bmm: given the
+    # layer, its two GroupedLinear (engine.kernels.op_choice.absorbed_gemm_wins)
+    absorbed: Callable[[MLAttention], tuple[GroupedLinear, GroupedLinear] | None] | None = None

@@ -15,7 +15,7 @@ import torch
 
 from engine.context import AttentionContext, PrefillMeta, reset_context, set_context
 from engine.kernels import amxmm, decode_attn, decode_attn_amx, decode_attn_dp
-from engine.kernels.amxmm import GroupedExperts
+from engine.kernels.amxmm import GroupedExperts, GroupedLinear
 from engine.kernels.decode_attn import DecodeAttention
 from engine.kernels.gemm import OneDNNPath, TorchPath
 from engine.kernels.kernel_set import CpuKernels
@@ -144,6 +144,48 @@ def latent_attention_wins(
     four_d = rows.unsqueeze(2)
     return faster(f"op latent_attention {ROWS}x{CONTEXT} h{h} w{width} {dtype}",
                   lambda: kernel(q, four_d, four_d, tables, lens, mla.scale), torch_path, timer, cache)  # fmt: skip
+
+
+def absorbed_gemm(kernel: amxmm.AMXMM) -> Callable[[MLAttention], tuple[GroupedLinear, GroupedLinear] | None]:
+    """For a layer: its W_UK and W_UV per head as two GroupedLinear, None where the shapes do not fit."""
+
+    def make(mla: MLAttention) -> tuple[GroupedLinear, GroupedLinear] | None:
+        uk, uv = mla.absorbed_weights()
+        if not (GroupedLinear.accepts(uk) and GroupedLinear.accepts(uv)):
+            return None
+        return GroupedLinear(kernel, uk), GroupedLinear(kernel, uv)
+
+    return make
+
+
+def absorbed_gemm_wins(
+    kernel: amxmm.AMXMM, mla: MLAttention, dtype: torch.dtype, timer: Timer | None, cache: PlanCache | None
+) -> bool:
+    """Whether MLA decode's two per-head products (q_nope W_UK, o W_UV) for ROWS rows ran faster as one grouped
+    call each than as torch.bmm over the weights laid out for it (what MLAttention runs without the kernel)."""
+    h, n, v, lat = mla.num_heads, mla.nope, mla.v_dim, mla.kv_lora_rank
+    g = torch.Generator().manual_seed(0)
+    w3 = torch.randn(h, n + v, lat, generator=g).to(dtype)
+    uk, uv = [w.t() for w in w3[:, :n]], list(w3[:, n:])
+    if dtype != torch.bfloat16 or not (GroupedLinear.accepts(uk) and GroupedLinear.accepts(uv)):
+        return False
+    grouped_uk, grouped_uv = GroupedLinear(kernel, uk), GroupedLinear(kernel, uv)
+    bmm_uk, bmm_uv = w3[:, :n].contiguous(), w3[:, n:].transpose(1, 2).contiguous()
+    q, o, heads = (
+        torch.randn(ROWS, h, n, generator=g).to(dtype),
+        torch.randn(ROWS, h, lat, generator=g).to(dtype),
+        [ROWS] * h,
+    )
+
+    def grouped() -> object:
+        grouped_uk(q.transpose(0, 1).reshape(h * ROWS, n), heads)
+        return grouped_uv(o.transpose(0, 1).reshape(h * ROWS, lat), heads)
+
+    def bmm() -> object:
+        torch.bmm(q.transpose(0, 1), bmm_uk)
+        return torch.bmm(o.transpose(0, 1), bmm_uv)
+
+    return faster(f"op absorbed_gemm {ROWS} h{h} n{n} v{v} l{lat} {dtype}", grouped, bmm, timer, cache)
 
 
 def _each_expert(
@@ -292,8 +334,10 @@ def choose_kernels(
     amx_fits = mla is not None and isinstance(amx_attn, decode_attn_amx.AMXDecodeAttention)
     if amx_fits and latent_attention_wins(amx_attn, mla, dtype, timer, cache):  # type: ignore[arg-type]
         k.latent_attn = amx_attn  # type: ignore[assignment]
+    grouped = amxmm.kernel() if mla is not None or any(isinstance(m, MoE) for m in model.modules()) else None
+    if mla is not None and grouped is not None and absorbed_gemm_wins(grouped, mla, dtype, timer, cache):
+        k.absorbed = absorbed_gemm(grouped)
     moe = next((m for m in model.modules() if isinstance(m, MoE)), None)
-    grouped = amxmm.kernel() if moe is not None else None
     if moe is not None and grouped is not None and grouped_experts_win(grouped, moe, dtype, timer, cache):
         k.moe_experts = grouped
     if layer is not None:

@@ -16,6 +16,7 @@ from engine.layers.rotary import apply_rotary, apply_rotary_interleaved
 from engine.parallel.group import Group, SingleGroup
 
 if TYPE_CHECKING:
+    from engine.kernels.amxmm import GroupedLinear
     from engine.kernels.decode_attn_amx import AMXDecodeAttention
     from engine.kernels.kernel_set import CpuKernels
 
@@ -77,11 +78,18 @@ class MLAttention(nn.Module):
         self.scratch = torch.empty(0) if scratch is None else scratch
         self._absorbed: tuple[tuple[int, int], torch.Tensor, torch.Tensor] | None = None
         self.kernel: AMXDecodeAttention | None = None  # decode attends over the paged latents in place
+        self.absorbed: tuple[GroupedLinear, GroupedLinear] | None = None  # W_UK, W_UV as one call each
 
     def bind_kernels(self, kernels: CpuKernels) -> None:
         k = kernels.latent_attn
         width, block = self.kv_lora_rank + self.rope, self.kv_cache.shape[1] if self.kv_cache.dim() == 3 else 16
         self.kernel = k if k is not None and k.takes_latent(self.num_heads, width, self.kv_cache.dtype, block) else None
+        self.absorbed = kernels.absorbed(self) if kernels.absorbed is not None else None
+
+    def absorbed_weights(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per head, W_UK as a linear layer's weight ([L, N]: nope → latent) and W_UV ([V, L]: latent → value)."""
+        w3 = self.kv_b_proj.weight.detach().view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
+        return [w.t() for w in w3[:, : self.nope]], list(w3[:, self.nope :])
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden]  cos, sin: [T, 1, R]
@@ -110,9 +118,12 @@ class MLAttention(nn.Module):
         return self.group.all_reduce(self.o_proj(out.flatten(1)))
 
     def _decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        lat = self.kv_lora_rank
-        w_uk, w_uv_t = self._absorbed_weights()
-        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [B, H, L]
+        lat, (b, h) = self.kv_lora_rank, q_nope.shape[:2]
+        if self.absorbed is not None:  # per head as row groups of one call: [H * B, N] → [H * B, L]
+            heads = [b] * h
+            q_lat = self.absorbed[0](q_nope.transpose(0, 1).reshape(h * b, -1), heads).view(h, b, lat).transpose(0, 1)
+        else:
+            q_lat = torch.bmm(q_nope.transpose(0, 1), self._absorbed_weights()[0]).transpose(0, 1)  # [B, H, L]
         q = torch.cat((q_lat, q_pe), dim=-1)  # [B, H, L + R]
         assert ctx.decode_block_tables is not None
         if self.kernel is not None and ctx.decode_context_lens is not None:
@@ -121,7 +132,9 @@ class MLAttention(nn.Module):
         else:
             assert ctx.decode_mask is not None
             o = latent_attention(q, self._gather(ctx.decode_block_tables.flatten()), ctx.decode_mask, self.scale, lat)
-        return torch.bmm(o.transpose(0, 1), w_uv_t).transpose(0, 1)  # [B, H, V]
+        if self.absorbed is not None:
+            return self.absorbed[1](o.transpose(0, 1).reshape(h * b, lat), heads).view(h, b, -1).transpose(0, 1)
+        return torch.bmm(o.transpose(0, 1), self._absorbed_weights()[1]).transpose(0, 1)  # [B, H, V]
 
     def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W_UK [H, N, L] and W_UV^T [H, L, V], each contiguous, copied from kv_b_proj's weight once (again only

@@ -8,10 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.context import AttentionContext
 from engine.kernels import amxmm, decode_attn_amx, pointwise
 from engine.kernels.decode_attn import DecodeAttention
 from engine.kernels.op_choice import (
     PREFILL_LENGTHS,
+    absorbed_gemm,
+    absorbed_gemm_wins,
     attention_probe,
     choose_decode_attention,
     choose_kernels,
@@ -204,3 +207,37 @@ def test_latent_attention_is_bound_only_where_it_beats_gather_and_sdpa(monkeypat
     assert not latent_attention_wins(kernel, mla, torch.bfloat16, lambda fn: 1.0 - 0.999 * kernel_fast(fn), None)
     narrow = MLAttention(64, 4, None, 32, 16, 8, 16, False, 0.2, False)  # latent + rope = 40: not whole tiles
     assert not latent_attention_wins(kernel, narrow, torch.bfloat16, None, None)
+
+
+@pytest.mark.skipif(not amxmm.supported(), reason="this CPU has no AMX tiles: no grouped GEMM")
+def test_absorbed_products_are_grouped_only_where_that_beats_bmm(monkeypatch: pytest.MonkeyPatch) -> None:
+    kernel = amxmm.kernel()
+    assert kernel is not None
+    mla = MLAttention(64, 4, None, 64, 32, 32, 32, False, 0.2, False)
+    kernel_fast = _marking(monkeypatch, amxmm.GroupedLinear)
+    assert absorbed_gemm_wins(kernel, mla, torch.bfloat16, kernel_fast, None)
+    assert not absorbed_gemm_wins(kernel, mla, torch.bfloat16, lambda fn: 1.0 - 0.999 * kernel_fast(fn), None)
+    narrow = MLAttention(64, 4, None, 64, 16, 32, 16, False, 0.2, False)  # nope 16: K not in whole tiles
+    assert not absorbed_gemm_wins(kernel, narrow, torch.bfloat16, None, None)
+    assert absorbed_gemm(kernel)(narrow) is None
+
+
+@pytest.mark.skipif(not amxmm.supported(), reason="this CPU has no AMX tiles: no grouped GEMM")
+def test_mla_decode_with_the_grouped_products_equals_bmm() -> None:
+    """The decode path alone: the same layer, its latent cache and query, with and without the grouped calls."""
+    kernel = amxmm.kernel()
+    assert kernel is not None
+    torch.manual_seed(0)
+    mla = MLAttention(64, 4, None, 64, 32, 32, 32, False, 0.2, False).to(torch.bfloat16)
+    mla.kv_b_proj.weight.data.normal_()
+    rows, per_seq = 5, 2
+    mla.kv_cache = torch.randn(rows * per_seq + 1, 16, 64 + 32).bfloat16()
+    tables = torch.arange(rows * per_seq).view(rows, per_seq)
+    lens = torch.tensor([1, 9, 16, 17, 32])
+    mask = torch.full((rows, 1, 1, 32), float("-inf")).masked_fill(torch.arange(32) < lens[:, None, None, None], 0)
+    ctx = AttentionContext(tables[:, -1] * 16, rows, tables, mask.bfloat16(), [], lens)
+    q_nope, q_pe = torch.randn(rows, 4, 32).bfloat16(), torch.randn(rows, 4, 32).bfloat16()
+    plain = mla._decode(q_nope, q_pe, ctx)
+    mla.absorbed = absorbed_gemm(kernel)(mla)
+    assert mla.absorbed is not None
+    torch.testing.assert_close(mla._decode(q_nope, q_pe, ctx).float(), plain.float(), rtol=2e-2, atol=2e-2)
