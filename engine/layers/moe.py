@@ -116,10 +116,13 @@ class MoE(nn.Module):
     def bind_kernels(self, kernels: CpuKernels) -> None:
         """Take the grouped experts kernel where it fits; the experts then keep only its layout (no GEMM plans)."""
         experts = self.local_experts()
-        gate_up = [e.gate_up_proj.weight.data for e in experts]
-        down = [e.down_proj.weight.data for e in experts]
-        fits = all(e.act.is_silu_and_mul and e.gate_up_proj.bias is None and e.down_proj.bias is None for e in experts)
-        if kernels.moe_experts is None or not fits or not GroupedExperts.accepts(gate_up, down):
+        linears = [lin for e in experts for lin in (e.gate_up_proj, e.down_proj)]
+        # NOTE: quantized experts (engine.quant: a gemm_weight in place of the plain one) keep their GEMM plans
+        plain = all(lin.bias is None and not hasattr(lin, "gemm_weight") for lin in linears)
+        if kernels.moe_experts is None or not plain or not all(e.act.is_silu_and_mul for e in experts):
+            return
+        gate_up, down = [e.gate_up_proj.weight.data for e in experts], [e.down_proj.weight.data for e in experts]
+        if not GroupedExperts.accepts(gate_up, down):
             return
         self.grouped = GroupedExperts(kernels.moe_experts, gate_up, down)
         for e in experts:
