@@ -232,6 +232,7 @@ def test_mla_decode_with_the_grouped_products_equals_bmm() -> None:
     mla.kv_b_proj.weight.data.normal_()
     rows, per_seq = 5, 2
     mla.kv_cache = torch.randn(rows * per_seq + 1, 16, 64 + 32).bfloat16()
+    mla.scratch = torch.empty(0, dtype=torch.bfloat16)
     tables = torch.arange(rows * per_seq).view(rows, per_seq)
     lens = torch.tensor([1, 9, 16, 17, 32])
     mask = torch.full((rows, 1, 1, 32), float("-inf")).masked_fill(torch.arange(32) < lens[:, None, None, None], 0)
