@@ -28,8 +28,12 @@
 
 #define TILE_ELEMS 512  // 16 rows x 32 bf16
 // Weight k-steps prefetched ahead: AMX tile loads do not draw the hardware prefetcher along, and without it a
-// decode GEMM streamed at 7-17 GB/s instead of 13-25 (2 cores, 24 x 17 MB weights, 1-32 rows)
+// decode GEMM streamed at 7-17 GB/s instead of 13-25 (2 cores, 24 x 17 MB weights, 1-32 rows, a Xeon of model
+// 207). On another AMX VM (model 167) the prefetch cost 5-8% at one row instead: the library is also built with
+// -DPF=0 (none), and the selection times both (engine/kernels/bind.py).
+#ifndef PF
 #define PF 2
+#endif
 
 int amxmm_init(void) { return request_tile_state(); }
 
@@ -105,7 +109,8 @@ static void block_rows(int64_t m0, int mr, int64_t K, const uint16_t *x, const u
         _tile_zero(3);
         for (int64_t ks = 0; ks < ksteps; ks++) {
             const uint16_t *wk = wb + ks * 2 * TILE_ELEMS;
-            for (int l = 0; l < 32; l++) _mm_prefetch((const char *)(wk + PF * 2 * TILE_ELEMS) + 64 * l, _MM_HINT_T0);
+            if (PF > 0)
+                for (int l = 0; l < 32; l++) _mm_prefetch((const char *)(wk + PF * 2 * TILE_ELEMS) + 64 * l, _MM_HINT_T0);
             _tile_loadd(4, xa + ks * 32, stride);
             _tile_loadd(5, xb + ks * 32, stride);
             _tile_loadd(6, wk, 64);
@@ -120,7 +125,8 @@ static void block_rows(int64_t m0, int mr, int64_t K, const uint16_t *x, const u
     } else {
         for (int64_t ks = 0; ks < ksteps; ks++) {
             const uint16_t *wk = wb + ks * 2 * TILE_ELEMS;
-            for (int l = 0; l < 32; l++) _mm_prefetch((const char *)(wk + PF * 2 * TILE_ELEMS) + 64 * l, _MM_HINT_T0);
+            if (PF > 0)
+                for (int l = 0; l < 32; l++) _mm_prefetch((const char *)(wk + PF * 2 * TILE_ELEMS) + 64 * l, _MM_HINT_T0);
             _tile_loadd(4, xa + ks * 32, stride);
             _tile_loadd(6, wk, 64);
             _tile_loadd(7, wk + TILE_ELEMS, 64);

@@ -40,8 +40,8 @@ class AMXMM:
             raise BuildError("the kernel cannot use AMX: Linux refused the tile state (arch_prctl)")
 
     @classmethod
-    def build(cls) -> AMXMM:
-        return cls(build(SOURCE, ("-march=native", "-mamx-tile", "-mamx-bf16")))
+    def build(cls, extra: tuple[str, ...] = ()) -> AMXMM:
+        return cls(build(SOURCE, ("-march=native", "-mamx-tile", "-mamx-bf16", *extra)))
 
     def accepts(self, weight: torch.Tensor) -> bool:
         return weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.shape[1] % KB == 0
@@ -136,8 +136,16 @@ def self_check(kernel: AMXMM) -> None:
 
 
 _once = Once(AMXMM.build, log, "the AMX GEMM is not a candidate (oneDNN's AMX path still is)", check=self_check)
+_once_plain = Once(
+    lambda: AMXMM.build(("-DPF=0",)), log, "the AMX GEMM without prefetch is not a candidate", check=self_check
+)
 
 
 def kernel() -> AMXMM | None:
     """The process-wide kernel for this CPU; None without AMX, or (logged once) where it can't be built."""
     return _once() if supported() else None
+
+
+def kernel_without_prefetch() -> AMXMM | None:
+    """The kernel built with no software prefetch (PF=0), as kernel() otherwise."""
+    return _once_plain() if supported() else None

@@ -85,6 +85,9 @@ def gemm_paths(dtype: torch.dtype, batch_hint: int, use_kernels: bool, bf16_weig
             paths += [KernelPath("bf16mm" + TIMED_ONLY, plain, dtype), plain_silu]
     if dtype == torch.bfloat16 and (a := amxmm.kernel()) is not None:
         paths += [KernelPath("amxmm", a, dtype), FusedSiluPath(amxmm.SiluMulAMXMM(a), "amxmm-silu")]
+        if (ap := amxmm.kernel_without_prefetch()) is not None:
+            plain_silu = FusedSiluPath(amxmm.SiluMulAMXMM(ap), "amxmm-silu" + TIMED_ONLY)
+            paths += [KernelPath("amxmm" + TIMED_ONLY, ap, dtype), plain_silu]
     if dtype == torch.float32 and bf16_weights and (w := wbf16.kernel()) is not None:
         paths.append(KernelPath("wbf16", w, dtype))
     return paths
