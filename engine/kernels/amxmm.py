@@ -82,7 +82,12 @@ class GroupedLinear:
 
     def __call__(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x [rows, K] bf16, group-major (counts[g] rows for group g, in order) → [rows, N] (N / 2 with silu_mul)."""
-        x = x.contiguous()
+        # NOTE: the C side trusts these: a wrong count reads past the weights' pointers or the rows of x
+        if len(counts) != len(self.packed) or sum(counts) != x.shape[0] or x.shape[-1] != self.k:
+            raise ValueError(
+                f"{len(counts)} groups of {sum(counts)} rows for {len(self.packed)} weights, x {tuple(x.shape)}"
+            )
+        x = x.to(torch.bfloat16).contiguous()
         y = torch.empty(x.shape[0], self.n // 2 if self.silu_mul else self.n, dtype=torch.bfloat16)
         c = (ctypes.c_int64 * len(counts))(*counts)
         self.kernel.lib.amxmm_grouped(

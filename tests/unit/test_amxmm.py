@@ -113,3 +113,13 @@ def test_grouped_experts_take_only_bf16_weights_in_whole_tiles() -> None:
     assert not amxmm.GroupedExperts.accepts(*_experts(2, 96, 48))  # I = 48: not whole 32-wide steps / block pairs
     assert not amxmm.GroupedExperts.accepts(*_experts(2, 80, 64))  # K = 80
     assert not amxmm.GroupedExperts.accepts(gate_up, down[:1])
+
+
+def test_grouped_linear_refuses_counts_that_do_not_match_its_weights_or_rows(kernel: AMXMM) -> None:
+    weights = [_bf16(32, 64, seed=i) for i in range(3)]
+    grouped = amxmm.GroupedLinear(kernel, weights)
+    x = _bf16(5, 64, seed=9)
+    assert grouped(x, [2, 0, 3]).shape == (5, 32)
+    for counts in ([2, 3], [2, 0, 4], [1, 1, 1, 2]):  # a group missing, rows past x, a weight missing
+        with pytest.raises(ValueError, match="groups"):
+            grouped(x, counts)
