@@ -26,7 +26,7 @@ from engine.kernels.op_choice import (
     prefill_in_place_limit,
     prefill_probe,
 )
-from engine.kernels.select import PlanCache
+from engine.kernels.select import PlanCache, Timer
 from engine.layers.attention import PagedAttention
 from engine.layers.mla import MLAttention
 from engine.layers.moe import MoE, MoEGate
@@ -185,41 +185,47 @@ def _marking(monkeypatch: pytest.MonkeyPatch, cls: type) -> Callable[[Callable[[
     return kernel_fast
 
 
+def _bound_only_when_faster(monkeypatch: pytest.MonkeyPatch, cls: type, wins: Callable[[Timer], bool]) -> None:
+    """`wins(timer)` says yes when `cls`'s calls are the fast ones, and no when they are the slow ones."""
+    kernel_fast = _marking(monkeypatch, cls)
+    assert wins(kernel_fast)
+    assert not wins(lambda fn: 1.0 - 0.999 * kernel_fast(fn))
+
+
 @pytest.mark.skipif(not amxmm.supported(), reason="this CPU has no AMX tiles: no grouped experts kernel")
 def test_grouped_experts_are_bound_only_where_they_beat_a_gemm_per_expert(monkeypatch: pytest.MonkeyPatch) -> None:
     kernel = amxmm.kernel()
     assert kernel is not None
     moe = MoE(MoEGate(64, 8, 2, "softmax", 1, 1, False, 1.0), 64, 32, 0, "silu")
-    kernel_fast = _marking(monkeypatch, amxmm.GroupedExperts)
-    assert grouped_experts_win(kernel, moe, torch.bfloat16, kernel_fast, None)
-    assert not grouped_experts_win(kernel, moe, torch.bfloat16, lambda fn: 1.0 - 0.999 * kernel_fast(fn), None)
+    _bound_only_when_faster(monkeypatch, amxmm.GroupedExperts,
+                            lambda t: grouped_experts_win(kernel, moe, torch.bfloat16, t, None))  # fmt: skip
     assert not grouped_experts_win(kernel, moe, torch.float32, None, None)  # bf16 math only
     assert grouped_experts_win(kernel, moe, torch.bfloat16, None, None)  # forced
 
 
-@pytest.mark.skipif(not amxmm.supported(), reason="this CPU has no AMX tiles: no latent decode kernel")
-def test_latent_attention_is_bound_only_where_it_beats_gather_and_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
-    kernel = decode_attn_amx.kernel()
-    assert kernel is not None
-    mla = MLAttention(64, 4, None, 32, 16, 32, 16, False, 0.2, False)
-    kernel_fast = _marking(monkeypatch, decode_attn_amx.AMXDecodeAttention)
-    assert latent_attention_wins(kernel, mla, torch.bfloat16, kernel_fast, None)
-    assert not latent_attention_wins(kernel, mla, torch.bfloat16, lambda fn: 1.0 - 0.999 * kernel_fast(fn), None)
-    narrow = MLAttention(64, 4, None, 32, 16, 8, 16, False, 0.2, False)  # latent + rope = 40: not whole tiles
-    assert not latent_attention_wins(kernel, narrow, torch.bfloat16, None, None)
+MLA = (64, 4, None, 64, 32, 32, 32, False, 0.2, False)  # hidden, heads, q_lora, latent, nope, rope, v, ...
 
 
-@pytest.mark.skipif(not amxmm.supported(), reason="this CPU has no AMX tiles: no grouped GEMM")
-def test_absorbed_products_are_grouped_only_where_that_beats_bmm(monkeypatch: pytest.MonkeyPatch) -> None:
-    kernel = amxmm.kernel()
+# each with an MLA shape that does not fit it: latent + rope = 72 (not whole tiles); nope 16 (K of W_UK)
+@pytest.mark.skipif(not amxmm.supported(), reason="this CPU has no AMX tiles: no latent decode or grouped GEMM")
+@pytest.mark.parametrize(
+    ("wins", "cls", "narrow"),
+    [
+        (latent_attention_wins, decode_attn_amx.AMXDecodeAttention, (64, 4, None, 64, 32, 8, 32, False, 0.2, False)),
+        (absorbed_gemm_wins, amxmm.GroupedLinear, (64, 4, None, 64, 16, 32, 16, False, 0.2, False)),
+    ],
+    ids=["latent attention vs gather + SDPA", "grouped W_UK / W_UV vs bmm"],
+)
+def test_an_mla_kernel_is_bound_only_where_it_fits_and_is_faster(
+    monkeypatch: pytest.MonkeyPatch, wins: Callable[..., bool], cls: type, narrow: tuple
+) -> None:
+    kernel = decode_attn_amx.kernel() if wins is latent_attention_wins else amxmm.kernel()
     assert kernel is not None
-    mla = MLAttention(64, 4, None, 64, 32, 32, 32, False, 0.2, False)
-    kernel_fast = _marking(monkeypatch, amxmm.GroupedLinear)
-    assert absorbed_gemm_wins(kernel, mla, torch.bfloat16, kernel_fast, None)
-    assert not absorbed_gemm_wins(kernel, mla, torch.bfloat16, lambda fn: 1.0 - 0.999 * kernel_fast(fn), None)
-    narrow = MLAttention(64, 4, None, 64, 16, 32, 16, False, 0.2, False)  # nope 16: K not in whole tiles
-    assert not absorbed_gemm_wins(kernel, narrow, torch.bfloat16, None, None)
-    assert absorbed_gemm(kernel)(narrow) is None
+    mla = MLAttention(*MLA)
+    _bound_only_when_faster(monkeypatch, cls, lambda t: wins(kernel, mla, torch.bfloat16, t, None))
+    assert not wins(kernel, MLAttention(*narrow), torch.bfloat16, None, None)  # forced, yet it does not fit
+    if wins is absorbed_gemm_wins:
+        assert absorbed_gemm(kernel)(MLAttention(*narrow)) is None  # type: ignore[arg-type]
 
 
 @pytest.mark.skipif(not amxmm.supported(), reason="this CPU has no AMX tiles: no grouped GEMM")
@@ -228,7 +234,7 @@ def test_mla_decode_with_the_grouped_products_equals_bmm() -> None:
     kernel = amxmm.kernel()
     assert kernel is not None
     torch.manual_seed(0)
-    mla = MLAttention(64, 4, None, 64, 32, 32, 32, False, 0.2, False).to(torch.bfloat16)
+    mla = MLAttention(*MLA).to(torch.bfloat16)
     mla.kv_b_proj.weight.data.normal_()
     rows, per_seq = 5, 2
     mla.kv_cache = torch.randn(rows * per_seq + 1, 16, 64 + 32).bfloat16()
