@@ -295,7 +295,7 @@ class ModelRunner:
             tables = padded if in_place == len(counts) else padded.repeat_interleave(torch.tensor(counts), dim=0)
             tables = tables.to(dev)
             ctx_lens = torch.tensor([first + j for _, first, n in in_place_seqs for j in range(n)], device=dev)
-            if not self.attention_in_place:  # the kernel reads the lengths; SDPA and MLA need a mask
+            if not self.attention_in_place:  # the kernels read the lengths; SDPA's paths need a mask
                 hidden = torch.arange(width * bs, device=dev) >= ctx_lens.unsqueeze(1)
                 dmask = torch.zeros(hidden.shape, dtype=self.dtype, device=dev).masked_fill_(hidden, float("-inf"))
                 dmask = dmask.view(in_place, 1, 1, -1)

@@ -32,6 +32,7 @@ ROWS = 32  # a decode batch: where these ops' per-call overhead matters
 CONTEXT = 256  # decode attention's tokens of context per sequence
 BLOCK = 16
 PREFILL_LENGTHS = (32, 128, 512, 2048)  # prompt chunks timed both ways for prefill in place
+PROBE_EXPERTS = 16  # routed experts timed for the grouped call (engine.kernels.amxmm.GroupedExperts)
 
 
 def faster(
@@ -101,23 +102,27 @@ def grouped_experts_win(
     if dtype != torch.bfloat16 or not experts:
         return False
     (n, h), i = experts[0].gate_up_proj.weight.shape, experts[0].down_proj.weight.shape[1]
+    # NOTE: at most PROBE_EXPERTS of them, with as many rows each as a decode batch gives the model's experts:
+    # random copies of all of DeepSeek-V3's 256 would take gigabytes for a timing
+    e = min(len(experts), PROBE_EXPERTS)
+    top_k = min(getattr(moe.gate, "top_k", 1), e)
+    tokens = max(1, ROWS * e // len(experts))
     g = torch.Generator().manual_seed(0)
-    gate_up = [torch.randn(n, h, generator=g).bfloat16() for _ in experts]
-    down = [torch.randn(h, i, generator=g).bfloat16() for _ in experts]
+    gate_up = [torch.randn(n, h, generator=g).bfloat16() for _ in range(e)]
+    down = [torch.randn(h, i, generator=g).bfloat16() for _ in range(e)]
     if not GroupedExperts.accepts(gate_up, down):
         return False
-    top_k = min(getattr(moe.gate, "top_k", 1), len(experts))
-    picks = torch.rand(ROWS, len(experts), generator=g).topk(top_k, dim=-1)[1].flatten()
-    counts = torch.bincount(picks, minlength=len(experts)).tolist()
-    x = torch.randn(ROWS * top_k, h, generator=g).bfloat16()
+    picks = torch.rand(tokens, e, generator=g).topk(top_k, dim=-1)[1].flatten()
+    counts = torch.bincount(picks, minlength=e).tolist()
+    x = torch.randn(tokens * top_k, h, generator=g).bfloat16()
     grouped = GroupedExperts(kernel, gate_up, down)
     onednn = OneDNNPath(dtype, ROWS)
     base = onednn if onednn.available else TorchPath(dtype)  # what the experts' GEMM plans never fall below
     ups = [base.prepare(w, None, None) for w in gate_up]
     downs = [base.prepare(w, None, None) for w in down]
     act = ActAndMul("silu")
-    return faster(f"op moe_experts {len(experts)}x{n}x{h} {dtype} vs {base.name}", lambda: grouped(x, counts),
-                  lambda: _each_expert(x, counts, ups, downs, act), timer, cache)  # fmt: skip
+    key = f"op moe_experts {len(experts)}x{n}x{h} top{top_k} {dtype} vs {base.name}"
+    return faster(key, lambda: grouped(x, counts), lambda: _each_expert(x, counts, ups, downs, act), timer, cache)
 
 
 def latent_attention_wins(

@@ -114,7 +114,8 @@ class MoE(nn.Module):
         return list(self.experts[self.first : self.first + self.num_local])  # type: ignore[arg-type]
 
     def bind_kernels(self, kernels: CpuKernels) -> None:
-        """Take the grouped experts kernel where it fits; the experts then keep only its layout (no GEMM plans)."""
+        """Take the grouped experts kernel where it fits; the experts then keep only its layout (no GEMM plans, no
+        plain weights)."""
         experts = self.local_experts()
         linears = [lin for e in experts for lin in (e.gate_up_proj, e.down_proj)]
         # NOTE: quantized experts (engine.quant: a gemm_weight in place of the plain one) keep their GEMM plans
@@ -125,8 +126,9 @@ class MoE(nn.Module):
         if not GroupedExperts.accepts(gate_up, down):
             return
         self.grouped = GroupedExperts(kernels.moe_experts, gate_up, down)
-        for e in experts:
-            e.gate_up_proj.packable = e.down_proj.packable = False  # engine.kernels.bind plans them no GEMM
+        for lin in linears:  # as Linear.use_plan: the grouped call holds what it needs, so the plain weights go
+            lin.packable = False  # engine.kernels.bind plans them no GEMM
+            lin.weight = nn.Parameter(torch.empty(0, dtype=lin.weight.dtype), requires_grad=False)
 
     def holds_expert(self, e: int) -> bool:
         return self.first <= e < self.first + self.num_local

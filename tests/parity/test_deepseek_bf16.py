@@ -73,7 +73,8 @@ def test_forced_kernels_take_the_experts_and_the_latent_attention(ds16: Path) ->
     moes = [m for m in modules if isinstance(m, MoE)]
     mlas = [m for m in modules if isinstance(m, MLAttention)]
     assert moes and all(m.grouped is not None for m in moes)
-    assert all(not e.gate_up_proj.packable for m in moes for e in m.local_experts())  # no GEMM plans beside it
+    experts = [lin for m in moes for e in m.local_experts() for lin in (e.gate_up_proj, e.down_proj)]
+    assert all(not lin.packable and lin.weight.numel() == 0 for lin in experts)  # no GEMM plans or plain copies
     assert mlas and all(m.kernel is not None and m.absorbed is not None for m in mlas)
     off = [m for m in _core(ds16, cpu_kernels=False).runner.model.modules() if isinstance(m, MoE | MLAttention)]
     assert off and all(getattr(m, "grouped", None) is None and getattr(m, "kernel", None) is None for m in off)
