@@ -99,7 +99,8 @@ def grouped_experts_win(
     """Whether the grouped call (engine.kernels.amxmm.GroupedExperts) beat one oneDNN GEMM per expert and
     projection on random weights of `moe`'s expert shapes, ROWS tokens routed at random to its top-k."""
     experts = moe.local_experts()
-    if dtype != torch.bfloat16 or not experts:
+    quantized = any(hasattr(lin, "gemm_weight") for e in experts for lin in (e.gate_up_proj, e.down_proj))
+    if dtype != torch.bfloat16 or not experts or quantized:  # MoE.bind_kernels would not take it either
         return False
     (n, h), i = experts[0].gate_up_proj.weight.shape, experts[0].down_proj.weight.shape[1]
     # NOTE: at most PROBE_EXPERTS of them, with as many rows each as a decode batch gives the model's experts:

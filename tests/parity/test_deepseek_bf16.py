@@ -130,3 +130,17 @@ def test_greedy_tokens_are_as_near_transformers_bf16_choices_as_the_torch_codes(
     kernels may differ from the torch code by bf16 rounding (NEAR_TIE), no more."""
     torch_code = _worst_gap(ds16, hf16, prompts, cpu_kernels=False)
     assert _worst_gap(ds16, hf16, prompts, **CONFIGS[config]) <= torch_code + NEAR_TIE
+
+
+@pytest.mark.parametrize("scheme", ["w8a8", "w4a16"])
+def test_quantized_experts_keep_their_gemm_plans_and_decode(ds16: Path, tmp_path: Path, scheme: str) -> None:
+    """The grouped call takes plain bf16 experts only: a quantized checkpoint's experts stay with their own
+    GEMMs (forced configuration included, which binds every kernel that fits), and the model decodes."""
+    from engine.quant.quantize import quantize
+
+    quantize(ds16, tmp_path / "q", scheme, group_size=8)
+    prompts = mixed_prompts(3)
+    forced = _core(tmp_path / "q", gemm_path="amxmm" if amxmm.supported() else "onednn")
+    assert all(m.grouped is None for m in forced.runner.model.modules() if isinstance(m, MoE))
+    got = run_core(forced, prompts, 8)
+    assert all(len(t) == 8 for t in got.values())
