@@ -3,7 +3,8 @@
     python -m benchmarks.step_profile [--shape qwen2-0.5b] [--num-prompts 32] [--output-len 128] [--no-cpu-kernels]
 
 Runs N prompts x 128 random ids -> --output-len tokens (greedy, EOS ignored, prefix caching off) once to warm
-up, then once timed, wrapping Linear, attention, RMSNorm and the runner's step with wall-clock timers. Prints
+up, then once timed, wrapping Linear, attention, RMSNorm, DeepSeek's MoE and MLA layers and the runner's step
+with wall-clock timers. Prints
 one row per (module, shape) with its total, call count and ms per call; rows with more than 64 input rows
 are the prefill's. The wrappers cost a little themselves; compare runs of this command with each other, and
 throughput with benchmarks.throughput.
@@ -23,10 +24,13 @@ import torch
 from benchmarks.shapes import SHAPES, checkpoint
 from engine import LLM, EngineConfig, SamplingParams
 from engine.config import GEMM_PATHS
+from engine.kernels.amxmm import GroupedExperts
 from engine.kernels.decode_attn import DecodeAttention
 from engine.kernels.select import GemmPlan, row_class
 from engine.layers.attention import PagedAttention
 from engine.layers.linear import Linear
+from engine.layers.mla import MLAttention
+from engine.layers.moe import MoE
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 from engine.model_runner import ModelRunner
@@ -75,6 +79,10 @@ def main() -> None:
     _timed(DecodeAttention, "__call__", lambda m, a: f"  decode kernel {type(m).__name__}, M {_rows(a[0])}")
     _timed(RotaryEmbedding, "forward", lambda m, a: f"RoPE angles, M {_rows(a[0])}")
     _timed(Sampler, "__call__", lambda m, a: "sampler")
+    _timed(MoE, "forward", lambda m, a: f"MoE layer (router, experts, shared), M {_rows(a[0])}")
+    _timed(GroupedExperts, "__call__", lambda m, a: f"  routed experts, grouped call, M {_rows(a[0])}")
+    _timed(MLAttention, "forward", lambda m, a: f"MLA layer (projections, attention), M {_rows(a[0])}")
+    _timed(MLAttention, "_decode", lambda m, a: f"  MLA decode (W_UK, attention, W_UV), M {_rows(a[0])}")
     _timed(ModelRunner, "execute", lambda m, a: "runner step (all of the above and the rest)")
 
     path = str(checkpoint(args.shape))

@@ -23,7 +23,7 @@ from engine.kernels.pointwise import PointwiseKernels, apply_rotary, rms_norm
 from engine.kernels.select import MIN_ROUNDS, PlanCache, ShapeChoice, Timer
 from engine.layers.activation import ActAndMul
 from engine.layers.attention import PagedAttention
-from engine.layers.mla import MLAttention, latent_attention
+from engine.layers.mla import MLAttention, bmm_absorbed, latent_attention, per_head_absorbed
 from engine.layers.moe import MoE
 from engine.layers.norm import RMSNorm
 from engine.sampler import inverse_cdf
@@ -172,11 +172,11 @@ def absorbed_gemm_wins(
     h, n, v, lat = mla.num_heads, mla.nope, mla.v_dim, mla.kv_lora_rank
     g = torch.Generator().manual_seed(0)
     w3 = torch.randn(h, n + v, lat, generator=g).to(dtype)
-    uk, uv = [w.t() for w in w3[:, :n]], list(w3[:, n:])
+    uk, uv = per_head_absorbed(w3, n)
     if dtype != torch.bfloat16 or not (GroupedLinear.accepts(uk) and GroupedLinear.accepts(uv)):
         return False
     grouped_uk, grouped_uv = GroupedLinear(kernel, uk), GroupedLinear(kernel, uv)
-    bmm_uk, bmm_uv = w3[:, :n].contiguous(), w3[:, n:].transpose(1, 2).contiguous()
+    bmm_uk, bmm_uv = bmm_absorbed(w3, n)
     q, o, heads = (
         torch.randn(ROWS, h, n, generator=g).to(dtype),
         torch.randn(ROWS, h, lat, generator=g).to(dtype),
@@ -336,16 +336,17 @@ def choose_kernels(
         if head is not None and sample_wins(pw, head.out_features, timer, cache):
             k.sample = pw
     mla = next((m for m in model.modules() if isinstance(m, MLAttention)), None)
-    amx_attn = attn.get("amx")
-    amx_fits = mla is not None and isinstance(amx_attn, decode_attn_amx.AMXDecodeAttention)
-    if amx_fits and latent_attention_wins(amx_attn, mla, dtype, timer, cache):  # type: ignore[arg-type]
-        k.latent_attn = amx_attn  # type: ignore[assignment]
-    grouped = amxmm.kernel() if mla is not None or any(isinstance(m, MoE) for m in model.modules()) else None
-    if mla is not None and grouped is not None and absorbed_gemm_wins(grouped, mla, dtype, timer, cache):
-        k.absorbed = absorbed_gemm(grouped)
     moe = next((m for m in model.modules() if isinstance(m, MoE)), None)
-    if moe is not None and grouped is not None and grouped_experts_win(grouped, moe, dtype, timer, cache):
-        k.moe_experts = grouped
+    amx_attn = attn.get("amx")
+    amx = amx_attn if isinstance(amx_attn, decode_attn_amx.AMXDecodeAttention) else None
+    if mla is not None and amx is not None and latent_attention_wins(amx, mla, dtype, timer, cache):
+        k.latent_attn = amx
+    grouped = amxmm.kernel() if mla is not None or moe is not None else None
+    if grouped is not None:
+        if mla is not None and absorbed_gemm_wins(grouped, mla, dtype, timer, cache):
+            k.absorbed = absorbed_gemm(grouped)
+        if moe is not None and grouped_experts_win(grouped, moe, dtype, timer, cache):
+            k.moe_experts = grouped
     if layer is not None:
         k.decode_attn = choose_decode_attention(attn, layer, dtype, block_size, timer, cache)
         if k.decode_attn is not None:

@@ -29,6 +29,10 @@ class Linear(nn.Module):
     def use_plan(self, plan: GemmPlan) -> None:
         """Run through `plan` from now on; the plain weight is dropped (the plan holds what it needs)."""
         self.plan = plan
+        self.drop_plain_weight()
+
+    def drop_plain_weight(self) -> None:
+        """Something else holds this layer's weight in its own layout (a GemmPlan, a grouped kernel)."""
         self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
 

@@ -88,8 +88,10 @@ class MLAttention(nn.Module):
 
     def absorbed_weights(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Per head, W_UK as a linear layer's weight ([L, N]: nope → latent) and W_UV ([V, L]: latent → value)."""
-        w3 = self.kv_b_proj.weight.detach().view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
-        return [w.t() for w in w3[:, : self.nope]], list(w3[:, self.nope :])
+        return per_head_absorbed(self._kv_b_heads(), self.nope)
+
+    def _kv_b_heads(self) -> torch.Tensor:
+        return self.kv_b_proj.weight.detach().view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden]  cos, sin: [T, 1, R]
@@ -144,9 +146,7 @@ class MLAttention(nn.Module):
         w = self.kv_b_proj.weight
         key = (w.data_ptr(), w._version)
         if self._absorbed is None or self._absorbed[0] != key:
-            w3 = w.detach().view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
-            uk, uv_t = w3[:, : self.nope].contiguous(), w3[:, self.nope :].transpose(1, 2).contiguous()
-            self._absorbed = (key, uk, uv_t)
+            self._absorbed = (key, *bmm_absorbed(self._kv_b_heads(), self.nope))
         return self._absorbed[1], self._absorbed[2]
 
     def _prefill(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, p: PrefillMeta) -> torch.Tensor:
@@ -184,3 +184,13 @@ def latent_attention(q: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor, sc
     b, width = q.shape[0], q.shape[-1]
     kv = rows.view(b, 1, -1, width)  # [B, 1, S, L + R]
     return F.scaled_dot_product_attention(q.unsqueeze(1), kv, kv, attn_mask=mask, scale=scale)[:, 0, :, :lat]
+
+
+def bmm_absorbed(w3: torch.Tensor, nope: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """kv_b_proj's weight by heads, [H, N + V, L] → W_UK [H, N, L] and W_UV^T [H, L, V], contiguous, for bmm."""
+    return w3[:, :nope].contiguous(), w3[:, nope:].transpose(1, 2).contiguous()
+
+
+def per_head_absorbed(w3: torch.Tensor, nope: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """kv_b_proj's weight by heads → per head W_UK as a linear weight [L, N] and W_UV [V, L] (views)."""
+    return [w.t() for w in w3[:, :nope]], list(w3[:, nope:])

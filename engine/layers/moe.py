@@ -126,9 +126,9 @@ class MoE(nn.Module):
         if not GroupedExperts.accepts(gate_up, down):
             return
         self.grouped = GroupedExperts(kernels.moe_experts, gate_up, down)
-        for lin in linears:  # as Linear.use_plan: the grouped call holds what it needs, so the plain weights go
+        for lin in linears:  # the grouped call holds what it needs
             lin.packable = False  # engine.kernels.bind plans them no GEMM
-            lin.weight = nn.Parameter(torch.empty(0, dtype=lin.weight.dtype), requires_grad=False)
+            lin.drop_plain_weight()
 
     def holds_expert(self, e: int) -> bool:
         return self.first <= e < self.first + self.num_local
