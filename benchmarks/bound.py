@@ -40,6 +40,9 @@ class Machine:
         return cls(2 * m * k * n / best / 1e9, big.numel() * 4 / read / 1e9)
 
 
+_ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4}
+
+
 @dataclass(slots=True)
 class Workload:
     params: int  # weights one token passes through in the decoder (an MoE: only its top-k routed experts)
@@ -51,16 +54,21 @@ class Workload:
     def of(cls, path: Path, dtype: torch.dtype) -> Workload:
         config = json.loads((path / "config.json").read_text())
         numel: dict[str, int] = {}
+        stored = 0  # the checkpoint's widest weight element, in bytes
         for f in path.glob("*.safetensors"):
             with safe_open(f, "pt") as st:
                 for name in st.keys():  # noqa: SIM118  # safe_open has no __iter__
-                    numel[name] = math.prod(st.get_slice(name).get_shape())
+                    piece = st.get_slice(name)
+                    numel[name] = math.prod(piece.get_shape())
+                    stored = max(stored, _ITEMSIZE.get(piece.get_dtype(), 4))
         head = numel.get("lm_head.weight") or numel["model.embed_tokens.weight"]  # tied: the table is the head
         body = {k: v for k, v in numel.items() if k not in ("lm_head.weight", "model.embed_tokens.weight")}
         routed = sum(v for k, v in body.items() if ".mlp.experts." in k)
         share = config["num_experts_per_tok"] / config["n_routed_experts"] if routed else 0.0
         per_token = sum(body.values()) - routed + int(routed * share)
-        itemsize = torch.empty(0, dtype=dtype).element_size()
+        # float32 math over a bf16 checkpoint reads bf16 (the engine keeps such weights bf16 and widens them in
+        # registers), so a step reads the narrower of the math's and the checkpoint's element
+        itemsize = min(torch.empty(0, dtype=dtype).element_size(), stored)
         return cls(per_token, head, (sum(body.values()) + head) * itemsize, (per_token + head) * itemsize)
 
     def step_s(self, machine: Machine, rows: int, sampled: int) -> float:
