@@ -21,6 +21,7 @@
 #define AL 8
 #endif
 #define MAX_NV (256 / AL)  // head_dim <= 256
+#define PV_J 8             // output vectors accumulated at once in P.V (8 of 16 registers on AVX2)
 typedef float vf __attribute__((vector_size(AL * 4)));
 typedef int32_t vi __attribute__((vector_size(AL * 4)));
 typedef uint32_t vu __attribute__((vector_size(AL * 4)));
@@ -167,10 +168,18 @@ static inline __attribute__((always_inline)) void decode(int64_t B, int64_t H, i
             }
             gather(rows, vc, c, n, b, kvh, tables, W, bs, KV, D, esz, bf16, nv);
             for (int64_t g = 0; g < G; g++)
-                for (int64_t j = 0; j < nv; j++) {  // one accumulator in a register across the chunk
-                    vf acc = o[g][j];
-                    for (int64_t t = 0; t < n; t++) acc += s[g][t] * rows[t][j];
-                    o[g][j] = acc;
+                for (int64_t j0 = 0; j0 < nv; j0 += PV_J) {
+                    // PV_J accumulators in registers across the chunk, each its own FMA chain: with one chain
+                    // per output vector every FMA waited for the one before (measured on a Zen 3, 2026-12-02:
+                    // half the kernel's time at 32 sequences)
+                    const int64_t nj = nv - j0 < PV_J ? nv - j0 : PV_J;
+                    vf acc[PV_J];
+                    for (int64_t j = 0; j < nj; j++) acc[j] = o[g][j0 + j];
+                    for (int64_t t = 0; t < n; t++) {
+                        const float p = s[g][t];
+                        for (int64_t j = 0; j < nj; j++) acc[j] += p * rows[t][j0 + j];
+                    }
+                    for (int64_t j = 0; j < nj; j++) o[g][j0 + j] = acc[j];
                 }
         }
         for (int64_t g = 0; g < G; g++) {
