@@ -35,10 +35,10 @@ static inline __attribute__((always_inline)) void tile(const int mr, int64_t K, 
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 // AVX2 has 16 vector registers, so the 6 x 64 tile above would spill (the generic code below does: measured on a
-// Zen 3, 2026-12-02, it streamed 5.8 GB/s at one row against oneDNN's 28). Three shapes, each without a spill:
-// one row takes a whole 64-column block (8 accumulators); two rows a 32-column half at a time; more rows go
-// 6 x 16 (BLIS's AVX2 shape: 12 accumulators, two weight vectors, one broadcast and the mask), one quarter of
-// the block at a time, from the 8 lanes that hold columns q*8.. (low halves) and 16+q*8.. (high halves).
+// Zen 3, 2026-12-02, it streamed 5.8 GB/s at one row against oneDNN's 28). Two shapes, each without a spill:
+// one row takes a whole 64-column block (8 accumulators); more rows go 6 x 16 (BLIS's AVX2 shape: 12
+// accumulators, two weight vectors, one broadcast and the mask), one quarter of the block at a time, from the
+// 8 lanes that hold columns q*8.. (low halves) and 16+q*8.. (high halves).
 // A 6 x 32 or 3 x 32 tile needs 17 registers: gcc spilled two accumulators, and the store-to-load round trip
 // on them halved the FMA rate.
 #include <immintrin.h>
@@ -72,7 +72,9 @@ static inline __attribute__((always_inline)) void row_tile(int64_t K, const floa
 #define QR 6
 // rows r0.. of quarter q (w already offset to it): 2 x mr accumulators
 // pf: where the block's row k + PF_K starts, asked for on the first pass over a block (the one that misses);
-// NULL on the passes that find the block in L1/L2.
+// NULL on the passes that find the block in L1/L2. Past the block's end it asks for the next block's first
+// rows, or for nothing (a prefetch never faults). quarters() calls it with pf known to be NULL or not, so the
+// test folds away.
 #define PF_K 48
 static inline __attribute__((always_inline)) void quarter_tile(const int mr, int64_t K, const float *x,
                                                                int64_t ldx, const uint16_t *w, float *out,

@@ -3,6 +3,8 @@ engine's measured selection binds them (or the reference where nothing faster ru
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -143,3 +145,18 @@ def test_a_path_that_disagrees_with_the_reference_is_dropped(caplog: pytest.LogC
     sel = GemmSelector([_Wrong(), QuantReferencePath()], torch.float32, timer=lambda fn: (fn(), 1e-6)[1])
     choice = sel.choose("w4 wrong", [(int4_weight(), None)], None)  # type: ignore[list-item]
     assert set(choice.per_class) == {"torch-dequant"} and choice.us["wrong"][0] == float("inf")
+
+
+def test_a_w8a8_path_whose_products_saturate_is_not_a_candidate() -> None:
+    """oneDNN's int8 GEMM on a CPU without VNNI sums u8 x s8 pairs into int16 with saturation: the path's
+    availability checks exact products at the int8 extremes, not only that the op runs."""
+
+    class Saturating(IntMMPath):
+        name = "saturating"
+
+        def products(self, weight: Int8Weight) -> Callable[[torch.Tensor], torch.Tensor]:
+            wt = weight.q.t()
+            return lambda xq: torch._int_mm(xq, wt).clamp(-32768, 32767).float()
+
+    assert IntMMPath().available
+    assert not Saturating().available
