@@ -50,10 +50,12 @@ class _W8A8Path:
 
     def __init__(self) -> None:
         w = Int8Weight(torch.ones(8, 16, dtype=torch.int8), torch.ones(8))
-        self.available = _probe(self.name, lambda: self.prepare(w, None, None)(torch.ones(2, 16))) and self._exact()
+        self.available = _probe(self.name, lambda: self.prepare(w, None, None)(torch.ones(2, 16))) and _probe(
+            self.name, self._check_exact
+        )
 
-    def _exact(self) -> bool:
-        """Whether the int32 products are exact at the int8 extremes. WHY: on a CPU without VNNI (a Zen 3, AVX2,
+    def _check_exact(self) -> None:
+        """Raise unless the int32 products are exact at the int8 extremes. WHY: on a CPU without VNNI (a Zen 3, AVX2,
         2026-12-02) oneDNN's int8 GEMM adds u8 x s8 pairs into int16 with saturation (vpmaddubsw), and products
         near 127 x 127 came out wrong; the selection's reference check would drop it per shape, but a path that
         is wrong on this CPU is not a candidate at all."""
@@ -62,16 +64,9 @@ class _W8A8Path:
         q[:, :16] = 127  # pairs of extremes: 2 x 255 x 127 overflows an int16
         xq = torch.randint(-127, 128, (4, 64), generator=g, dtype=torch.int8)
         xq[:, :16] = torch.tensor([127, -127], dtype=torch.int8).repeat(8)
-        want = xq.double() @ q.double().t()
-        try:
-            got = self.products(Int8Weight(q, torch.ones(32)))(xq).double()
-        except (AttributeError, RuntimeError, NotImplementedError) as e:
-            log.debug("quantized GEMM path %s unavailable (%s)", self.name, e)
-            return False
-        if not torch.allclose(got, want, rtol=0, atol=0.5):
-            log.info("quantized GEMM path %s is not exact on this CPU (int8 products saturate): not used", self.name)
-            return False
-        return True
+        got = self.products(Int8Weight(q, torch.ones(32)))(xq).double()
+        if not torch.allclose(got, xq.double() @ q.double().t(), rtol=0, atol=0.5):
+            raise RuntimeError("its int8 products are not exact on this CPU (they saturate)")
 
     def accepts(self, weight: object, act: Act | None) -> bool:
         return self.available and isinstance(weight, Int8Weight)
