@@ -24,8 +24,8 @@ import torch
 from benchmarks.shapes import SHAPES, checkpoint
 from engine import LLM, EngineConfig, SamplingParams
 from engine.config import GEMM_PATHS
-from engine.kernels.amxmm import GroupedExperts
 from engine.kernels.decode_attn import DecodeAttention
+from engine.kernels.grouped import GroupedExperts
 from engine.kernels.select import GemmPlan, row_class
 from engine.layers.attention import PagedAttention
 from engine.layers.linear import Linear

@@ -16,7 +16,7 @@ from engine.errors import ConfigError
 from engine.kernels import pointwise, wbf16
 from engine.kernels.bind import BindReport, bind_cpu_kernels, gemm_paths, make_selector
 from engine.kernels.kernel_set import CpuKernels
-from engine.kernels.op_choice import choose_kernels, decode_attention_kernels
+from engine.kernels.op_choice import choose_kernels, decode_attention_kernels, grouped_kernels
 from engine.loader import ModelFiles, load_model
 from engine.malloc import keep_freed_memory
 from engine.outputs import ModelOutput, ScheduledSeq, SchedulerOutput
@@ -124,7 +124,8 @@ class ModelRunner:
             pw = pointwise.kernel()
             attn = decode_attention_kernels()
             timer = selector.timer if selector.measure else None  # a forced gemm_path binds every kernel untimed
-            kernels = choose_kernels(self.model, pw, attn, self.dtype, timer, selector.cache, self.block_size)
+            grouped = grouped_kernels(c.gemm_path)
+            kernels = choose_kernels(self.model, pw, attn, self.dtype, timer, selector.cache, self.block_size, grouped)
         return bind_cpu_kernels(self.model, [self.sampler], kernels, selector, c.max_num_seqs)
 
     # ---- one step -----------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from engine.kernels.cbuild import BuildError, Once, build
-from engine.kernels.gemm import SiluMulKernel, check_bf16_gemm, check_silu_mul, interleave_halves, run_bf16
+from engine.kernels.gemm import SiluMulKernel, check_bf16_gemm, check_silu_mul, run_bf16
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +24,10 @@ _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 
 
 class AMXMM:
-    """The compiled kernel: pack a bf16 weight once, then run bf16 linear layers over it."""
+    """The compiled kernel: pack a bf16 weight once, then run bf16 linear layers over it, one or a group at a time
+    (engine.kernels.grouped)."""
+
+    k_multiple = KB
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib = lib
@@ -58,67 +61,13 @@ class AMXMM:
         """x [..., K] bf16 → x W^T + b, [..., N] bf16."""
         return run_bf16(self.lib.amxmm_linear, x, packed, n, bias, n)
 
-
-class GroupedLinear:
-    """Several bf16 linear layers of one shape (no bias) over consecutive row groups of one input, in one
-    parallel region (amxmm_grouped): group g's rows go through weight g. For many small GEMMs in a row, where a
-    call each paid a parallel region and a Python round trip: a MoE layer's experts, MLA's per-head W_UK / W_UV.
-    With `silu_mul` the weights are gated MLPs' merged [gate; up] projections and the result silu(gate) * up."""
-
-    def __init__(self, kernel: AMXMM, weights: list[torch.Tensor], silu_mul: bool = False) -> None:
-        self.kernel, self.silu_mul = kernel, silu_mul
-        self.n, self.k = weights[0].shape
-        self.packed = [kernel.pack(interleave_halves(w) if silu_mul else w) for w in weights]
-        self._ptrs = (_ptr * len(weights))(*(t.data_ptr() for t in self.packed))
-
-    @staticmethod
-    def accepts(weights: list[torch.Tensor], silu_mul: bool = False) -> bool:
-        """bf16 weights of one shape, K in whole tiles (and whole gate/up block pairs for silu_mul)."""
-        if not weights:
-            return False
-        n, k = weights[0].shape
-        same = all(w.dtype == torch.bfloat16 and w.dim() == 2 and w.shape == (n, k) for w in weights)
-        return same and k % KB == 0 and (not silu_mul or n % 64 == 0)
-
-    def __call__(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """x [rows, K] bf16, group-major (counts[g] rows for group g, in order) → [rows, N] (N / 2 with silu_mul)."""
-        # NOTE: the C side trusts these: a wrong count reads past the weights' pointers or the rows of x
-        if len(counts) != len(self.packed) or sum(counts) != x.shape[0] or x.shape[-1] != self.k:
-            raise ValueError(
-                f"{len(counts)} groups of {sum(counts)} rows for {len(self.packed)} weights, x {tuple(x.shape)}"
-            )
-        x = x.to(torch.bfloat16).contiguous()
-        y = torch.empty(x.shape[0], self.n // 2 if self.silu_mul else self.n, dtype=torch.bfloat16)
-        c = (ctypes.c_int64 * len(counts))(*counts)
-        self.kernel.lib.amxmm_grouped(
-            len(counts), c, self.n, self.k, x.data_ptr(), self._ptrs, y.data_ptr(), torch.get_num_threads(),
-            int(self.silu_mul),
-        )  # fmt: skip
-        return y
-
-
-class GroupedExperts:
-    """A mixture-of-experts layer's routed experts (SiLU gated MLPs, no bias) in two calls a step instead of two
-    per expert: every expert's gate/up projection with the fused SiLU, then every expert's down projection, each
-    one GroupedLinear call over all experts' column blocks."""
-
-    def __init__(self, kernel: AMXMM, gate_up: list[torch.Tensor], down: list[torch.Tensor]) -> None:
-        """gate_up: each expert's [2I, H] merged weight ([gate; up]); down: each expert's [H, I]."""
-        self.gate_up = GroupedLinear(kernel, gate_up, silu_mul=True)
-        self.down = GroupedLinear(kernel, down)
-
-    @staticmethod
-    def accepts(gate_up: list[torch.Tensor], down: list[torch.Tensor]) -> bool:
-        """Both projections GroupedLinear's, one expert each, and they chain: [2I, H] then [H, I]."""
-        if not gate_up or len(gate_up) != len(down) or gate_up[0].dim() != 2 or down[0].dim() != 2:
-            return False
-        (n, k), (h, i) = gate_up[0].shape, down[0].shape
-        chained = n == 2 * i and h == k
-        return chained and GroupedLinear.accepts(gate_up, silu_mul=True) and GroupedLinear.accepts(down)
-
-    def __call__(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """x [rows, H] bf16, expert-major (counts[e] rows for expert e, in order) → the experts' outputs, [rows, H]."""
-        return self.down(self.gate_up(x, counts), counts)
+    def grouped(
+        self, counts: ctypes.Array, n: int, k: int, x: torch.Tensor, weights: ctypes.Array, y: torch.Tensor,
+        silu_mul: bool,
+    ) -> None:  # fmt: skip
+        """engine.kernels.grouped.GroupedKernel.grouped."""
+        self.lib.amxmm_grouped(len(counts), counts, n, k, x.data_ptr(), weights, y.data_ptr(),
+                               torch.get_num_threads(), int(silu_mul))  # fmt: skip
 
 
 class SiluMulAMXMM(SiluMulKernel):

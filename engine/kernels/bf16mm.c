@@ -94,59 +94,65 @@ static inline uint16_t to_bf16(float f) {  // round to nearest even, as VCVTNEPS
     return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1)) >> 16);
 }
 
+// Column block nb (of nblocks) for rows [m0, m1) of x [.][K] through the packed weight w, into y (rows N wide,
+// N / 2 with silu_mul); at most MC rows, so they stay in L2 while the block's weights go past them.
+static void block(int64_t m0, int64_t m1, int64_t nb, int64_t nblocks, int64_t N, int64_t K, const uint16_t *x,
+                  const uint16_t *w, const uint16_t *b, uint16_t *y, const int silu_mul) {
+    const int64_t pairs = (K + 1) / 2;
+    const uint16_t *wb = w + nb * pairs * 2 * NB;
+    const int64_t n0 = nb * NB, nn = N - n0 < NB ? N - n0 : NB;
+    float out[MR * NB], bias[NB] = {0};
+    if (b)
+        for (int64_t j = 0; j < nn; j++) {
+            const uint32_t u = (uint32_t)b[n0 + j] << 16;
+            memcpy(&bias[j], &u, 4);
+        }
+    // NOTE: the first row tile of a block reads its weights from memory and the others from L2, where the
+    // hardware prefetchers see no misses to follow: the next block would then start cold and the stream and the
+    // arithmetic take turns. Each tile asks for its share of the next block instead, spread over its k steps, so
+    // that block streams in while this one is computed. Measured on a 2-core Zen 4 over 200 MB of weights
+    // (SmolLM2 and Qwen2-0.5B shapes), 8-48 rows: 0.84-0.98x the time without.
+    const int64_t tiles = (m1 - m0 + MR - 1) / MR, lines = pairs * 2 * NB * 2 / 64;
+    const int64_t share = (lines + tiles - 1) / tiles, pf_step = (share + pairs - 1) / pairs;
+    const char *next = (const char *)(wb + pairs * 2 * NB);
+    const char *next_end = nb + 1 < nblocks && tiles > 1 && tiles <= PF_TILES ? next + lines * 64 : next;
+    for (int64_t r0 = m0; r0 < m1; r0 += MR) {
+        const int mr = m1 - r0 < MR ? (int)(m1 - r0) : MR;
+        const char *pf = next + (r0 - m0) / MR * share * 64;
+        const char *pf_end = pf + share * 64 < next_end ? pf + share * 64 : next_end;
+        tile_any(mr, K, x + r0 * K, wb, bias, out, pf, pf_end, pf_step);
+        for (int r = 0; r < mr; r++) {
+            const float *o = out + r * NB;
+            if (silu_mul) {  // N % 64 == 0 (checked by the caller): whole blocks, N / 2 outputs a row
+                uint16_t *yr = y + (r0 + r) * (N / 2) + n0 / 2;
+                const __m512 lo = silu_mul16(_mm512_loadu_ps(o), _mm512_loadu_ps(o + 32));
+                const __m512 hi = silu_mul16(_mm512_loadu_ps(o + 16), _mm512_loadu_ps(o + 48));
+                _mm512_storeu_si512((void *)yr, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+                continue;
+            }
+            uint16_t *yr = y + (r0 + r) * N + n0;
+            if (nn == NB) {
+                const __m512bh lo = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(o + 16), _mm512_loadu_ps(o));
+                const __m512bh hi = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(o + 48), _mm512_loadu_ps(o + 32));
+                _mm512_storeu_si512((void *)yr, (__m512i)lo);
+                _mm512_storeu_si512((void *)(yr + 32), (__m512i)hi);
+            } else {
+                for (int64_t j = 0; j < nn; j++) yr[j] = to_bf16(o[j]);
+            }
+        }
+    }
+}
+
 // Threads split the output columns, so each streams only its share of the weights.
 static void run(int64_t M, int64_t N, int64_t K, const uint16_t *x, const uint16_t *w, const uint16_t *b,
                 uint16_t *y, int nthreads, const int silu_mul) {
-    const int64_t nblocks = (N + NB - 1) / NB, pairs = (K + 1) / 2;
+    const int64_t nblocks = (N + NB - 1) / NB;
 #pragma omp parallel num_threads(nthreads)
     for (int64_t mc0 = 0; mc0 < M; mc0 += MC) {
         const int64_t mc1 = M < mc0 + MC ? M : mc0 + MC;
         // the same static split in every chunk: a thread always writes the same columns, so no barrier is needed
 #pragma omp for schedule(static) nowait
-        for (int64_t nb = 0; nb < nblocks; nb++) {
-            const uint16_t *wb = w + nb * pairs * 2 * NB;
-            const int64_t n0 = nb * NB, nn = N - n0 < NB ? N - n0 : NB;
-            float out[MR * NB], bias[NB] = {0};
-            if (b)
-                for (int64_t j = 0; j < nn; j++) {
-                    const uint32_t u = (uint32_t)b[n0 + j] << 16;
-                    memcpy(&bias[j], &u, 4);
-                }
-            // NOTE: the first row tile of a block reads its weights from memory and the others from L2, where the
-            // hardware prefetchers see no misses to follow: the next block would then start cold and the stream
-            // and the arithmetic take turns. Each tile asks for its share of the next block instead, spread over
-            // its k steps, so that block streams in while this one is computed. Measured on a 2-core Zen 4 over
-            // 200 MB of weights (SmolLM2 and Qwen2-0.5B shapes), 8-48 rows: 0.84-0.98x the time without.
-            const int64_t tiles = (mc1 - mc0 + MR - 1) / MR, lines = pairs * 2 * NB * 2 / 64;
-            const int64_t share = (lines + tiles - 1) / tiles, pf_step = (share + pairs - 1) / pairs;
-            const char *next = (const char *)(wb + pairs * 2 * NB);
-            const char *next_end = nb + 1 < nblocks && tiles > 1 && tiles <= PF_TILES ? next + lines * 64 : next;
-            for (int64_t m0 = mc0; m0 < mc1; m0 += MR) {
-                const int mr = mc1 - m0 < MR ? (int)(mc1 - m0) : MR;
-                const char *pf = next + (m0 - mc0) / MR * share * 64;
-                const char *pf_end = pf + share * 64 < next_end ? pf + share * 64 : next_end;
-                tile_any(mr, K, x + m0 * K, wb, bias, out, pf, pf_end, pf_step);
-                for (int r = 0; r < mr; r++) {
-                    const float *o = out + r * NB;
-                    if (silu_mul) {  // N % 64 == 0 (checked by the caller): whole blocks, N / 2 outputs a row
-                        uint16_t *yr = y + (m0 + r) * (N / 2) + n0 / 2;
-                        const __m512 lo = silu_mul16(_mm512_loadu_ps(o), _mm512_loadu_ps(o + 32));
-                        const __m512 hi = silu_mul16(_mm512_loadu_ps(o + 16), _mm512_loadu_ps(o + 48));
-                        _mm512_storeu_si512((void *)yr, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-                        continue;
-                    }
-                    uint16_t *yr = y + (m0 + r) * N + n0;
-                    if (nn == NB) {
-                        const __m512bh lo = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(o + 16), _mm512_loadu_ps(o));
-                        const __m512bh hi = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(o + 48), _mm512_loadu_ps(o + 32));
-                        _mm512_storeu_si512((void *)yr, (__m512i)lo);
-                        _mm512_storeu_si512((void *)(yr + 32), (__m512i)hi);
-                    } else {
-                        for (int64_t j = 0; j < nn; j++) yr[j] = to_bf16(o[j]);
-                    }
-                }
-            }
-        }
+        for (int64_t nb = 0; nb < nblocks; nb++) block(mc0, mc1, nb, nblocks, N, K, x, w, b, y, silu_mul);
     }
 }
 
@@ -158,6 +164,36 @@ void bf16mm_linear(int64_t M, int64_t N, int64_t K, const uint16_t *x, const uin
 void bf16mm_linear_silu_mul(int64_t M, int64_t N, int64_t K, const uint16_t *x, const uint16_t *w,
                             const uint16_t *b, uint16_t *y, int nthreads) {
     run(M, N, K, x, w, b, y, nthreads, 1);
+}
+
+// E linear layers of one shape (no bias) in one call: layer e takes counts[e] consecutive rows of x (layers in
+// order) and its packed weight w[e]; y gets its rows in the same order, N wide (N / 2 with silu_mul). WHY: a decode
+// batch gives each of a MoE layer's experts a handful of rows, and a call per expert paid a parallel region and a
+// Python round trip each (engine.kernels.grouped). Threads take (rows, column block) tasks four at a time,
+// dynamically: consecutive blocks of one layer's rows, so the prefetch of the next block stays useful.
+typedef struct {
+    const uint16_t *x, *w;
+    uint16_t *y;
+    int64_t m0, m1;
+} piece_t;
+
+void bf16mm_grouped(int64_t E, const int64_t *counts, int64_t N, int64_t K, const uint16_t *x,
+                    const uint16_t *const *w, uint16_t *y, int nthreads, int silu_mul) {
+    int64_t P = 0, row = 0;
+    for (int64_t e = 0; e < E; e++) P += (counts[e] + MC - 1) / MC;
+    piece_t pieces[P > 0 ? P : 1];
+    const int64_t width = silu_mul ? N / 2 : N, nblocks = (N + NB - 1) / NB;
+    P = 0;
+    for (int64_t e = 0; e < E; e++) {
+        for (int64_t m0 = 0; m0 < counts[e]; m0 += MC)
+            pieces[P++] = (piece_t){x + row * K, w[e], y + row * width, m0, counts[e] < m0 + MC ? counts[e] : m0 + MC};
+        row += counts[e];
+    }
+#pragma omp parallel for schedule(dynamic, 4) num_threads(nthreads)
+    for (int64_t t = 0; t < P * nblocks; t++) {
+        const piece_t *p = pieces + t / nblocks;
+        block(p->m0, p->m1, t % nblocks, nblocks, N, K, p->x, p->w, NULL, p->y, silu_mul);
+    }
 }
 
 // W [N][K] bf16 row-major -> the packed layout above, zero-padded to whole blocks and pairs.

@@ -28,13 +28,17 @@ _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 
 
 class BF16MM:
-    """The compiled kernel: pack a bf16 weight once, then run bf16 linear layers over it."""
+    """The compiled kernel: pack a bf16 weight once, then run bf16 linear layers over it, one or a group at a time
+    (engine.kernels.grouped)."""
+
+    k_multiple = 1  # an odd K's last pair is padded
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib = lib
         lib.bf16mm_linear.argtypes = [_i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _int]
         lib.bf16mm_pack.argtypes = [_i64, _i64, _ptr, _ptr, _int]
-        for f in (lib.bf16mm_linear, lib.bf16mm_pack):
+        lib.bf16mm_grouped.argtypes = [_i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _int, _int]
+        for f in (lib.bf16mm_linear, lib.bf16mm_pack, lib.bf16mm_grouped):
             f.restype = None
 
     @classmethod
@@ -55,6 +59,14 @@ class BF16MM:
     def linear(self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., K] bf16 → x W^T + b, [..., N] bf16."""
         return run_bf16(self.lib.bf16mm_linear, x, packed, n, bias, n)
+
+    def grouped(
+        self, counts: ctypes.Array, n: int, k: int, x: torch.Tensor, weights: ctypes.Array, y: torch.Tensor,
+        silu_mul: bool,
+    ) -> None:  # fmt: skip
+        """engine.kernels.grouped.GroupedKernel.grouped."""
+        self.lib.bf16mm_grouped(len(counts), counts, n, k, x.data_ptr(), weights, y.data_ptr(),
+                                torch.get_num_threads(), int(silu_mul))  # fmt: skip
 
 
 class SiluMulBF16MM(SiluMulKernel):

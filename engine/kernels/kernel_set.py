@@ -6,9 +6,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from engine.kernels.amxmm import AMXMM, GroupedLinear
 from engine.kernels.decode_attn import DecodeAttention
 from engine.kernels.decode_attn_amx import AMXDecodeAttention
+from engine.kernels.grouped import GroupedKernel, GroupedLinear
 from engine.kernels.pointwise import PointwiseKernels
 
 if TYPE_CHECKING:
@@ -28,12 +28,12 @@ class CpuKernels:
     # prompt chunks of up to this many tokens attend through decode_attn, one query row per token, over the cache
     # (0: never): measured against SDPA's causal prefill (engine.kernels.op_choice.prefill_in_place_limit)
     prefill_in_place: int = 0
-    # a MoE layer's routed experts in one grouped call per projection (engine.kernels.amxmm.GroupedExperts), where
-    # that beat a oneDNN call per expert (engine.kernels.op_choice.grouped_experts_win)
-    moe_experts: AMXMM | None = None
+    # a MoE layer's routed experts in one grouped call per projection (engine.kernels.grouped.GroupedExperts), where
+    # that beat a oneDNN call per expert (engine.kernels.op_choice.choose_grouped_experts)
+    moe_experts: GroupedKernel | None = None
     # MLA decode over the paged latent cache in place (engine.layers.mla), where it beat gather + SDPA
     # (engine.kernels.op_choice.latent_attention_wins)
     latent_attn: AMXDecodeAttention | None = None
     # MLA decode's per-head W_UK / W_UV products as one grouped call each, where that beat torch.bmm: given the
-    # layer, its two GroupedLinear (engine.kernels.op_choice.absorbed_gemm_wins)
+    # layer, its two GroupedLinear (engine.kernels.op_choice.choose_absorbed_gemm)
     absorbed: Callable[[MLAttention], tuple[GroupedLinear, GroupedLinear] | None] | None = None

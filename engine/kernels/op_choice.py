@@ -14,10 +14,10 @@ from collections.abc import Callable
 import torch
 
 from engine.context import AttentionContext, PrefillMeta, reset_context, set_context
-from engine.kernels import amxmm, decode_attn, decode_attn_amx, decode_attn_dp
-from engine.kernels.amxmm import GroupedExperts, GroupedLinear
+from engine.kernels import amxmm, bf16mm, decode_attn, decode_attn_amx, decode_attn_dp
 from engine.kernels.decode_attn import DecodeAttention
 from engine.kernels.gemm import OneDNNPath, TorchPath
+from engine.kernels.grouped import GroupedExperts, GroupedKernel, GroupedLinear
 from engine.kernels.kernel_set import CpuKernels
 from engine.kernels.pointwise import PointwiseKernels, apply_rotary, rms_norm
 from engine.kernels.select import MIN_ROUNDS, PlanCache, ShapeChoice, Timer
@@ -32,7 +32,7 @@ ROWS = 32  # a decode batch: where these ops' per-call overhead matters
 CONTEXT = 256  # decode attention's tokens of context per sequence
 BLOCK = 16
 PREFILL_LENGTHS = (32, 128, 512, 2048)  # prompt chunks timed both ways for prefill in place
-PROBE_EXPERTS = 16  # routed experts timed for the grouped call (engine.kernels.amxmm.GroupedExperts)
+PROBE_EXPERTS = 16  # routed experts timed for the grouped call (engine.kernels.grouped.GroupedExperts)
 
 
 def faster(
@@ -93,15 +93,24 @@ def fastest(key: str, candidates: dict[str, Callable[[], object]], timer: Timer 
     return won
 
 
-def grouped_experts_win(
-    kernel: amxmm.AMXMM, moe: MoE, dtype: torch.dtype, timer: Timer | None, cache: PlanCache | None
-) -> bool:
-    """Whether the grouped call (engine.kernels.amxmm.GroupedExperts) beat one oneDNN GEMM per expert and
-    projection on random weights of `moe`'s expert shapes, ROWS tokens routed at random to its top-k."""
+def grouped_kernels(prefer: str = "auto") -> dict[str, GroupedKernel]:
+    """Every GEMM kernel with a grouped entry point built for this CPU, by name; `prefer` (a forced gemm_path)
+    first, as without a timer the first that fits is used."""
+    found = (("amxmm", amxmm.kernel()), ("bf16mm", bf16mm.kernel()))
+    kernels = {name: k for name, k in found if k is not None}
+    return dict(sorted(kernels.items(), key=lambda item: item[0] != prefer))
+
+
+def choose_grouped_experts(
+    kernels: dict[str, GroupedKernel], moe: MoE, dtype: torch.dtype, timer: Timer | None, cache: PlanCache | None
+) -> GroupedKernel | None:
+    """The grouped kernel (engine.kernels.grouped.GroupedExperts) that beat the others and one oneDNN GEMM per
+    expert and projection on random weights of `moe`'s expert shapes, ROWS tokens routed at random to its top-k;
+    None where a GEMM per expert won or none fits."""
     experts = moe.local_experts()
     quantized = any(hasattr(lin, "gemm_weight") for e in experts for lin in (e.gate_up_proj, e.down_proj))
     if dtype != torch.bfloat16 or not experts or quantized:  # MoE.bind_kernels would not take it either
-        return False
+        return None
     (n, h), i = experts[0].gate_up_proj.weight.shape, experts[0].down_proj.weight.shape[1]
     # NOTE: at most PROBE_EXPERTS of them, with as many rows each as a decode batch gives the model's experts:
     # random copies of all of DeepSeek-V3's 256 would take gigabytes for a timing
@@ -111,19 +120,24 @@ def grouped_experts_win(
     g = torch.Generator().manual_seed(0)
     gate_up = [torch.randn(n, h, generator=g).bfloat16() for _ in range(e)]
     down = [torch.randn(h, i, generator=g).bfloat16() for _ in range(e)]
-    if not GroupedExperts.accepts(gate_up, down):
-        return False
+    fits = {name: k for name, k in kernels.items() if GroupedExperts.accepts(k, gate_up, down)}
+    if not fits:
+        return None
     picks = torch.rand(tokens, e, generator=g).topk(top_k, dim=-1)[1].flatten()
     counts = torch.bincount(picks, minlength=e).tolist()
     x = torch.randn(tokens * top_k, h, generator=g).bfloat16()
-    grouped = GroupedExperts(kernel, gate_up, down)
+    candidates: dict[str, Callable[[], object]] = {}
+    for name, k in fits.items():
+        grouped = GroupedExperts(k, gate_up, down)
+        candidates[name] = lambda grouped=grouped: grouped(x, counts)  # type: ignore[misc]
     onednn = OneDNNPath(dtype, ROWS)
     base = onednn if onednn.available else TorchPath(dtype)  # what the experts' GEMM plans never fall below
     ups = [base.prepare(w, None, None) for w in gate_up]
     downs = [base.prepare(w, None, None) for w in down]
     act = ActAndMul("silu")
-    key = f"op moe_experts {len(experts)}x{n}x{h} top{top_k} {dtype} vs {base.name}"
-    return faster(key, lambda: grouped(x, counts), lambda: _each_expert(x, counts, ups, downs, act), timer, cache)
+    candidates[base.name] = lambda: _each_expert(x, counts, ups, downs, act)
+    key = f"op moe_experts {len(experts)}x{n}x{h} top{top_k} {dtype} {'+'.join(fits)} vs {base.name}"
+    return fits.get(fastest(key, candidates, timer, cache))
 
 
 def latent_attention_wins(
@@ -152,46 +166,55 @@ def latent_attention_wins(
                   lambda: kernel(q, four_d, four_d, tables, lens, mla.scale), torch_path, timer, cache)  # fmt: skip
 
 
-def absorbed_gemm(kernel: amxmm.AMXMM) -> Callable[[MLAttention], tuple[GroupedLinear, GroupedLinear] | None]:
+def absorbed_gemm(kernel: GroupedKernel) -> Callable[[MLAttention], tuple[GroupedLinear, GroupedLinear] | None]:
     """For a layer: its W_UK and W_UV per head as two GroupedLinear, None where the shapes do not fit."""
 
     def make(mla: MLAttention) -> tuple[GroupedLinear, GroupedLinear] | None:
         uk, uv = mla.absorbed_weights()
-        if not (GroupedLinear.accepts(uk) and GroupedLinear.accepts(uv)):
+        if not (GroupedLinear.accepts(kernel, uk) and GroupedLinear.accepts(kernel, uv)):
             return None
         return GroupedLinear(kernel, uk), GroupedLinear(kernel, uv)
 
     return make
 
 
-def absorbed_gemm_wins(
-    kernel: amxmm.AMXMM, mla: MLAttention, dtype: torch.dtype, timer: Timer | None, cache: PlanCache | None
-) -> bool:
-    """Whether MLA decode's two per-head products (q_nope W_UK, o W_UV) for ROWS rows ran faster as one grouped
-    call each than as torch.bmm over the weights laid out for it (what MLAttention runs without the kernel)."""
+def choose_absorbed_gemm(
+    kernels: dict[str, GroupedKernel], mla: MLAttention, dtype: torch.dtype, timer: Timer | None,
+    cache: PlanCache | None,
+) -> GroupedKernel | None:  # fmt: skip
+    """The grouped kernel whose two calls (one per product) ran MLA decode's per-head products (q_nope W_UK,
+    o W_UV) for ROWS rows faster than the other kernels and than torch.bmm over the weights laid out for it (what
+    MLAttention runs without a kernel); None where bmm won or no kernel fits."""
     h, n, v, lat = mla.num_heads, mla.nope, mla.v_dim, mla.kv_lora_rank
     g = torch.Generator().manual_seed(0)
     w3 = torch.randn(h, n + v, lat, generator=g).to(dtype)
     uk, uv = per_head_absorbed(w3, n)
-    if dtype != torch.bfloat16 or not (GroupedLinear.accepts(uk) and GroupedLinear.accepts(uv)):
-        return False
-    grouped_uk, grouped_uv = GroupedLinear(kernel, uk), GroupedLinear(kernel, uv)
+    fits = {
+        name: k
+        for name, k in kernels.items()
+        if dtype == torch.bfloat16 and GroupedLinear.accepts(k, uk) and GroupedLinear.accepts(k, uv)
+    }
+    if not fits:
+        return None
     bmm_uk, bmm_uv = bmm_absorbed(w3, n)
     q, o, heads = (
         torch.randn(ROWS, h, n, generator=g).to(dtype),
         torch.randn(ROWS, h, lat, generator=g).to(dtype),
         [ROWS] * h,
     )
+    qh, oh = q.transpose(0, 1).reshape(h * ROWS, n), o.transpose(0, 1).reshape(h * ROWS, lat)
 
-    def grouped() -> object:
-        grouped_uk(q.transpose(0, 1).reshape(h * ROWS, n), heads)
-        return grouped_uv(o.transpose(0, 1).reshape(h * ROWS, lat), heads)
+    def grouped(kernel: GroupedKernel) -> Callable[[], object]:
+        grouped_uk, grouped_uv = GroupedLinear(kernel, uk), GroupedLinear(kernel, uv)
+        return lambda: (grouped_uk(qh, heads), grouped_uv(oh, heads))
 
     def bmm() -> object:
         torch.bmm(q.transpose(0, 1), bmm_uk)
         return torch.bmm(o.transpose(0, 1), bmm_uv)
 
-    return faster(f"op absorbed_gemm {ROWS} h{h} n{n} v{v} l{lat} {dtype}", grouped, bmm, timer, cache)
+    candidates = {name: grouped(k) for name, k in fits.items()} | {"torch": bmm}
+    key = f"op absorbed_gemm {ROWS} h{h} n{n} v{v} l{lat} {dtype} {'+'.join(fits)}"
+    return fits.get(fastest(key, candidates, timer, cache))
 
 
 def _each_expert(
@@ -317,9 +340,11 @@ def choose_kernels(
     timer: Timer | None,
     cache: PlanCache | None,
     block_size: int = BLOCK,
+    grouped: dict[str, GroupedKernel] | None = None,
 ) -> CpuKernels:
     """The kernels (of those that built) that beat torch at this model's sizes on this machine; with no `timer`,
-    every one that applies (a forced configuration: engine.config's gemm_path)."""
+    every one that applies (a forced configuration: engine.config's gemm_path). `attn`, `grouped`: the decode
+    attention and grouped GEMM kernels built here (decode_attention_kernels, grouped_kernels)."""
     norm = next((m for m in model.modules() if isinstance(m, RMSNorm)), None)
     layer = next((m for m in model.modules() if isinstance(m, PagedAttention)), None)
     head = getattr(model, "lm_head", None)
@@ -341,12 +366,10 @@ def choose_kernels(
     amx = amx_attn if isinstance(amx_attn, decode_attn_amx.AMXDecodeAttention) else None
     if mla is not None and amx is not None and latent_attention_wins(amx, mla, dtype, timer, cache):
         k.latent_attn = amx
-    grouped = amxmm.kernel() if mla is not None or moe is not None else None
-    if grouped is not None:
-        if mla is not None and absorbed_gemm_wins(grouped, mla, dtype, timer, cache):
-            k.absorbed = absorbed_gemm(grouped)
-        if moe is not None and grouped_experts_win(grouped, moe, dtype, timer, cache):
-            k.moe_experts = grouped
+    if grouped and mla is not None and (gk := choose_absorbed_gemm(grouped, mla, dtype, timer, cache)) is not None:
+        k.absorbed = absorbed_gemm(gk)
+    if grouped and moe is not None:
+        k.moe_experts = choose_grouped_experts(grouped, moe, dtype, timer, cache)
     if layer is not None:
         k.decode_attn = choose_decode_attention(attn, layer, dtype, block_size, timer, cache)
         if k.decode_attn is not None:

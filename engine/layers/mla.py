@@ -16,8 +16,8 @@ from engine.layers.rotary import apply_rotary, apply_rotary_interleaved
 from engine.parallel.group import Group, SingleGroup
 
 if TYPE_CHECKING:
-    from engine.kernels.amxmm import GroupedLinear
     from engine.kernels.decode_attn_amx import AMXDecodeAttention
+    from engine.kernels.grouped import GroupedLinear
     from engine.kernels.kernel_set import CpuKernels
 
 

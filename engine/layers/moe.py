@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.kernels.amxmm import GroupedExperts
+from engine.kernels.grouped import GroupedExperts
 from engine.layers.mlp import GatedMLP
 from engine.layers.parallel import split
 from engine.parallel.group import Group, SingleGroup
@@ -123,7 +123,7 @@ class MoE(nn.Module):
         if kernels.moe_experts is None or not plain or not all(e.act.is_silu_and_mul for e in experts):
             return
         gate_up, down = [e.gate_up_proj.weight.data for e in experts], [e.down_proj.weight.data for e in experts]
-        if not GroupedExperts.accepts(gate_up, down):
+        if not GroupedExperts.accepts(kernels.moe_experts, gate_up, down):
             return
         self.grouped = GroupedExperts(kernels.moe_experts, gate_up, down)
         for lin in linears:  # the grouped call holds what it needs

@@ -1,8 +1,9 @@
 """DeepSeek-V2 computing in bfloat16 against transformers in bfloat16, with and without the CPU kernels.
 
-The shapes fit the AMX kernels for MoE and MLA (engine.kernels.amxmm's GroupedExperts, and GroupedLinear
-for W_UK / W_UV; the latent decode attention of engine.kernels.decode_attn_amx), so on a CPU with AMX tiles
-the forced configuration runs them all and the measured one runs what this machine's timing chose. As in
+The shapes fit the grouped kernels for MoE and MLA (engine.kernels.grouped's GroupedExperts, and GroupedLinear
+for W_UK / W_UV, over amxmm or bf16mm; the latent decode attention of engine.kernels.decode_attn_amx), so on a
+CPU with AMX tiles or AVX512-BF16 a forced configuration runs those that the CPU has, and the measured one runs
+what this machine's timing chose. As in
 test_bf16_math, "the same" means logits as close to float32's as transformers' own bf16 logits are."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.kernels import amxmm
+from engine.kernels import amxmm, bf16mm
 from engine.layers.mla import MLAttention
 from engine.layers.moe import MoE
 from tests.parity.conftest import VOCAB, make_core, mixed_prompts, run_core, same_length_prompts, step_logits
@@ -42,8 +43,9 @@ CONFIG: dict[str, object] = dict(
     eos_token_id=2,
 )
 CONFIGS: dict[str, dict[str, object]] = {"selected": {}, "torch-only": {"cpu_kernels": False}}
-if amxmm.supported():
-    CONFIGS["amxmm"] = {"gemm_path": "amxmm"}  # forced: every kernel that fits is bound, untimed
+FORCED = [name for name, module in (("amxmm", amxmm), ("bf16mm", bf16mm)) if module.supported()]
+for name in FORCED:
+    CONFIGS[name] = {"gemm_path": name}  # forced: every kernel that fits is bound, untimed (that path's first)
 
 
 @pytest.fixture(scope="module")
@@ -67,15 +69,17 @@ def _core(path: Path, **over: object):  # type: ignore[no-untyped-def]
     return make_core(path, dtype="bfloat16", **over)
 
 
-@pytest.mark.skipif(not amxmm.supported(), reason="this CPU has no AMX tiles: MoE and MLA keep their torch code")
-def test_forced_kernels_take_the_experts_and_the_latent_attention(ds16: Path) -> None:
-    modules = list(_core(ds16, **CONFIGS["amxmm"]).runner.model.modules())
+@pytest.mark.parametrize("forced", FORCED or [pytest.param("none", marks=pytest.mark.skip("no AMX, no AVX512-BF16"))])
+def test_forced_kernels_take_the_experts_and_the_latent_attention(ds16: Path, forced: str) -> None:
+    modules = list(_core(ds16, **CONFIGS[forced]).runner.model.modules())
     moes = [m for m in modules if isinstance(m, MoE)]
     mlas = [m for m in modules if isinstance(m, MLAttention)]
-    assert moes and all(m.grouped is not None for m in moes)
+    kernel = (amxmm if forced == "amxmm" else bf16mm).kernel()
+    assert moes and all(m.grouped is not None and m.grouped.down.kernel is kernel for m in moes)
     experts = [lin for m in moes for e in m.local_experts() for lin in (e.gate_up_proj, e.down_proj)]
     assert all(not lin.packable and lin.weight.numel() == 0 for lin in experts)  # no GEMM plans or plain copies
-    assert mlas and all(m.kernel is not None and m.absorbed is not None for m in mlas)
+    assert mlas and all(m.absorbed is not None and m.absorbed[0].kernel is kernel for m in mlas)
+    assert all((m.kernel is not None) == amxmm.supported() for m in mlas)  # the latent attention: AMX only
     off = [m for m in _core(ds16, cpu_kernels=False).runner.model.modules() if isinstance(m, MoE | MLAttention)]
     assert off and all(getattr(m, "grouped", None) is None and getattr(m, "kernel", None) is None for m in off)
     assert all(m.absorbed is None for m in off if isinstance(m, MLAttention))

@@ -9,19 +9,21 @@ import pytest
 import torch
 
 from engine.context import AttentionContext
-from engine.kernels import amxmm, decode_attn_amx, pointwise
+from engine.kernels import amxmm, bf16mm, decode_attn_amx, pointwise
 from engine.kernels.decode_attn import DecodeAttention
+from engine.kernels.grouped import GroupedExperts, GroupedKernel, GroupedLinear
 from engine.kernels.op_choice import (
     PREFILL_LENGTHS,
     absorbed_gemm,
-    absorbed_gemm_wins,
     attention_probe,
+    choose_absorbed_gemm,
     choose_decode_attention,
+    choose_grouped_experts,
     choose_kernels,
     decode_attention_kernels,
     faster,
     fastest,
-    grouped_experts_win,
+    grouped_kernels,
     latent_attention_wins,
     prefill_in_place_limit,
     prefill_probe,
@@ -192,47 +194,114 @@ def _bound_only_when_faster(monkeypatch: pytest.MonkeyPatch, cls: type, wins: Ca
     assert not wins(lambda fn: 1.0 - 0.999 * kernel_fast(fn))
 
 
-@pytest.mark.skipif(not amxmm.supported(), reason="this CPU has no AMX tiles: no grouped experts kernel")
-def test_grouped_experts_are_bound_only_where_they_beat_a_gemm_per_expert(monkeypatch: pytest.MonkeyPatch) -> None:
-    kernel = amxmm.kernel()
+GROUPED = {"amxmm": amxmm, "bf16mm": bf16mm}  # the kernels with a grouped entry point, and their modules
+
+
+def _grouped_kernel(name: str) -> GroupedKernel:
+    if not GROUPED[name].supported():
+        pytest.skip(f"this CPU cannot run {name}")
+    kernel = GROUPED[name].kernel()
     assert kernel is not None
+    return kernel
+
+
+class _Recording:
+    """A grouped kernel for the choice alone: it writes zeros and notes that it ran."""
+
+    k_multiple = 1
+
+    def __init__(self, ran: list[str], name: str) -> None:
+        self.ran, self.name = ran, name
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight
+
+    def grouped(self, counts: object, n: int, k: int, x: torch.Tensor, weights: object, y: torch.Tensor,
+                silu_mul: bool) -> None:  # fmt: skip
+        self.ran.append(self.name)
+        y.zero_()
+
+
+def test_the_fastest_grouped_kernel_wins_and_none_where_a_gemm_per_expert_does() -> None:
+    ran: list[str] = []
+    kernels: dict[str, GroupedKernel] = {"a": _Recording(ran, "a"), "b": _Recording(ran, "b")}
     moe = MoE(MoEGate(64, 8, 2, "softmax", 1, 1, False, 1.0), 64, 32, 0, "silu")
-    _bound_only_when_faster(monkeypatch, amxmm.GroupedExperts,
-                            lambda t: grouped_experts_win(kernel, moe, torch.bfloat16, t, None))  # fmt: skip
-    assert not grouped_experts_win(kernel, moe, torch.float32, None, None)  # bf16 math only
-    assert grouped_experts_win(kernel, moe, torch.bfloat16, None, None)  # forced
+
+    def fast_when(name: str | None) -> Timer:
+        def timer(fn: Callable[[], object]) -> float:
+            ran.clear()
+            fn()
+            return 1e-3 if ran == [name, name] or (name is None and not ran) else 1.0  # two calls: gate/up, down
+
+        return timer
+
+    assert choose_grouped_experts(kernels, moe, torch.bfloat16, fast_when("b"), None) is kernels["b"]
+    assert choose_grouped_experts(kernels, moe, torch.bfloat16, fast_when("a"), None) is kernels["a"]
+    assert choose_grouped_experts(kernels, moe, torch.bfloat16, fast_when(None), None) is None
+    assert choose_grouped_experts(kernels, moe, torch.bfloat16, None, None) is kernels["a"]  # forced: the first
+    assert choose_grouped_experts(kernels, moe, torch.float32, None, None) is None  # bf16 math only
+    assert choose_grouped_experts({}, moe, torch.bfloat16, None, None) is None
+
+
+def test_a_forced_gemm_path_puts_its_own_grouped_kernel_first() -> None:
+    found = grouped_kernels()
+    for name in found:
+        assert next(iter(grouped_kernels(name))) == name
+    assert list(grouped_kernels("onednn")) == list(found)
+
+
+@pytest.mark.parametrize("name", list(GROUPED))
+def test_grouped_experts_are_bound_only_where_they_beat_a_gemm_per_expert(
+    monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    kernel = _grouped_kernel(name)
+    moe = MoE(MoEGate(64, 8, 2, "softmax", 1, 1, False, 1.0), 64, 32, 0, "silu")
+
+    def chosen(t: Timer | None) -> bool:
+        return choose_grouped_experts({name: kernel}, moe, torch.bfloat16, t, None) is kernel
+
+    _bound_only_when_faster(monkeypatch, GroupedExperts, chosen)
+    assert chosen(None)  # forced
 
 
 MLA = (64, 4, None, 64, 32, 32, 32, False, 0.2, False)  # hidden, heads, q_lora, latent, nope, rope, v, ...
+NARROW = (64, 4, None, 64, 16, 32, 16, False, 0.2, False)  # nope 16: K of W_UK not whole AMX tiles
 
 
-# each with an MLA shape that does not fit it: latent + rope = 72 (not whole tiles); nope 16 (K of W_UK)
-@pytest.mark.skipif(not amxmm.supported(), reason="this CPU has no AMX tiles: no latent decode or grouped GEMM")
-@pytest.mark.parametrize(
-    ("wins", "cls", "narrow"),
-    [
-        (latent_attention_wins, decode_attn_amx.AMXDecodeAttention, (64, 4, None, 64, 32, 8, 32, False, 0.2, False)),
-        (absorbed_gemm_wins, amxmm.GroupedLinear, (64, 4, None, 64, 16, 32, 16, False, 0.2, False)),
-    ],
-    ids=["latent attention vs gather + SDPA", "grouped W_UK / W_UV vs bmm"],
-)
-def test_an_mla_kernel_is_bound_only_where_it_fits_and_is_faster(
-    monkeypatch: pytest.MonkeyPatch, wins: Callable[..., bool], cls: type, narrow: tuple
-) -> None:
-    kernel = decode_attn_amx.kernel() if wins is latent_attention_wins else amxmm.kernel()
+@pytest.mark.skipif(not amxmm.supported(), reason="this CPU has no AMX tiles: no latent decode")
+def test_latent_attention_is_bound_only_where_it_fits_and_is_faster(monkeypatch: pytest.MonkeyPatch) -> None:
+    kernel = decode_attn_amx.kernel()
     assert kernel is not None
     mla = MLAttention(*MLA)
-    _bound_only_when_faster(monkeypatch, cls, lambda t: wins(kernel, mla, torch.bfloat16, t, None))
-    assert not wins(kernel, MLAttention(*narrow), torch.bfloat16, None, None)  # forced, yet it does not fit
-    if wins is absorbed_gemm_wins:
-        assert absorbed_gemm(kernel)(MLAttention(*narrow)) is None  # type: ignore[arg-type]
+    _bound_only_when_faster(monkeypatch, decode_attn_amx.AMXDecodeAttention,
+                            lambda t: latent_attention_wins(kernel, mla, torch.bfloat16, t, None))  # fmt: skip
+    narrow = (64, 4, None, 64, 32, 8, 32, False, 0.2, False)  # latent + rope = 72: not whole tiles
+    assert not latent_attention_wins(kernel, MLAttention(*narrow), torch.bfloat16, None, None)  # forced, no fit
 
 
-@pytest.mark.skipif(not amxmm.supported(), reason="this CPU has no AMX tiles: no grouped GEMM")
-def test_mla_decode_with_the_grouped_products_equals_bmm() -> None:
+@pytest.mark.parametrize("name", list(GROUPED))
+def test_grouped_w_uk_w_uv_are_bound_only_where_they_fit_and_are_faster(
+    monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    kernel = _grouped_kernel(name)
+    mla = MLAttention(*MLA)
+
+    def chosen(t: Timer | None) -> bool:
+        return choose_absorbed_gemm({name: kernel}, mla, torch.bfloat16, t, None) is kernel
+
+    _bound_only_when_faster(monkeypatch, GroupedLinear, chosen)
+    assert choose_absorbed_gemm({name: kernel}, mla, torch.float32, None, None) is None  # bf16 math only
+    fits = kernel.k_multiple == 1  # bf16mm takes any K
+    assert (choose_absorbed_gemm({name: kernel}, MLAttention(*NARROW), torch.bfloat16, None, None) is kernel) == fits
+    narrow = MLAttention(*NARROW).to(torch.bfloat16)
+    assert (absorbed_gemm(kernel)(narrow) is not None) == fits  # type: ignore[arg-type]
+    assert absorbed_gemm(kernel)(MLAttention(*NARROW)) is None  # type: ignore[arg-type]  # float32 weights
+
+
+@pytest.mark.parametrize("name", list(GROUPED))
+def test_mla_decode_with_the_grouped_products_equals_bmm(name: str) -> None:
     """The decode path alone: the same layer, its latent cache and query, with and without the grouped calls."""
-    kernel = amxmm.kernel()
-    assert kernel is not None
+    kernel = _grouped_kernel(name)
     torch.manual_seed(0)
     mla = MLAttention(*MLA).to(torch.bfloat16)
     mla.kv_b_proj.weight.data.normal_()

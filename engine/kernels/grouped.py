@@ -1,0 +1,90 @@
+"""Several linear layers of one shape in one kernel call: a MoE layer's routed experts, MLA's per-head W_UK / W_UV.
+
+A decode batch gives each of them a handful of rows, and a GEMM call each paid a parallel region and a Python round
+trip (~135 us a call for ~10 us of streaming, DeepSeek-V2-tiny's experts at batch 32 on a 2-core Xeon). The
+kernels that offer a grouped entry point (engine.kernels.amxmm on AMX, engine.kernels.bf16mm on AVX512-BF16) are
+timed against a GEMM per layer at start (engine.kernels.op_choice) and used only where they win.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Protocol
+
+import torch
+
+from engine.kernels.gemm import interleave_halves
+
+
+class GroupedKernel(Protocol):
+    """A compiled bf16 kernel with a grouped entry point."""
+
+    k_multiple: int  # K must be a multiple of this (the kernel's k step)
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """[N, K] bf16 weight → the kernel's own layout."""
+        ...
+
+    def grouped(
+        self, counts: ctypes.Array, n: int, k: int, x: torch.Tensor, weights: ctypes.Array, y: torch.Tensor,
+        silu_mul: bool,
+    ) -> None:  # fmt: skip
+        """Group g's counts[g] rows of x (group-major) through packed weight g (pointers in `weights`) into y."""
+        ...
+
+
+class GroupedLinear:
+    """Several bf16 linear layers of one shape (no bias) over consecutive row groups of one input, in one
+    parallel region: group g's rows go through weight g. With `silu_mul` the weights are gated MLPs' merged
+    [gate; up] projections and the result silu(gate) * up."""
+
+    def __init__(self, kernel: GroupedKernel, weights: list[torch.Tensor], silu_mul: bool = False) -> None:
+        self.kernel, self.silu_mul = kernel, silu_mul
+        self.n, self.k = weights[0].shape
+        self.packed = [kernel.pack(interleave_halves(w) if silu_mul else w) for w in weights]
+        self._ptrs = (ctypes.c_void_p * len(weights))(*(t.data_ptr() for t in self.packed))
+
+    @staticmethod
+    def accepts(kernel: GroupedKernel, weights: list[torch.Tensor], silu_mul: bool = False) -> bool:
+        """bf16 weights of one shape, K in whole k steps of `kernel` (and whole gate/up block pairs for silu_mul)."""
+        if not weights:
+            return False
+        n, k = weights[0].shape
+        same = all(w.dtype == torch.bfloat16 and w.dim() == 2 and w.shape == (n, k) for w in weights)
+        return same and k % kernel.k_multiple == 0 and (not silu_mul or n % 64 == 0)
+
+    def __call__(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """x [rows, K] bf16, group-major (counts[g] rows for group g, in order) → [rows, N] (N / 2 with silu_mul)."""
+        # NOTE: the C side trusts these: a wrong count reads past the weights' pointers or the rows of x
+        if len(counts) != len(self.packed) or sum(counts) != x.shape[0] or x.shape[-1] != self.k:
+            raise ValueError(
+                f"{len(counts)} groups of {sum(counts)} rows for {len(self.packed)} weights, x {tuple(x.shape)}"
+            )
+        x = x.to(torch.bfloat16).contiguous()
+        y = torch.empty(x.shape[0], self.n // 2 if self.silu_mul else self.n, dtype=torch.bfloat16)
+        self.kernel.grouped((ctypes.c_int64 * len(counts))(*counts), self.n, self.k, x, self._ptrs, y, self.silu_mul)
+        return y
+
+
+class GroupedExperts:
+    """A mixture-of-experts layer's routed experts (SiLU gated MLPs, no bias) in two calls a step instead of two
+    per expert: every expert's gate/up projection with the fused SiLU, then every expert's down projection, each
+    one GroupedLinear call over all experts' column blocks."""
+
+    def __init__(self, kernel: GroupedKernel, gate_up: list[torch.Tensor], down: list[torch.Tensor]) -> None:
+        """gate_up: each expert's [2I, H] merged weight ([gate; up]); down: each expert's [H, I]."""
+        self.gate_up = GroupedLinear(kernel, gate_up, silu_mul=True)
+        self.down = GroupedLinear(kernel, down)
+
+    @staticmethod
+    def accepts(kernel: GroupedKernel, gate_up: list[torch.Tensor], down: list[torch.Tensor]) -> bool:
+        """Both projections GroupedLinear's, one expert each, and they chain: [2I, H] then [H, I]."""
+        if not gate_up or len(gate_up) != len(down) or gate_up[0].dim() != 2 or down[0].dim() != 2:
+            return False
+        (n, k), (h, i) = gate_up[0].shape, down[0].shape
+        chained = n == 2 * i and h == k
+        return chained and GroupedLinear.accepts(kernel, gate_up, silu_mul=True) and GroupedLinear.accepts(kernel, down)
+
+    def __call__(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """x [rows, H] bf16, expert-major (counts[e] rows for expert e, in order) → the experts' outputs, [rows, H]."""
+        return self.down(self.gate_up(x, counts), counts)

@@ -1,0 +1,81 @@
+"""engine.kernels.grouped over each kernel with a grouped entry point (amxmm on AMX, bf16mm on AVX512-BF16):
+several experts' rows in one call give what one unfused torch MLP per expert gives."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.kernels import amxmm, bf16mm
+from engine.kernels.grouped import GroupedExperts, GroupedKernel, GroupedLinear
+from tests.kernel_checks import bf16 as _bf16
+
+MODULES = {"amxmm": amxmm, "bf16mm": bf16mm}
+
+
+@pytest.fixture(scope="module", params=list(MODULES))
+def kernel(request: pytest.FixtureRequest) -> GroupedKernel:
+    module = MODULES[request.param]
+    if not module.supported():
+        pytest.skip(f"this CPU cannot run {request.param}")
+    k = module.kernel()
+    assert k is not None
+    return k
+
+
+def _experts(e: int, hidden: int, inner: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    gate_up = [_bf16(2 * inner, hidden, seed=10 + i) for i in range(e)]
+    return gate_up, [_bf16(hidden, inner, seed=50 + i) for i in range(e)]
+
+
+# counts: every expert a few rows, empty experts between busy ones (one past a 32-row block, one past bf16mm's
+# 192-row pass), single rows, none at all
+@pytest.mark.parametrize("counts", [[3, 3, 3, 3], [0, 5, 0, 40, 1, 0], [1, 0, 0, 1], [0, 0, 0], [200, 7]])
+def test_grouped_experts_equal_one_unfused_torch_mlp_per_expert(kernel: GroupedKernel, counts: list[int]) -> None:
+    hidden, inner = 96, 64
+    gate_up, down = _experts(len(counts), hidden, inner)
+    grouped = GroupedExperts(kernel, gate_up, down)
+    x = _bf16(sum(counts), hidden, seed=3)
+    got, start = grouped(x, counts).float(), 0
+    assert got.shape == (sum(counts), hidden)
+    for e, n in enumerate(counts):
+        gate, up = F.linear(x[start : start + n], gate_up[e]).chunk(2, dim=-1)  # bf16, as torch runs
+        want = F.linear(F.silu(gate) * up, down[e]).float()
+        torch.testing.assert_close(got[start : start + n], want, rtol=3e-2, atol=3e-2)
+        start += n
+
+
+@pytest.mark.parametrize(("n", "k"), [(32, 64), (70, 96), (130, 33)])
+def test_grouped_linear_equals_one_linear_per_group(kernel: GroupedKernel, n: int, k: int) -> None:
+    """Column tails and (where the kernel takes it) an odd K: each group exactly its own layer's linear."""
+    weights = [_bf16(n, k, seed=i) for i in range(3)]
+    if not GroupedLinear.accepts(kernel, weights):
+        assert k % kernel.k_multiple != 0
+        return
+    counts = [4, 0, 9]
+    x = _bf16(sum(counts), k, seed=9)
+    got, start = GroupedLinear(kernel, weights)(x, counts), 0
+    for w, rows in zip(weights, counts, strict=True):
+        want = kernel.linear(x[start : start + rows], kernel.pack(w), n, None)  # type: ignore[attr-defined]
+        torch.testing.assert_close(got[start : start + rows], want)
+        start += rows
+
+
+def test_grouped_experts_take_only_bf16_weights_in_whole_steps(kernel: GroupedKernel) -> None:
+    gate_up, down = _experts(2, 96, 64)
+    assert GroupedExperts.accepts(kernel, gate_up, down)
+    assert not GroupedExperts.accepts(kernel, [w.float() for w in gate_up], down)
+    assert not GroupedExperts.accepts(kernel, *_experts(2, 96, 48))  # 2I = 96: not whole gate/up block pairs
+    assert GroupedExperts.accepts(kernel, *_experts(2, 80, 64)) == (80 % kernel.k_multiple == 0)  # K = 80
+    assert not GroupedExperts.accepts(kernel, gate_up, down[:1])
+
+
+def test_grouped_linear_refuses_counts_that_do_not_match_its_weights_or_rows(kernel: GroupedKernel) -> None:
+    weights = [_bf16(32, 64, seed=i) for i in range(3)]
+    grouped = GroupedLinear(kernel, weights)
+    x = _bf16(5, 64, seed=9)
+    assert grouped(x, [2, 0, 3]).shape == (5, 32)
+    for counts in ([2, 3], [2, 0, 4], [1, 1, 1, 2]):  # a group missing, rows past x, a weight missing
+        with pytest.raises(ValueError, match="groups"):
+            grouped(x, counts)
