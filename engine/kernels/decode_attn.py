@@ -48,6 +48,11 @@ class DecodeAttention:
             and num_heads // num_kv_heads <= 16
         )
 
+    def takes_latent(self, num_heads: int, width: int, dtype: torch.dtype, block_size: int = 16) -> bool:
+        """Whether MLA decode (engine.layers.mla) may run here: all query heads over one cached latent row of
+        `width` that is K and V at once. Only kernels built for it say yes."""
+        return False
+
     def __call__(
         self,
         q: torch.Tensor,

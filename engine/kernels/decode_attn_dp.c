@@ -11,7 +11,10 @@
 // cold caches (one to eight slices ahead, into L1 or L2) nor in the model (two ahead: 0.50 against 0.47 ms a
 // layer, Qwen2-0.5B's heads, batch 32).
 //
-// Requires: bf16 cache, block_size % 16 == 0, head_dim % 32 == 0 and <= 256, G = H / KV <= 16.
+// Requires: bf16 cache, block_size % 16 == 0, head_dim % 32 == 0 and <= 32 * MAX_STEPS, G = H / KV <= 16.
+// Built twice (decode_attn_dp.py): for attention heads (MAX_STEPS 8: head_dim <= 256), and for MLA's latent rows
+// (MAX_STEPS 18: DeepSeek's 512 + 64 columns, one "KV head" that is K and V at once, all query heads over it),
+// so the heads' build keeps its smaller per-task state.
 #if !defined(__AVX512BF16__) || !defined(__AVX512BW__)
 #error "this kernel needs AVX512-BF16"
 #endif
@@ -22,7 +25,9 @@
 
 #include "avx512_math.h"
 
+#ifndef MAX_STEPS
 #define MAX_STEPS 8  // head_dim / 32
+#endif
 #define MAX_G 16
 #define MAX_HT 32  // query heads one task keeps state for
 #ifndef PV_G
@@ -164,10 +169,13 @@ void decode_attn_dp_bf16(int64_t B, int64_t H, int64_t KV, int64_t D, const uint
     for (int64_t t = 0; t < B * groups; t++) {
         const int64_t b = t / groups, k0 = (t % groups) * per, k1 = k0 + per < KV ? k0 + per : KV;
 #define TASK(steps) task(b, k0, k1, H, KV, D, q, kc, vc, bs, tables, W, ctx_lens[b], scale, out, steps)
-        // head_dim 64 and 128 get their own compiled copies: a constant step count keeps the sums in registers
+        // the common widths get their own compiled copies: a constant step count keeps the sums in registers
         switch (D) {
         case 64: TASK(2); break;
         case 128: TASK(4); break;
+#if MAX_STEPS >= 18
+        case 576: TASK(18); break;  // MLA's latent rows (DeepSeek-V2/V3: 512 + 64)
+#endif
         default: TASK(D / 32); break;
         }
 #undef TASK

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from engine.kernels.decode_attn import DecodeAttention
-from engine.kernels.decode_attn_amx import AMXDecodeAttention
 from engine.kernels.grouped import GroupedKernel, GroupedLinear
 from engine.kernels.pointwise import PointwiseKernels
 
@@ -32,8 +31,8 @@ class CpuKernels:
     # that beat a oneDNN call per expert (engine.kernels.op_choice.choose_grouped_experts)
     moe_experts: GroupedKernel | None = None
     # MLA decode over the paged latent cache in place (engine.layers.mla), where it beat gather + SDPA
-    # (engine.kernels.op_choice.latent_attention_wins)
-    latent_attn: AMXDecodeAttention | None = None
+    # (engine.kernels.op_choice.choose_latent_attention)
+    latent_attn: DecodeAttention | None = None
     # MLA decode's per-head W_UK / W_UV products as one grouped call each, where that beat torch.bmm: given the
     # layer, its two GroupedLinear (engine.kernels.op_choice.choose_absorbed_gemm)
     absorbed: Callable[[MLAttention], tuple[GroupedLinear, GroupedLinear] | None] | None = None

@@ -140,15 +140,24 @@ def choose_grouped_experts(
     return fits.get(fastest(key, candidates, timer, cache))
 
 
-def latent_attention_wins(
-    kernel: decode_attn_amx.AMXDecodeAttention, mla: MLAttention, dtype: torch.dtype, timer: Timer | None,
+def latent_attention_kernels(attn: dict[str, DecodeAttention]) -> dict[str, DecodeAttention]:
+    """The kernels that may run MLA decode over the paged latents in place: the AMX one (among `attn`, built for
+    the attention layers) and, on AVX512-BF16, the dot-product kernel's latent build."""
+    found = (("amx", attn.get("amx")), ("dp", decode_attn_dp.latent_kernel()))
+    return {name: k for name, k in found if k is not None}
+
+
+def choose_latent_attention(
+    kernels: dict[str, DecodeAttention], mla: MLAttention, dtype: torch.dtype, timer: Timer | None,
     cache: PlanCache | None,
-) -> bool:  # fmt: skip
-    """Whether `kernel` reading the paged latents in place beat gather + SDPA (engine.layers.mla.latent_attention)
-    for a decode step of ROWS sequences of CONTEXT tokens at `mla`'s sizes."""
+) -> DecodeAttention | None:  # fmt: skip
+    """The fastest of the kernels that read the paged latents in place, for a decode step of ROWS sequences of
+    CONTEXT tokens at `mla`'s sizes; None where gather + SDPA (engine.layers.mla.latent_attention) beat them all.
+    Without a timer, the first that takes the shape."""
     h, lat, width = mla.num_heads, mla.kv_lora_rank, mla.kv_lora_rank + mla.rope
-    if not kernel.takes_latent(h, width, dtype, BLOCK):
-        return False
+    fits = {name: k for name, k in kernels.items() if k.takes_latent(h, width, dtype, BLOCK)}
+    if not fits:
+        return None
     per_seq = CONTEXT // BLOCK
     g = torch.Generator().manual_seed(0)
     rows = torch.randn(ROWS * per_seq + 1, BLOCK, width, generator=g).to(dtype)
@@ -162,8 +171,13 @@ def latent_attention_wins(
         return latent_attention(q, gathered, mask, mla.scale, lat)
 
     four_d = rows.unsqueeze(2)
-    return faster(f"op latent_attention {ROWS}x{CONTEXT} h{h} w{width} {dtype}",
-                  lambda: kernel(q, four_d, four_d, tables, lens, mla.scale), torch_path, timer, cache)  # fmt: skip
+
+    def in_place(kernel: DecodeAttention) -> Callable[[], object]:
+        return lambda: kernel(q, four_d, four_d, tables, lens, mla.scale)
+
+    candidates = {name: in_place(k) for name, k in fits.items()} | {"torch": torch_path}
+    key = f"op latent_attention {ROWS}x{CONTEXT} h{h} w{width} {dtype} {'+'.join(fits)}"
+    return fits.get(fastest(key, candidates, timer, cache))
 
 
 def absorbed_gemm(kernel: GroupedKernel) -> Callable[[MLAttention], tuple[GroupedLinear, GroupedLinear] | None]:
@@ -362,10 +376,8 @@ def choose_kernels(
             k.sample = pw
     mla = next((m for m in model.modules() if isinstance(m, MLAttention)), None)
     moe = next((m for m in model.modules() if isinstance(m, MoE)), None)
-    amx_attn = attn.get("amx")
-    amx = amx_attn if isinstance(amx_attn, decode_attn_amx.AMXDecodeAttention) else None
-    if mla is not None and amx is not None and latent_attention_wins(amx, mla, dtype, timer, cache):
-        k.latent_attn = amx
+    if mla is not None:
+        k.latent_attn = choose_latent_attention(latent_attention_kernels(attn), mla, dtype, timer, cache)
     if grouped and mla is not None and (gk := choose_absorbed_gemm(grouped, mla, dtype, timer, cache)) is not None:
         k.absorbed = absorbed_gemm(gk)
     if grouped and moe is not None:

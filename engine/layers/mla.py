@@ -16,7 +16,7 @@ from engine.layers.rotary import apply_rotary, apply_rotary_interleaved
 from engine.parallel.group import Group, SingleGroup
 
 if TYPE_CHECKING:
-    from engine.kernels.decode_attn_amx import AMXDecodeAttention
+    from engine.kernels.decode_attn import DecodeAttention
     from engine.kernels.grouped import GroupedLinear
     from engine.kernels.kernel_set import CpuKernels
 
@@ -77,7 +77,7 @@ class MLAttention(nn.Module):
         # a fresh tensor per layer and step costs page faults once it outgrows malloc's mmap threshold
         self.scratch = torch.empty(0) if scratch is None else scratch
         self._absorbed: tuple[tuple[int, int], torch.Tensor, torch.Tensor] | None = None
-        self.kernel: AMXDecodeAttention | None = None  # decode attends over the paged latents in place
+        self.kernel: DecodeAttention | None = None  # decode attends over the paged latents in place
         self.absorbed: tuple[GroupedLinear, GroupedLinear] | None = None  # W_UK, W_UV as one call each
 
     def bind_kernels(self, kernels: CpuKernels) -> None:

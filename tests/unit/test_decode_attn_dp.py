@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kernels import bf16mm, decode_attn
+from engine.kernels import bf16mm, decode_attn, decode_attn_dp
 from engine.kernels.decode_attn import check_against_reference
 from engine.kernels.decode_attn_dp import DotDecodeAttention
 
@@ -56,3 +56,41 @@ def test_takes_only_the_shapes_its_vectors_fit(kernel: DotDecodeAttention) -> No
     assert not kernel.takes(4, 4, 16, torch.bfloat16, 16)  # head_dim under one 32-wide vector
     assert not kernel.takes(14, 2, 64, torch.bfloat16, 8)  # a 16-token slice must sit in one block
     assert not kernel.takes(34, 2, 64, torch.bfloat16, 16)  # G = 17 query heads per KV head
+
+
+@pytest.fixture(scope="module")
+def latent(tmp_path_factory: pytest.TempPathFactory) -> DotDecodeAttention:
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TIANMEN_KERNEL_CACHE", str(tmp_path_factory.mktemp("latent")))
+    try:
+        return DotDecodeAttention.build_latent()
+    finally:
+        mp.undo()
+
+
+# MLA (engine.layers.mla): all query heads over one latent row that is K and V at once; DeepSeek-V2's 512 + 64
+# columns, a narrower one, and fewer heads than 16
+@pytest.mark.parametrize(("h", "width"), [(16, 576), (4, 64), (7, 320)])
+def test_the_latent_build_takes_latent_rows_as_key_and_value(latent: DotDecodeAttention, h: int, width: int) -> None:
+    g = torch.Generator().manual_seed(5)
+    lens = (1, 17, 130, 300)
+    per_seq = max(-(-n // 16) for n in lens)
+    rows = torch.randn(len(lens) * per_seq + 1, 16, 1, width, generator=g).bfloat16()
+    q = torch.randn(len(lens), h, width, generator=g).bfloat16()
+    tables = torch.randperm(len(lens) * per_seq, generator=g).view(len(lens), per_seq)
+    used = torch.tensor(lens)
+    got = latent(q, rows, rows, tables, used, 0.05).float()
+    want = decode_attn.reference(q, rows, rows, tables, used, 0.05)
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    assert latent.takes_latent(h, width, torch.bfloat16, 16)
+
+
+def test_only_the_latent_build_takes_latent_rows(kernel: DotDecodeAttention, latent: DotDecodeAttention) -> None:
+    assert not kernel.takes_latent(16, 576, torch.bfloat16, 16)  # the heads' build: head_dim <= 256
+    assert not kernel.takes(16, 1, 576, torch.bfloat16, 16) and not latent.takes(16, 1, 576, torch.bfloat16, 16)
+    assert latent.takes_latent(16, 576, torch.bfloat16, 64)
+    assert not latent.takes_latent(16, 608, torch.bfloat16, 16)  # past 18 steps
+    assert not latent.takes_latent(17, 576, torch.bfloat16, 16)  # more query heads than a task's 16
+    assert not latent.takes_latent(16, 560, torch.bfloat16, 16)  # not whole 32-wide steps
+    assert not latent.takes_latent(16, 576, torch.float32, 16)
+    decode_attn_dp.check_latent(latent)  # the start-up check passes

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.context import AttentionContext
-from engine.kernels import amxmm, bf16mm, decode_attn_amx, pointwise
+from engine.kernels import amxmm, bf16mm, decode_attn_amx, decode_attn_dp, pointwise
 from engine.kernels.decode_attn import DecodeAttention
 from engine.kernels.grouped import GroupedExperts, GroupedKernel, GroupedLinear
 from engine.kernels.op_choice import (
@@ -20,11 +20,12 @@ from engine.kernels.op_choice import (
     choose_decode_attention,
     choose_grouped_experts,
     choose_kernels,
+    choose_latent_attention,
     decode_attention_kernels,
     faster,
     fastest,
     grouped_kernels,
-    latent_attention_wins,
+    latent_attention_kernels,
     prefill_in_place_limit,
     prefill_probe,
 )
@@ -268,15 +269,25 @@ MLA = (64, 4, None, 64, 32, 32, 32, False, 0.2, False)  # hidden, heads, q_lora,
 NARROW = (64, 4, None, 64, 16, 32, 16, False, 0.2, False)  # nope 16: K of W_UK not whole AMX tiles
 
 
-@pytest.mark.skipif(not amxmm.supported(), reason="this CPU has no AMX tiles: no latent decode")
-def test_latent_attention_is_bound_only_where_it_fits_and_is_faster(monkeypatch: pytest.MonkeyPatch) -> None:
-    kernel = decode_attn_amx.kernel()
-    assert kernel is not None
+LATENT = {"amx": (amxmm, decode_attn_amx.kernel), "dp": (bf16mm, decode_attn_dp.latent_kernel)}
+
+
+@pytest.mark.parametrize("name", list(LATENT))
+def test_latent_attention_is_bound_only_where_it_fits_and_is_faster(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    module, build = LATENT[name]
+    if not module.supported():
+        pytest.skip(f"this CPU cannot run the {name} latent decode")
+    kernel = build()
+    assert kernel is not None and latent_attention_kernels({"amx": kernel} if name == "amx" else {})[name] is kernel
     mla = MLAttention(*MLA)
-    _bound_only_when_faster(monkeypatch, decode_attn_amx.AMXDecodeAttention,
-                            lambda t: latent_attention_wins(kernel, mla, torch.bfloat16, t, None))  # fmt: skip
-    narrow = (64, 4, None, 64, 32, 8, 32, False, 0.2, False)  # latent + rope = 72: not whole tiles
-    assert not latent_attention_wins(kernel, MLAttention(*narrow), torch.bfloat16, None, None)  # forced, no fit
+
+    def chosen(t: Timer | None) -> bool:
+        return choose_latent_attention({name: kernel}, mla, torch.bfloat16, t, None) is kernel
+
+    _bound_only_when_faster(monkeypatch, type(kernel), chosen)
+    assert chosen(None)  # forced
+    narrow = (64, 4, None, 64, 32, 8, 32, False, 0.2, False)  # latent + rope = 72: not whole 32-wide steps
+    assert choose_latent_attention({name: kernel}, MLAttention(*narrow), torch.bfloat16, None, None) is None
 
 
 @pytest.mark.parametrize("name", list(GROUPED))
