@@ -1,10 +1,11 @@
-"""Assertions the compiled GEMM kernels' tests share (tests/unit/test_bf16mm.py, tests/unit/test_amxmm.py)."""
+"""Assertions the compiled kernels' tests share (tests/unit/test_bf16mm.py, test_amxmm.py, test_decode_attn_*.py)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from engine.kernels.decode_attn import DecodeAttention, reference
 from engine.kernels.gemm import GemmKernel, SiluMulKernel
 
 
@@ -28,3 +29,18 @@ def assert_fused_silu_equals_unfused(
     # the exp differs from torch's (SLEEF) in the last float32 bits: now and then one bf16 step apart
     torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=1e-6)
     assert (got != want).float().mean() < 0.02
+
+
+def assert_latent_rows_match(kernel: DecodeAttention, h: int, width: int) -> None:
+    """MLA decode (engine.layers.mla): `h` query heads over one cached latent row of `width` that is K and V at
+    once, over scattered 16-token blocks, against the float32 reference."""
+    g = torch.Generator().manual_seed(5)
+    lens = (1, 17, 130, 300)
+    per_seq = max(-(-n // 16) for n in lens)
+    rows = torch.randn(len(lens) * per_seq + 1, 16, 1, width, generator=g).bfloat16()
+    q = torch.randn(len(lens), h, width, generator=g).bfloat16()
+    tables = torch.randperm(len(lens) * per_seq, generator=g).view(len(lens), per_seq)
+    used = torch.tensor(lens)
+    got = kernel(q, rows, rows, tables, used, 0.05).float()
+    torch.testing.assert_close(got, reference(q, rows, rows, tables, used, 0.05), rtol=2e-2, atol=2e-2)
+    assert kernel.takes_latent(h, width, torch.bfloat16, 16)

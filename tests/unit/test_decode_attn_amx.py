@@ -12,6 +12,7 @@ import torch
 from engine.kernels import amxmm, cbuild, decode_attn
 from engine.kernels.decode_attn import check_against_reference
 from engine.kernels.decode_attn_amx import AMXDecodeAttention
+from tests.kernel_checks import assert_latent_rows_match
 
 pytestmark = pytest.mark.skipif(not amxmm.supported(), reason="this CPU has no AMX tiles")
 
@@ -61,17 +62,7 @@ def test_self_check_catches_a_wrong_kernel(kernel: AMXDecodeAttention, monkeypat
 # 512 + 64 columns (18 tile steps), and a small one
 @pytest.mark.parametrize(("h", "width"), [(16, 576), (4, 64)])
 def test_latent_rows_as_key_and_value_equal_the_reference(kernel: AMXDecodeAttention, h: int, width: int) -> None:
-    g = torch.Generator().manual_seed(5)
-    lens = (1, 17, 130, 300)
-    per_seq = max(-(-n // 16) for n in lens)
-    rows = torch.randn(len(lens) * per_seq + 1, 16, 1, width, generator=g).bfloat16()
-    q = torch.randn(len(lens), h, width, generator=g).bfloat16()
-    tables = torch.randperm(len(lens) * per_seq, generator=g).view(len(lens), per_seq)
-    used = torch.tensor(lens)
-    got = kernel(q, rows, rows, tables, used, 0.05).float()
-    want = decode_attn.reference(q, rows, rows, tables, used, 0.05)
-    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
-    assert kernel.takes_latent(h, width, torch.bfloat16, 16)
+    assert_latent_rows_match(kernel, h, width)
 
 
 def test_takes_only_the_latent_widths_the_tiles_fit(kernel: AMXDecodeAttention) -> None:

@@ -12,6 +12,7 @@ import torch
 from engine.kernels import bf16mm, decode_attn, decode_attn_dp
 from engine.kernels.decode_attn import check_against_reference
 from engine.kernels.decode_attn_dp import DotDecodeAttention
+from tests.kernel_checks import assert_latent_rows_match
 
 pytestmark = pytest.mark.skipif(not bf16mm.supported(), reason="this CPU has no AVX512-BF16")
 
@@ -72,17 +73,7 @@ def latent(tmp_path_factory: pytest.TempPathFactory) -> DotDecodeAttention:
 # columns, a narrower one, and fewer heads than 16
 @pytest.mark.parametrize(("h", "width"), [(16, 576), (4, 64), (7, 320)])
 def test_the_latent_build_takes_latent_rows_as_key_and_value(latent: DotDecodeAttention, h: int, width: int) -> None:
-    g = torch.Generator().manual_seed(5)
-    lens = (1, 17, 130, 300)
-    per_seq = max(-(-n // 16) for n in lens)
-    rows = torch.randn(len(lens) * per_seq + 1, 16, 1, width, generator=g).bfloat16()
-    q = torch.randn(len(lens), h, width, generator=g).bfloat16()
-    tables = torch.randperm(len(lens) * per_seq, generator=g).view(len(lens), per_seq)
-    used = torch.tensor(lens)
-    got = latent(q, rows, rows, tables, used, 0.05).float()
-    want = decode_attn.reference(q, rows, rows, tables, used, 0.05)
-    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
-    assert latent.takes_latent(h, width, torch.bfloat16, 16)
+    assert_latent_rows_match(latent, h, width)
 
 
 def test_only_the_latent_build_takes_latent_rows(kernel: DotDecodeAttention, latent: DotDecodeAttention) -> None:
