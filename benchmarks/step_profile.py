@@ -1,6 +1,7 @@
 """Where a step's time goes: the throughput workload with a timer around each kind of module call.
 
     python -m benchmarks.step_profile [--shape qwen2-0.5b] [--num-prompts 32] [--output-len 128] [--no-cpu-kernels]
+                                      [--quantization w8a8|w4a16 [--group-size 128]]
 
 Runs N prompts x 128 random ids -> --output-len tokens (greedy, EOS ignored, prefix caching off) once to warm
 up, then once timed, wrapping Linear, attention, RMSNorm, DeepSeek's MoE and MLA layers and the runner's step
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 
 from benchmarks.shapes import SHAPES, checkpoint
+from benchmarks.throughput import quantized
 from engine import LLM, EngineConfig, SamplingParams
 from engine.config import GEMM_PATHS
 from engine.kernels.decode_attn import DecodeAttention
@@ -70,6 +72,9 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--no-cpu-kernels", action="store_true", help="cpu_kernels = false: oneDNN and torch only")
     ap.add_argument("--gemm-path", default="auto", choices=GEMM_PATHS, help="force one GEMM path (default: measured)")
+    ap.add_argument("--quantization", choices=["w8a8", "w4a16"], help="profile the shape's quantized copy")
+    ap.add_argument("--group-size", type=int, default=128, help="w4a16's group size")
+    ap.add_argument("--quantize-lm-head", action="store_true", help="with the LM head quantized too")
     args = ap.parse_args()
 
     _timed(GemmPlan, "__call__", _gemm_key)
@@ -85,10 +90,12 @@ def main() -> None:
     _timed(MLAttention, "_decode", lambda m, a: f"  MLA decode (W_UK, attention, W_UV), M {_rows(a[0])}")
     _timed(ModelRunner, "execute", lambda m, a: "runner step (all of the above and the rest)")
 
-    path = str(checkpoint(args.shape))
+    path = checkpoint(args.shape)
+    if args.quantization:  # the copy benchmarks.throughput --quantization makes and keeps
+        path = quantized(path, args.quantization, args.group_size, args.quantize_lm_head)
     vocab = SHAPES[args.shape]["vocab_size"]
     config = EngineConfig(
-        model=path,
+        model=str(path),
         max_num_seqs=args.num_prompts,
         max_model_len=1024,
         enable_prefix_caching=False,
@@ -109,7 +116,8 @@ def main() -> None:
     dtype = str(config.torch_dtype).removeprefix("torch.")
     kernels = "off" if args.no_cpu_kernels else "on"
     workload = f"{args.num_prompts} x 128 -> {args.output_len}"
-    print(f"\n{args.shape}, {dtype}, cpu_kernels {kernels}, {workload}: {wall:.2f} s")
+    shape = args.shape + (f" {args.quantization}" if args.quantization else "")
+    print(f"\n{shape}, {dtype}, cpu_kernels {kernels}, {workload}: {wall:.2f} s")
     print(f"{'what':<48} {'total ms':>10} {'calls':>7} {'ms/call':>9}")
     for k, v in sorted(TOTAL.items(), key=lambda kv: -kv[1]):
         print(f"{k:<48} {v * 1e3:>10.1f} {CALLS[k]:>7} {v / CALLS[k] * 1e3:>9.3f}")

@@ -2,7 +2,7 @@
 
     python -m benchmarks.throughput [--shape qwen2-0.5b|deepseek-v2-tiny] [--num-prompts 32] [--prompt-len 128]
                                     [--output-len 128] [--vllm /path/to/vllm-venv/bin/python] [--onednn-row]
-                                    [--quantization w8a8|w4a16 [--group-size 128]]
+                                    [--quantization w8a8|w4a16 [--group-size 128] [--quantize-lm-head]]
 
 With --quantization, the shape's checkpoint is also quantized with `tianmen quantize` (round-to-nearest; kept
 beside it for later runs) and a "tianmen <scheme>" row runs on it, beside the bf16 row and the peers.
@@ -133,6 +133,7 @@ def main() -> None:
     ap.add_argument("--vllm", metavar="PYTHON", help="also run vLLM's CPU build with this venv's python")
     ap.add_argument("--quantization", choices=["w8a8", "w4a16"], help="also run tianmen on a quantized copy")
     ap.add_argument("--group-size", type=int, default=128, help="W4A16's group size")
+    ap.add_argument("--quantize-lm-head", action="store_true", help="quantize the LM head too (tied: its own copy)")
     args = ap.parse_args()
 
     path = str(checkpoint(args.shape))
@@ -147,8 +148,8 @@ def main() -> None:
     if args.onednn_row:
         work.append(("tianmen-onednn", lambda: isolated(ours, path, chosen, args.output_len, dname, False)))
     if args.quantization:
-        qpath = str(quantized(Path(path), args.quantization, args.group_size))
-        qname = f"tianmen {args.quantization}"
+        qpath = str(quantized(Path(path), args.quantization, args.group_size, args.quantize_lm_head))
+        qname = f"tianmen {args.quantization}" + (" +head" if args.quantize_lm_head else "")
         work.append((qname, lambda: isolated(ours, qpath, chosen, args.output_len, dname)))
     if not args.no_hf:
         hf_name = f"transformers {__import__('transformers').__version__}"
@@ -194,15 +195,16 @@ def main() -> None:
         print(f"{'ratio vs ' + peer:<28} {ours_row[1] / tps:>11.2f}x {ms / ours_row[2]:>17.2f}x faster")
 
 
-def quantized(src: Path, scheme: str, group_size: int) -> Path:
+def quantized(src: Path, scheme: str, group_size: int, lm_head: bool = False) -> Path:
     """`tianmen quantize`'s output for `src` (round-to-nearest), made once and kept beside it."""
     from engine.quant.quantize import quantize
 
-    dst = src.with_name(f"{src.name}-{scheme}" + (f"-g{group_size}" if scheme == "w4a16" else ""))
+    suffix = (f"-g{group_size}" if scheme == "w4a16" else "") + ("-head" if lm_head else "")
+    dst = src.with_name(f"{src.name}-{scheme}{suffix}")
     if not (dst / "tianmen-quant.json").exists():
         if dst.exists():
             shutil.rmtree(dst)  # an interrupted earlier run
-        quantize(src, dst, scheme, group_size=group_size)
+        quantize(src, dst, scheme, group_size=group_size, lm_head=lm_head)
     return dst
 
 

@@ -228,7 +228,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--scheme", required=True, choices=["w8a8", "w4a16"])
     p.add_argument("--group-size", type=int, default=128, help="w4a16: inputs sharing a scale (default 128)")
     p.add_argument("--asymmetric", action="store_true", help="w4a16: a zero point per group (W4A16_ASYM)")
-    p.add_argument("--quantize-lm-head", action="store_true", help="quantize the LM head too (default: kept)")
+    p.add_argument(
+        "--quantize-lm-head",
+        action="store_true",
+        help="quantize the LM head too (default: kept; a head tied to the embeddings gets its own copy)",
+    )
     p.add_argument("--smooth", type=float, metavar="ALPHA", help="w8a8: SmoothQuant of strength ALPHA (e.g. 0.5)")
     p.add_argument("--gptq", action="store_true", help="GPTQ instead of round-to-nearest (calibrates on ~2k tokens)")
     p.set_defaults(func=cmd_quantize)

@@ -16,143 +16,19 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "avx512_math.h"
-#define NB 64
-#define MR 6
-// Rows per pass over the weights: large batches (prefill) go through in chunks whose activations stay in L2
-// while every column block streams past them; measured best at 48-384 on Zen 4, 1.1x faster than one pass.
-#define MC 192
-// Row tiles a block may have for the next block to be prefetched by software (see run()); with more, the block's
-// arithmetic outlasts the stream anyway, and with one the hardware prefetchers follow the single pass. 8 was
-// measured on a Zen 4 only: the library is also built with -DPF_TILES=1 (no software prefetch), and the GEMM
-// selection times both on the machine it runs on (engine.kernels.bind).
-#ifndef PF_TILES
-#define PF_TILES 8
-#endif
-
-// Row r's k-pair kp of x as one 32-bit lane; an odd K's last pair holds a zero, never the next row's value
-// (which the zero weight padding would turn into NaN if it were inf).
-static inline int32_t pair_at(const uint16_t *xr, int64_t kp, int64_t K) {
-    int32_t v = 0;
-    memcpy(&v, xr + 2 * kp, 2 * kp + 1 < K ? 4 : 2);
-    return v;
-}
-
-static inline __attribute__((always_inline)) void step(const int mr, __m512 acc[MR][4], const uint16_t *wk,
-                                                       const int32_t *p) {
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512((const void *)wk);
-    const __m512bh w1 = (__m512bh)_mm512_loadu_si512((const void *)(wk + 32));
-    const __m512bh w2 = (__m512bh)_mm512_loadu_si512((const void *)(wk + 64));
-    const __m512bh w3 = (__m512bh)_mm512_loadu_si512((const void *)(wk + 96));
-    for (int r = 0; r < mr; r++) {
-        const __m512bh xv = (__m512bh)_mm512_set1_epi32(p[r]);
-        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xv, w0);
-        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xv, w1);
-        acc[r][2] = _mm512_dpbf16_ps(acc[r][2], xv, w2);
-        acc[r][3] = _mm512_dpbf16_ps(acc[r][3], xv, w3);
-    }
-}
-
-// pf, pf_end: the part of the next column block this tile asks for, spread over its k steps (see run()).
-static inline __attribute__((always_inline)) void tile(const int mr, int64_t K, const uint16_t *x,
-                                                       const uint16_t *w, const float *bias, float *out,
-                                                       const char *pf, const char *pf_end, const int64_t pf_step) {
-    __m512 acc[MR][4];
-    for (int r = 0; r < mr; r++)
-        for (int j = 0; j < 4; j++) acc[r][j] = _mm512_loadu_ps(bias + 16 * j);
-    int32_t p[MR];
-    const int64_t full = K / 2;
-    for (int64_t kp = 0; kp < full; kp++) {
-        for (int64_t l = 0; l < pf_step && pf < pf_end; l++, pf += 64) _mm_prefetch(pf, _MM_HINT_T1);
-        for (int r = 0; r < mr; r++) memcpy(&p[r], x + r * K + 2 * kp, 4);
-        step(mr, acc, w + kp * 2 * NB, p);
-    }
-    if (K & 1) {
-        for (int r = 0; r < mr; r++) p[r] = pair_at(x + r * K, full, K);
-        step(mr, acc, w + full * 2 * NB, p);
-    }
-    for (int r = 0; r < mr; r++)
-        for (int j = 0; j < 4; j++) _mm512_storeu_ps(out + r * NB + j * 16, acc[r][j]);
-}
-
-static void tile_any(int mr, int64_t K, const uint16_t *x, const uint16_t *w, const float *bias, float *out,
-                     const char *pf, const char *pf_end, int64_t pf_step) {
-    switch (mr) {  // a constant row count lets the compiler keep every accumulator in a register
-    case 1: tile(1, K, x, w, bias, out, pf, pf_end, pf_step); break;
-    case 2: tile(2, K, x, w, bias, out, pf, pf_end, pf_step); break;
-    case 3: tile(3, K, x, w, bias, out, pf, pf_end, pf_step); break;
-    case 4: tile(4, K, x, w, bias, out, pf, pf_end, pf_step); break;
-    case 5: tile(5, K, x, w, bias, out, pf, pf_end, pf_step); break;
-    default: tile(6, K, x, w, bias, out, pf, pf_end, pf_step); break;
-    }
-}
-
-static inline uint16_t to_bf16(float f) {  // round to nearest even, as VCVTNEPS2BF16 does
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40);  // NaN stays a (quiet) NaN
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1)) >> 16);
-}
-
-// Column block nb (of nblocks) for rows [m0, m1) of x [.][K] through the packed weight w, into y (rows N wide,
-// N / 2 with silu_mul); at most MC rows, so they stay in L2 while the block's weights go past them.
-static void block(int64_t m0, int64_t m1, int64_t nb, int64_t nblocks, int64_t N, int64_t K, const uint16_t *x,
-                  const uint16_t *w, const uint16_t *b, uint16_t *y, const int silu_mul) {
-    const int64_t pairs = (K + 1) / 2;
-    const uint16_t *wb = w + nb * pairs * 2 * NB;
-    const int64_t n0 = nb * NB, nn = N - n0 < NB ? N - n0 : NB;
-    float out[MR * NB], bias[NB] = {0};
-    if (b)
-        for (int64_t j = 0; j < nn; j++) {
-            const uint32_t u = (uint32_t)b[n0 + j] << 16;
-            memcpy(&bias[j], &u, 4);
-        }
-    // NOTE: the first row tile of a block reads its weights from memory and the others from L2, where the
-    // hardware prefetchers see no misses to follow: the next block would then start cold and the stream and the
-    // arithmetic take turns. Each tile asks for its share of the next block instead, spread over its k steps, so
-    // that block streams in while this one is computed. Measured on a 2-core Zen 4 over 200 MB of weights
-    // (SmolLM2 and Qwen2-0.5B shapes), 8-48 rows: 0.84-0.98x the time without.
-    const int64_t tiles = (m1 - m0 + MR - 1) / MR, lines = pairs * 2 * NB * 2 / 64;
-    const int64_t share = (lines + tiles - 1) / tiles, pf_step = (share + pairs - 1) / pairs;
-    const char *next = (const char *)(wb + pairs * 2 * NB);
-    const char *next_end = nb + 1 < nblocks && tiles > 1 && tiles <= PF_TILES ? next + lines * 64 : next;
-    for (int64_t r0 = m0; r0 < m1; r0 += MR) {
-        const int mr = m1 - r0 < MR ? (int)(m1 - r0) : MR;
-        const char *pf = next + (r0 - m0) / MR * share * 64;
-        const char *pf_end = pf + share * 64 < next_end ? pf + share * 64 : next_end;
-        tile_any(mr, K, x + r0 * K, wb, bias, out, pf, pf_end, pf_step);
-        for (int r = 0; r < mr; r++) {
-            const float *o = out + r * NB;
-            if (silu_mul) {  // N % 64 == 0 (checked by the caller): whole blocks, N / 2 outputs a row
-                uint16_t *yr = y + (r0 + r) * (N / 2) + n0 / 2;
-                const __m512 lo = silu_mul16(_mm512_loadu_ps(o), _mm512_loadu_ps(o + 32));
-                const __m512 hi = silu_mul16(_mm512_loadu_ps(o + 16), _mm512_loadu_ps(o + 48));
-                _mm512_storeu_si512((void *)yr, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-                continue;
-            }
-            uint16_t *yr = y + (r0 + r) * N + n0;
-            if (nn == NB) {
-                const __m512bh lo = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(o + 16), _mm512_loadu_ps(o));
-                const __m512bh hi = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(o + 48), _mm512_loadu_ps(o + 32));
-                _mm512_storeu_si512((void *)yr, (__m512i)lo);
-                _mm512_storeu_si512((void *)(yr + 32), (__m512i)hi);
-            } else {
-                for (int64_t j = 0; j < nn; j++) yr[j] = to_bf16(o[j]);
-            }
-        }
-    }
-}
+#include "bf16mm_block.h"
 
 // Threads split the output columns, so each streams only its share of the weights.
 static void run(int64_t M, int64_t N, int64_t K, const uint16_t *x, const uint16_t *w, const uint16_t *b,
                 uint16_t *y, int nthreads, const int silu_mul) {
-    const int64_t nblocks = (N + NB - 1) / NB;
+    const int64_t nblocks = (N + NB - 1) / NB, block_size = (K + 1) / 2 * 2 * NB;
 #pragma omp parallel num_threads(nthreads)
     for (int64_t mc0 = 0; mc0 < M; mc0 += MC) {
         const int64_t mc1 = M < mc0 + MC ? M : mc0 + MC;
         // the same static split in every chunk: a thread always writes the same columns, so no barrier is needed
 #pragma omp for schedule(static) nowait
-        for (int64_t nb = 0; nb < nblocks; nb++) block(mc0, mc1, nb, nblocks, N, K, x, w, b, y, silu_mul);
+        for (int64_t nb = 0; nb < nblocks; nb++)
+            block(mc0, mc1, nb, nblocks, N, K, x, w + nb * block_size, b, y, silu_mul);
     }
 }
 
@@ -192,7 +68,8 @@ void bf16mm_grouped(int64_t E, const int64_t *counts, int64_t N, int64_t K, cons
 #pragma omp parallel for schedule(dynamic, 4) num_threads(nthreads)
     for (int64_t t = 0; t < P * nblocks; t++) {
         const piece_t *p = pieces + t / nblocks;
-        block(p->m0, p->m1, t % nblocks, nblocks, N, K, p->x, p->w, NULL, p->y, silu_mul);
+        const int64_t nb = t % nblocks;
+        block(p->m0, p->m1, nb, nblocks, N, K, p->x, p->w + nb * ((K + 1) / 2) * 2 * NB, NULL, p->y, silu_mul);
     }
 }
 

@@ -2,16 +2,25 @@
 a dense tensor); the engine times them per shape and batch class with the dense ones (engine.kernels.select).
 
 W8A8: activations quantized per token, then int8 x int8 → int32 products by oneDNN (AMX-INT8 / VNNI where the
-CPU has them) or torch._int_mm. W4A16: torch's CPU int4 GEMM (weights unpacked in registers, float math). The
-reference path (dequantize, then matmul) runs anywhere and is the correctness definition."""
+CPU has them), torch._int_mm, or on AVX512-VNNI CPUs engine.kernels.i8mm (the whole layer in one call). W4A16:
+torch's CPU int4 GEMM (weights unpacked in registers, float math) and, on AVX512-BF16 CPUs,
+engine.kernels.w4mm's two entry points (nibbles widened in registers; a group at a time through bf16mm's
+tiles). The reference path (dequantize, then matmul) runs anywhere and is the correctness definition."""
 
 from __future__ import annotations
 
 import logging
+import math
+import time
+import weakref
+from collections.abc import Callable
 
 import torch
 
+from engine.kernels import i8mm, w4mm
 from engine.kernels.gemm import Act, GemmPath, Run
+from engine.kernels.i8mm import I8MM
+from engine.kernels.w4mm import W4MM, PackedInt4
 from engine.quant.weights import Int4Weight, Int8Weight, quantize_tokens
 
 log = logging.getLogger(__name__)
@@ -28,6 +37,19 @@ def _probe(name: str, fn: object) -> bool:
         log.debug("quantized GEMM path %s unavailable (%s)", name, e)
         return False
     return True
+
+
+_usable: dict[str, bool] = {}  # W8A8 path name → whether it passed its probes in this process
+
+
+def _best_seconds(fn: Callable[[], object], rounds: int = 3) -> float:
+    fn()  # warm-up: first-call set-up is not the path's speed
+    best = math.inf
+    for _ in range(rounds):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
 
 
 class QuantReferencePath:
@@ -49,10 +71,15 @@ class _W8A8Path:
     name = ""
 
     def __init__(self) -> None:
-        w = Int8Weight(torch.ones(8, 16, dtype=torch.int8), torch.ones(8))
-        self.available = _probe(self.name, lambda: self.prepare(w, None, None)(torch.ones(2, 16))) and _probe(
-            self.name, self._check_exact
-        )
+        known = _usable.get(self.name)
+        if known is None:  # probed once a process: the speed check takes up to a second where the path is slow
+            w = Int8Weight(torch.ones(8, 16, dtype=torch.int8), torch.ones(8))
+            known = _usable[self.name] = (
+                _probe(self.name, lambda: self.prepare(w, None, None)(torch.ones(2, 16)))
+                and _probe(self.name, self._check_exact)
+                and _probe(self.name, self._check_speed)
+            )
+        self.available = known
 
     def _check_exact(self) -> None:
         """Raise unless the int32 products are exact at the int8 extremes. WHY: on a CPU without VNNI (a Zen 3, AVX2,
@@ -67,6 +94,19 @@ class _W8A8Path:
         got = self.products(Int8Weight(q, torch.ones(32)))(xq).double()
         if not torch.allclose(got, xq.double() @ q.double().t(), rtol=0, atol=0.5):
             raise RuntimeError("its int8 products are not exact on this CPU (they saturate)")
+
+    def _check_speed(self) -> None:
+        """Raise if one int8 GEMM takes more than SLOW times float32 matmul's on the same shape. WHY: on a Zen 4
+        (2026-12-01/02) oneDNN's int8 GEMM ran a reference implementation, seconds a call, and timing it among
+        the candidates made a model's first start take many minutes for a path that could never win."""
+        g = torch.Generator().manual_seed(0)
+        wq, x = torch.randint(-127, 128, (512, 512), generator=g, dtype=torch.int8), torch.randn(64, 512, generator=g)
+        run, wf = self.prepare(Int8Weight(wq, torch.ones(512)), None, None), wq.float()
+        ours, float_mm = _best_seconds(lambda: run(x)), _best_seconds(lambda: torch.nn.functional.linear(x, wf))
+        if ours > self.SLOW * float_mm:
+            raise RuntimeError(f"its int8 GEMM took {ours / float_mm:.0f}x float32 matmul's time on this CPU")
+
+    SLOW = 8.0
 
     def accepts(self, weight: object, act: Act | None) -> bool:
         return self.available and isinstance(weight, Int8Weight)
@@ -114,6 +154,21 @@ class IntMMPath(_W8A8Path):
         return lambda xq: torch._int_mm(xq, wt)
 
 
+class I8MMPath:
+    """engine.kernels.i8mm: per-token quantization, VPDPBUSD int32 sums and both scales in one call, bf16 or
+    float32 in and out."""
+
+    def __init__(self, kernel: I8MM, name: str = "i8mm") -> None:
+        self.kernel, self.name, self.available = kernel, name, True
+
+    def accepts(self, weight: object, act: Act | None) -> bool:
+        return isinstance(weight, Int8Weight)
+
+    def prepare(self, weight: Int8Weight, bias: torch.Tensor | None, act: Act | None) -> Run:  # type: ignore[override]
+        packed, kernel = I8MM.pack(weight.q, weight.scale, bias), self.kernel
+        return _then(lambda x: kernel.linear(x, packed), act)
+
+
 class Int4PackPath:
     """torch's CPU int4 GEMM (_weight_int4pack_mm_for_cpu): w = (q - 8) · scale + zero per group, so our zero
     point z becomes the float offset (8 - z) · scale."""
@@ -146,7 +201,43 @@ class Int4PackPath:
         return _then(run, act)
 
 
+# one packed copy per weight, whichever of W4MMPath's entry points run it (a weight may hold both: select.py);
+# keyed by the id of the weight's nibbles while they live (a tensor cannot key a WeakKeyDictionary: its == is
+# elementwise)
+_w4mm_packed: dict[int, PackedInt4] = {}
+
+
+class W4MMPath:
+    """engine.kernels.w4mm for bf16 math: `direct` (nibbles widened in registers) or `panel` (a dequantized
+    block through bf16mm's tiles)."""
+
+    def __init__(self, kernel: W4MM, entry: str) -> None:
+        self.kernel, self.entry = kernel, entry
+        self.name = "w4mm" if entry == "direct" else f"w4mm-{entry}"
+        self.available = True
+
+    def accepts(self, weight: object, act: Act | None) -> bool:
+        return isinstance(weight, Int4Weight) and W4MM.accepts(*weight.shape, weight.group_size)
+
+    def prepare(self, weight: Int4Weight, bias: torch.Tensor | None, act: Act | None) -> Run:  # type: ignore[override]
+        key = id(weight.packed)
+        packed = _w4mm_packed.get(key)
+        if packed is None:
+            packed = W4MM.pack(weight.values(), weight.scale, weight.zero, weight.group_size)
+            _w4mm_packed[key] = packed
+            weakref.finalize(weight.packed, _w4mm_packed.pop, key, None)
+        fn = getattr(self.kernel, self.entry)
+        b = bias.to(torch.bfloat16) if bias is not None else None
+        return _then(lambda x: fn(x, packed, b), act)
+
+
 def quant_paths(dtype: torch.dtype) -> list[GemmPath]:
     """The quantized candidates on this machine: the fast ones that work here, then the reference."""
-    fast: list[_W8A8Path | Int4PackPath] = [OneDNNInt8Path(), IntMMPath(), Int4PackPath(dtype)]
+    fast: list[_W8A8Path | Int4PackPath | W4MMPath | I8MMPath] = [OneDNNInt8Path(), IntMMPath(), Int4PackPath(dtype)]
+    if (k8 := i8mm.kernel()) is not None:
+        fast.append(I8MMPath(k8))
+        if (plain := i8mm.kernel_without_prefetch()) is not None:  # whether prefetching pays is measured
+            fast.append(I8MMPath(plain, "i8mm-noprefetch"))
+    if dtype == torch.bfloat16 and (k4 := w4mm.kernel()) is not None:
+        fast += [W4MMPath(k4, "direct"), W4MMPath(k4, "panel")]
     return [*(p for p in fast if p.available), QuantReferencePath()]  # type: ignore[list-item]

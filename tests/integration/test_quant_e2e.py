@@ -92,6 +92,25 @@ def test_w8a8_logits_match_transformers(root: Path) -> None:
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
+def test_a_tied_head_quantized_on_request_becomes_its_own_module_and_matches_transformers(root: Path) -> None:
+    """The demo-like tiny model ties its head to the embeddings: --quantize-lm-head writes a quantized copy of
+    the head and unties it, the embeddings stay float, and transformers reads the result as we do."""
+    from engine.quant.modules import QuantLinear
+    from engine.quant.quantize import quantize
+
+    assert json.loads((root / "src" / "config.json").read_text())["tie_word_embeddings"]
+    report = quantize(root / "src", root / "w4a16-head", "w4a16", group_size=32, lm_head=True)
+    cfg = json.loads((root / "w4a16-head" / "config.json").read_text())
+    assert report.untied_head and report.quantized == 15 and not cfg["tie_word_embeddings"]
+    assert cfg["quantization_config"]["ignore"] == []
+    core = EngineCore(EngineConfig(model=root / "w4a16-head", dtype="float32", device="cpu", max_num_seqs=4))
+    model = core.runner.model
+    assert isinstance(model.lm_head, QuantLinear) and model.model.embed_tokens.weight.dtype == torch.float32
+    want = hf_last_logits(root / "w4a16-head")
+    assert _rel(our_last_logits(root / "w4a16-head"), want) <= 1e-4
+    assert _rel(want, hf_last_logits(root / "w4a16")) > 1e-4  # the head's quantization shows in the logits
+
+
 def _library_checkpoint(src: Path, out: Path, preset: str, fmt: str) -> Path:
     """The tiny model quantized round-to-nearest by compressed-tensors itself (what llm-compressor drives)."""
     from compressed_tensors.compressors import ModelCompressor

@@ -160,3 +160,28 @@ def test_a_w8a8_path_whose_products_saturate_is_not_a_candidate() -> None:
 
     assert IntMMPath().available
     assert not Saturating().available
+
+
+def test_a_w8a8_path_far_slower_than_float_matmul_is_not_a_candidate_and_is_probed_once() -> None:
+    """oneDNN's int8 GEMM ran a reference implementation on a Zen 4, seconds a call: timing it among the
+    candidates at start cost minutes for a path that could never win."""
+    import time
+
+    calls: list[int] = []
+
+    class Slow(IntMMPath):
+        name = "slow-int8"
+
+        def products(self, weight: Int8Weight) -> Callable[[torch.Tensor], torch.Tensor]:
+            wt = weight.q.t()
+
+            def run(xq: torch.Tensor) -> torch.Tensor:
+                calls.append(1)
+                time.sleep(0.2)  # a 64 x 512 x 512 float32 matmul takes well under a millisecond
+                return torch._int_mm(xq, wt)
+
+            return run
+
+    assert not Slow().available
+    probed = len(calls)
+    assert probed and not Slow().available and len(calls) == probed  # the verdict is kept for the process

@@ -1,0 +1,134 @@
+"""W8A8 linear layers for CPUs with AVX512-VNNI (engine/kernels/i8mm.c): int8 weights with a float scale per
+output channel, activations quantized to int8 per row inside the call, exactly as compressed-tensors defines it
+(engine.quant.weights.quantize_tokens), int32 sums by VPDPBUSD. The engine times it against oneDNN's int8 GEMM
+and torch._int_mm per shape and batch class (engine.quant.paths).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from engine.kernels.cbuild import Once, SelfCheckError, build
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("i8mm.c")
+BLOCK = 64  # output columns per packed block (NB in i8mm.c)
+
+_i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+
+
+@dataclass(slots=True)
+class PackedInt8:
+    """A weight in the kernel's layout ([N/64, K4/4, 64, 4] int8) with its columns' sums of weights, scales and
+    bias (float32; None without), padded to whole blocks."""
+
+    packed: torch.Tensor
+    colsum: torch.Tensor
+    scale: torch.Tensor
+    bias: torch.Tensor | None
+    n: int
+    k: int
+
+
+class I8MM:
+    """The compiled kernel: pack an int8 weight once, then run W8A8 linear layers over it."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib
+        lib.i8mm_linear.argtypes = [_i64, _i64, _i64, _ptr, _int, _ptr, _ptr, _ptr, _ptr, _ptr, _int]
+        lib.i8mm_linear.restype = _int
+
+    @classmethod
+    def build(cls, flags: tuple[str, ...] = ("-march=native",)) -> I8MM:
+        return cls(build(SOURCE, flags))
+
+    @staticmethod
+    def pack(q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> PackedInt8:
+        """q: int8 [N, K]; scale: float [N]; bias: [N] or None → the kernel's layout."""
+        n, k = q.shape
+        blocks, k4 = -(-n // BLOCK), -(-k // 4) * 4
+        padded = F.pad(q, (0, k4 - k, 0, blocks * BLOCK - n))  # zero weights
+        packed = padded.view(blocks, BLOCK, k4 // 4, 4).permute(0, 2, 1, 3).contiguous().view(-1)
+        colsum = padded.sum(dim=1, dtype=torch.int32)
+        b = F.pad(bias.float(), (0, blocks * BLOCK - n)) if bias is not None else None
+        return PackedInt8(packed, colsum, F.pad(scale.float(), (0, blocks * BLOCK - n)), b, n, k)
+
+    def linear(self, x: torch.Tensor, w: PackedInt8) -> torch.Tensor:
+        """x [..., K] (bf16 or float32) → x W^T + b, [..., N] of x's dtype."""
+        dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float32) else torch.float32
+        x2 = x.reshape(-1, w.k).to(dtype).contiguous()
+        y = torch.empty(x2.shape[0], w.n, dtype=dtype)
+        rc = self.lib.i8mm_linear(
+            x2.shape[0], w.n, w.k, x2.data_ptr(), int(dtype == torch.bfloat16), w.packed.data_ptr(),
+            w.colsum.data_ptr(), w.scale.data_ptr(), w.bias.data_ptr() if w.bias is not None else None,
+            y.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        if rc != 0:
+            raise MemoryError("i8mm: no memory for the quantized rows")
+        return y.view(*x.shape[:-1], w.n)
+
+
+def reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """What the kernel computes, in float32 (engine.quant.weights.Int8Weight.reference without the import)."""
+    xf = x.float()
+    s = (xf.abs().amax(dim=-1, keepdim=True) / 127.5).clamp_min(torch.finfo(torch.float32).tiny)
+    xq = torch.round(xf / s).clamp_(-128, 127)
+    return (xq @ q.float().t()) * s * scale.float()
+
+
+def self_check(kernel: I8MM) -> None:
+    """Column and K tails, more rows than a tile and a pass, both input types, full-range products (VPDPBUSD
+    never saturates: its sums are 32-bit)."""
+    g = torch.Generator().manual_seed(0)
+    for m, n, k in ((1, 70, 33), (7, 130, 64), (200, 64, 9), (13, 16, 256)):
+        q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+        q[:, : k // 2] = 127
+        scale = torch.rand(n, generator=g) * 0.02 + 1e-3
+        bias = torch.randn(n, generator=g)
+        packed = I8MM.pack(q, scale, bias)
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(m, k, generator=g).to(dtype)
+            x[0, 0] = 50.0  # one outlier: the rest quantize to small steps
+            want = reference(x, q, scale) + bias
+            got = kernel.linear(x, packed).float()
+            tol = 1e-5 if dtype == torch.float32 else 1e-2
+            if not torch.allclose(got, want, rtol=tol, atol=tol * want.abs().max().item()):
+                err = (got - want).abs().max().item()
+                raise SelfCheckError(f"i8mm self-check failed at {m}x{n}x{k} {dtype}: max error {err:.3g}")
+
+
+def supported() -> bool:
+    """AVX512-VNNI with AVX512-BW: the instructions the kernel is made of."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    line = next((ln for ln in flags.splitlines() if ln.startswith("flags")), "")
+    return {"avx512_vnni", "avx512bw"} <= set(line.split())
+
+
+_once = Once(I8MM.build, log, "W8A8 layers will use oneDNN's int8 GEMM or torch._int_mm", check=self_check)
+# the same kernel without its software prefetch of the next block (bf16mm's setting, tuned on one CPU): timed beside it
+_once_plain = Once(
+    lambda: I8MM.build(("-march=native", "-DPF_TILES=1")),
+    log,
+    "W8A8 layers are not timed without software prefetch",
+    check=self_check,
+)
+
+
+def kernel() -> I8MM | None:
+    """The process-wide kernel; None without AVX512-VNNI, or (logged once) where it can't be built."""
+    return _once() if supported() else None
+
+
+def kernel_without_prefetch() -> I8MM | None:
+    """The kernel built with no software prefetch (PF_TILES=1), as kernel() otherwise."""
+    return _once_plain() if supported() else None

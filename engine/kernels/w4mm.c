@@ -1,0 +1,252 @@
+// W4A16 linear layers for CPUs with AVX512-BF16: y[M][N] = x[M][K] . W^T (+ b), x, b and y bf16, W unsigned
+// 4-bit with a float scale s and zero point z per output channel and group of G inputs: w = (q - z) * s.
+//
+// Two entry points, which the engine times against each other and torch's int4 GEMM per shape and batch class:
+// - w4mm_linear: the nibbles are widened to bf16 in registers (q itself, 0..15, exact) and VDPBF16PS sums x * q
+//   over a group; at the group's end y += s * (sum x q) - s * z * (sum x). It reads a quarter of bf16's bytes:
+//   for decode's small batches, which stream every weight from memory once per step.
+// - w4mm_linear_panel: a thread widens one group of its 64-column block at a time into bf16mm's layout in an L1
+//   buffer of its own, then runs bf16mm's tiles (6 rows x 64 columns) over it for every row, the group's sums
+//   scaled into float rows in memory: the widening is shared by all the rows (batches past a few rows).
+//
+// Packed layout (w4mm.py packs): nibbles [N/64][K/4][4][32] bytes: for each 64-column block, each 4 k and each
+// 16 columns, byte i holds column i/2's k = 4kq + i%2 in its low nibble and k = 4kq + 2 + i%2 in its high one,
+// so one 32-byte load widens to two VDPBF16PS operands of 16 columns x 2 k (bf16mm's pair layout). Scales
+// [N/64][K/G][2][64] float: s, then s * z, of the block's columns for each group. K and G are multiples of 4.
+#ifndef __AVX512BF16__
+#error "this kernel needs AVX512-BF16 (-march=native on a CPU without it: torch's int4 GEMM is used instead)"
+#endif
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bf16mm_block.h"
+
+#define QR 3  // rows per tile of the direct kernel: 2 x 4 accumulators a row, the rest of the 32 registers spare
+
+static inline __m512i lut_bf16(void) {  // word q (0..15, twice over) = q as bf16
+    uint16_t t[32];
+    for (int i = 0; i < 32; i++) t[i] = to_bf16((float)(i & 15));
+    return _mm512_loadu_si512((const void *)t);
+}
+
+// One 32-byte load: 16 columns x 4 k as two bf16 operands (k pairs 0 and 1).
+static inline __attribute__((always_inline)) void widen(const uint8_t *p, __m512i lut, __m512bh *a, __m512bh *b) {
+    const __m512i wide = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));
+    *a = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(wide, _mm512_set1_epi16(15)), lut);
+    *b = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(wide, 4), lut);
+}
+
+// mr rows of x (row stride K) against one block's nibbles wq and scales sc; xs: the rows' sums per group
+// [mr][K/G]; out [mr][64] float, before the bias.
+static inline __attribute__((always_inline)) void qtile(const int mr, int64_t K, int64_t G, const uint16_t *x,
+                                                        const uint8_t *wq, const float *sc, const float *xs,
+                                                        float *out) {
+    const __m512i lut = lut_bf16();
+    const int64_t groups = K / G;
+    __m512 tot[QR][4], acc[QR][4];
+    for (int r = 0; r < mr; r++)
+        for (int c = 0; c < 4; c++) tot[r][c] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        for (int r = 0; r < mr; r++)
+            for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_ps();
+        for (int64_t kq = g * G / 4; kq < (g + 1) * G / 4; kq++) {
+            const uint8_t *wk = wq + kq * 128;
+            int32_t p0[QR], p1[QR];
+            for (int r = 0; r < mr; r++) {
+                memcpy(&p0[r], x + r * K + 4 * kq, 4);
+                memcpy(&p1[r], x + r * K + 4 * kq + 2, 4);
+            }
+            for (int c = 0; c < 4; c++) {
+                __m512bh a, b;
+                widen(wk + 32 * c, lut, &a, &b);
+                for (int r = 0; r < mr; r++) {
+                    acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)_mm512_set1_epi32(p0[r]), a);
+                    acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)_mm512_set1_epi32(p1[r]), b);
+                }
+            }
+        }
+        const float *s = sc + g * 128, *sz = s + 64;
+        for (int r = 0; r < mr; r++) {
+            const __m512 sum = _mm512_set1_ps(xs[r * groups + g]);
+            for (int c = 0; c < 4; c++) {
+                tot[r][c] = _mm512_fmadd_ps(acc[r][c], _mm512_loadu_ps(s + 16 * c), tot[r][c]);
+                tot[r][c] = _mm512_fnmadd_ps(sum, _mm512_loadu_ps(sz + 16 * c), tot[r][c]);
+            }
+        }
+    }
+    for (int r = 0; r < mr; r++)
+        for (int c = 0; c < 4; c++) _mm512_storeu_ps(out + r * NB + 16 * c, tot[r][c]);
+}
+
+static void qtile_any(int mr, int64_t K, int64_t G, const uint16_t *x, const uint8_t *wq, const float *sc,
+                      const float *xs, float *out) {
+    switch (mr) {  // a constant row count keeps every accumulator in a register
+    case 1: qtile(1, K, G, x, wq, sc, xs, out); break;
+    case 2: qtile(2, K, G, x, wq, sc, xs, out); break;
+    default: qtile(3, K, G, x, wq, sc, xs, out); break;
+    }
+}
+
+static inline float bf16_to_f32(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+// The calling thread's buffer for the rows' group sums, grown to the largest call seen (a fresh malloc of a
+// prefill's sums is an mmap whose pages fault in on every call); NULL without memory.
+static __thread float *sums_buf;
+static __thread int64_t sums_cap;
+
+static float *sums_for(int64_t n) {
+    if (sums_cap < n) {
+        free(sums_buf);
+        sums_buf = malloc(sizeof(float) * (size_t)n);
+        sums_cap = sums_buf ? n : 0;
+    }
+    return sums_buf;
+}
+
+// The sums of x's rows over each group of G inputs, in float: [M][K/G].
+static void group_sums(int64_t M, int64_t K, int64_t G, const uint16_t *x, float *xs, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (M * K > 65536)
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < K / G; g++) {
+            float s = 0;
+            for (int64_t k = g * G; k < (g + 1) * G; k++) s += bf16_to_f32(x[m * K + k]);
+            xs[m * (K / G) + g] = s;
+        }
+}
+
+static void store_row(const float *o, const float *bias, uint16_t *yr, int64_t nn) {
+    if (nn < NB) {
+        for (int64_t j = 0; j < nn; j++) yr[j] = to_bf16(o[j] + bias[j]);
+        return;
+    }
+    __m512 v[4];
+    for (int c = 0; c < 4; c++) v[c] = _mm512_add_ps(_mm512_loadu_ps(o + 16 * c), _mm512_loadu_ps(bias + 16 * c));
+    _mm512_storeu_si512((void *)yr, (__m512i)_mm512_cvtne2ps_pbh(v[1], v[0]));
+    _mm512_storeu_si512((void *)(yr + 32), (__m512i)_mm512_cvtne2ps_pbh(v[3], v[2]));
+}
+
+// Returns 0, or -1 where the rows' group sums could not be had (y untouched).
+int w4mm_linear(int64_t M, int64_t N, int64_t K, int64_t G, const uint16_t *x, const uint8_t *wq, const float *sc,
+                const uint16_t *b, uint16_t *y, int nthreads) {
+    const int64_t nblocks = (N + NB - 1) / NB, groups = K / G;
+    float *xs = sums_for(M * groups);
+    if (!xs) return -1;
+    group_sums(M, K, G, x, xs, nthreads);
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t nb = 0; nb < nblocks; nb++) {
+        const int64_t n0 = nb * NB, nn = N - n0 < NB ? N - n0 : NB;
+        float out[QR * NB], bias[NB] = {0};
+        if (b)
+            for (int64_t j = 0; j < nn; j++) bias[j] = bf16_to_f32(b[n0 + j]);
+        for (int64_t r0 = 0; r0 < M; r0 += QR) {
+            const int mr = M - r0 < QR ? (int)(M - r0) : QR;
+            qtile_any(mr, K, G, x + r0 * K, wq + nb * K * 32, sc + nb * groups * 128, xs + r0 * groups, out);
+            for (int r = 0; r < mr; r++) store_row(out + r * NB, bias, y + (r0 + r) * N + n0, nn);
+        }
+    }
+    return 0;
+}
+
+// One group's nibbles of a 64-column block widened to bf16 (q itself, exact) in bf16mm's layout [G/2][64][2].
+static void widen_group(int64_t G, const uint8_t *wq, uint16_t *wg) {
+    const __m512i lut = lut_bf16();
+    for (int64_t kq = 0; kq < G / 4; kq++)
+        for (int c = 0; c < 4; c++) {
+            __m512bh a, b;
+            widen(wq + kq * 128 + 32 * c, lut, &a, &b);
+            _mm512_storeu_si512((void *)(wg + ((2 * kq) * NB + 16 * c) * 2), (__m512i)a);
+            _mm512_storeu_si512((void *)(wg + ((2 * kq + 1) * NB + 16 * c) * 2), (__m512i)b);
+        }
+}
+
+// mr rows of x (row stride ldx, at the group's first input) against a widened group wg: the sums of x * q in
+// registers (bf16mm's step), then out[r] += s * sum - s * z * xs[r] in memory.
+static inline __attribute__((always_inline)) void gtile(const int mr, int64_t ldx, int64_t G, const uint16_t *x,
+                                                        const uint16_t *wg, const float *sc, const float *xs,
+                                                        int64_t groups, float *out) {
+    __m512 acc[MR][4];
+    for (int r = 0; r < mr; r++)
+        for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_ps();
+    int32_t p[MR];
+    for (int64_t kp = 0; kp < G / 2; kp++) {
+        for (int r = 0; r < mr; r++) memcpy(&p[r], x + r * ldx + 2 * kp, 4);
+        step(mr, acc, wg + kp * 2 * NB, p);
+    }
+    for (int r = 0; r < mr; r++) {
+        const __m512 sum = _mm512_set1_ps(xs[r * groups]);
+        for (int c = 0; c < 4; c++) {
+            __m512 o = _mm512_loadu_ps(out + r * NB + 16 * c);
+            o = _mm512_fmadd_ps(acc[r][c], _mm512_loadu_ps(sc + 16 * c), o);
+            o = _mm512_fnmadd_ps(sum, _mm512_loadu_ps(sc + 64 + 16 * c), o);
+            _mm512_storeu_ps(out + r * NB + 16 * c, o);
+        }
+    }
+}
+
+static void gtile_any(int mr, int64_t ldx, int64_t G, const uint16_t *x, const uint16_t *wg, const float *sc,
+                      const float *xs, int64_t groups, float *out) {
+    switch (mr) {
+    case 1: gtile(1, ldx, G, x, wg, sc, xs, groups, out); break;
+    case 2: gtile(2, ldx, G, x, wg, sc, xs, groups, out); break;
+    case 3: gtile(3, ldx, G, x, wg, sc, xs, groups, out); break;
+    case 4: gtile(4, ldx, G, x, wg, sc, xs, groups, out); break;
+    case 5: gtile(5, ldx, G, x, wg, sc, xs, groups, out); break;
+    default: gtile(6, ldx, G, x, wg, sc, xs, groups, out); break;
+    }
+}
+
+static __thread uint16_t *group_buf;  // per thread, grown to the largest group seen
+static __thread int64_t group_cap;
+
+// Returns 0, or -1 where a buffer could not be had (y is then incomplete).
+int w4mm_linear_panel(int64_t M, int64_t N, int64_t K, int64_t G, const uint16_t *x, const uint8_t *wq,
+                      const float *sc, const uint16_t *b, uint16_t *y, int nthreads) {
+    const int64_t nblocks = (N + NB - 1) / NB, groups = K / G;
+    float *xs = sums_for(M * groups);
+    if (!xs) return -1;
+    group_sums(M, K, G, x, xs, nthreads);
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads) reduction(| : failed)
+    {
+        if (group_cap < G * NB) {
+            free(group_buf);
+            group_buf = malloc((size_t)(G * NB) * sizeof(uint16_t));
+            group_cap = group_buf ? G * NB : 0;
+        }
+        uint16_t *wg = group_buf;
+        failed = wg == NULL;
+        float out[MC * NB];
+#pragma omp for schedule(static)
+        for (int64_t nb = 0; nb < nblocks; nb++) {
+            if (!wg) continue;
+            const int64_t n0 = nb * NB, nn = N - n0 < NB ? N - n0 : NB;
+            float bias[NB] = {0};
+            if (b)
+                for (int64_t j = 0; j < nn; j++) bias[j] = bf16_to_f32(b[n0 + j]);
+            const uint8_t *wb = wq + nb * K * 32;
+            const float *sb = sc + nb * groups * 128;
+            // rows a pass at most MC, so they stay in L2 while the block's groups go past them
+            for (int64_t m0 = 0; m0 < M; m0 += MC) {
+                const int64_t mc = M - m0 < MC ? M - m0 : MC;
+                memset(out, 0, sizeof(float) * (size_t)(mc * NB));
+                for (int64_t g = 0; g < groups; g++) {
+                    widen_group(G, wb + g * G * 32, wg);
+                    for (int64_t r = 0; r < mc; r += MR) {
+                        const int mr = mc - r < MR ? (int)(mc - r) : MR;
+                        gtile_any(mr, K, G, x + (m0 + r) * K + g * G, wg, sb + g * 128, xs + (m0 + r) * groups + g,
+                                  groups, out + r * NB);
+                    }
+                }
+                for (int64_t r = 0; r < mc; r++) store_row(out + r * NB, bias, y + (m0 + r) * N + n0, nn);
+            }
+        }
+    }
+    return failed ? -1 : 0;
+}

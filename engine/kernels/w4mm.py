@@ -1,0 +1,128 @@
+"""W4A16 linear layers for CPUs with AVX512-BF16 (engine/kernels/w4mm.c): unsigned 4-bit weights with a float
+scale and zero point per output channel and group of inputs, bf16 activations.
+
+Two entry points over one packed weight: `direct` widens the nibbles in registers, a few rows at a time (a
+quarter of bf16's bytes streamed: decode's small batches); `panel` widens one group of a 64-column block at a
+time into an L1 buffer and runs bf16mm's tiles over it for every row (larger batches, prefill). The engine
+times both, with torch's int4 GEMM, per shape and batch class (engine.quant.paths).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.kernels import bf16mm
+from engine.kernels.cbuild import Once, SelfCheckError, build
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("w4mm.c")
+BLOCK = 64  # output columns per packed block (NB in w4mm.c)
+
+_i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+
+
+@dataclass(slots=True)
+class PackedInt4:
+    """A weight in the kernel's layout: nibbles [N/64, K/4, 4, 32] uint8, scales [N/64, K/G, 2, 64] float32."""
+
+    nibbles: torch.Tensor
+    scales: torch.Tensor
+    n: int
+    k: int
+    group_size: int
+
+
+class W4MM:
+    """The compiled kernel: pack an int4 weight once, then run bf16 linear layers over it."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib
+        for f in (lib.w4mm_linear, lib.w4mm_linear_panel):
+            f.argtypes = [_i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _int]
+            f.restype = _int
+
+    @classmethod
+    def build(cls, flags: tuple[str, ...] = ("-march=native",)) -> W4MM:
+        return cls(build(SOURCE, flags))
+
+    @staticmethod
+    def accepts(n: int, k: int, group_size: int) -> bool:
+        return k % group_size == 0 and group_size % 4 == 0
+
+    @staticmethod
+    def pack(values: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int) -> PackedInt4:
+        """values: unsigned 4-bit [N, K] (any int dtype); scale, zero: [N, K/G] → the kernel's layout, columns
+        padded to whole blocks with zero weights."""
+        n, k = values.shape
+        assert W4MM.accepts(n, k, group_size)
+        blocks = -(-n // BLOCK)
+        pad = blocks * BLOCK - n
+        v = torch.nn.functional.pad(values.to(torch.uint8), (0, 0, 0, pad))
+        # [block, 16-column group c, column j, kq, half, kk]: half 0 -> low nibble, half 1 -> high nibble
+        v = v.view(blocks, 4, 16, k // 4, 2, 2)
+        byte = v[..., 0, :] | (v[..., 1, :] << 4)  # [block, c, j, kq, kk]
+        nibbles = byte.permute(0, 3, 1, 2, 4).contiguous()  # [block, kq, c, j, kk]: byte i = j * 2 + kk
+        s = torch.nn.functional.pad(scale.float(), (0, 0, 0, pad))
+        sz = s * torch.nn.functional.pad(zero.float(), (0, 0, 0, pad))
+        scales = torch.stack((s, sz), dim=0).view(2, blocks, BLOCK, -1).permute(1, 3, 0, 2).contiguous()
+        return PackedInt4(nibbles.view(-1), scales.view(-1), n, k, group_size)
+
+    def direct(self, x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [..., K] → x W^T + b, [..., N] bf16, the nibbles widened in registers."""
+        return self._run(self.lib.w4mm_linear, x, w, bias)
+
+    def panel(self, x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None) -> torch.Tensor:
+        """The same, each group widened once into a buffer for all the rows and run through bf16mm's tiles."""
+        return self._run(self.lib.w4mm_linear_panel, x, w, bias)
+
+    @staticmethod
+    def _run(fn: ctypes._CFuncPtr, x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None) -> torch.Tensor:
+        x2 = x.reshape(-1, w.k).to(torch.bfloat16).contiguous()
+        y = torch.empty(x2.shape[0], w.n, dtype=torch.bfloat16)
+        b = bias.to(torch.bfloat16).contiguous() if bias is not None else None  # held until the call returns
+        rc = fn(
+            x2.shape[0], w.n, w.k, w.group_size, x2.data_ptr(), w.nibbles.data_ptr(), w.scales.data_ptr(),
+            b.data_ptr() if b is not None else None, y.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        if rc != 0:
+            raise MemoryError("w4mm: no memory for the kernel's buffers")
+        return y.view(*x.shape[:-1], w.n)
+
+
+def reference(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, g: int) -> torch.Tensor:
+    """float32 x (q - z) * s, what both entry points compute up to bf16 rounding."""
+    n, k = values.shape
+    w = (values.float().view(n, -1, g) - zero.float()[..., None]) * scale.float()[..., None]
+    return x.float() @ w.view(n, k).t()
+
+
+def self_check(kernel: W4MM) -> None:
+    """Column tails, several groups, more rows than a tile, asymmetric zero points, through both entry points."""
+    g = torch.Generator().manual_seed(0)
+    for m, n, k, gs in ((1, 70, 64, 32), (7, 130, 256, 128), (200, 64, 96, 32), (4, 16, 128, 64)):
+        values = torch.randint(0, 16, (n, k), generator=g)
+        scale = torch.rand(n, k // gs, generator=g) * 0.1 + 0.01
+        zero = torch.randint(0, 16, (n, k // gs), generator=g)
+        x = torch.randn(m, k, generator=g).bfloat16()
+        bias = torch.randn(n, generator=g).bfloat16()
+        want = reference(x, values, scale, zero, gs) + bias.float()
+        packed = W4MM.pack(values, scale, zero, gs)
+        for name, fn in (("direct", kernel.direct), ("panel", kernel.panel)):
+            got = fn(x, packed, bias).float()
+            if not torch.allclose(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item()):
+                err = (got - want).abs().max().item()
+                raise SelfCheckError(f"w4mm {name} self-check failed at {m}x{n}x{k} g{gs}: max error {err:.3g}")
+
+
+_once = Once(W4MM.build, log, "W4A16 layers will use torch's int4 GEMM (slower)", check=self_check)
+
+
+def kernel() -> W4MM | None:
+    """The process-wide kernel; None without AVX512-BF16, or (logged once) where it can't be built."""
+    return _once() if bf16mm.supported() else None

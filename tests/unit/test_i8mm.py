@@ -1,0 +1,112 @@
+"""The W8A8 kernel (engine.kernels.i8mm), compiled here with gcc: its packed layout holds exactly the weight, its
+activations are quantized exactly as compressed-tensors defines it, its int32 sums are exact at the int8
+extremes, and its answer equals the reference (engine.quant.weights.Int8Weight) within float rounding. Needs
+AVX512-VNNI: skipped on other CPUs, where oneDNN or torch._int_mm run W8A8 layers (test_quant_paths.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.kernels import i8mm
+from engine.kernels.i8mm import I8MM
+from engine.kernels.select import GemmSelector, _matches_reference
+from engine.quant.paths import I8MMPath, quant_paths
+from engine.quant.weights import Int4Weight, Int8Weight, quantize_tokens
+
+pytestmark = pytest.mark.skipif(not i8mm.supported(), reason="this CPU has no AVX512-VNNI")
+
+
+@pytest.fixture(scope="module", params=["prefetch", "no prefetch"])
+def kernel(request: pytest.FixtureRequest) -> I8MM:
+    k = i8mm.kernel() if request.param == "prefetch" else i8mm.kernel_without_prefetch()
+    assert k is not None, "the W8A8 kernel did not build or failed its self-check (see the warning)"
+    return k
+
+
+def _weight(n: int, k: int, seed: int = 0) -> Int8Weight:
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    return Int8Weight(q, torch.rand(n, generator=g) * 0.02 + 1e-3)
+
+
+def test_the_packed_layout_holds_each_weight_where_the_kernel_reads_it() -> None:
+    w = _weight(70, 37)
+    p = I8MM.pack(w.q, w.scale)
+    blocks, k4 = 2, 40
+    cells = p.packed.view(blocks, k4 // 4, 64, 4)
+    for n, k in ((0, 0), (5, 3), (63, 36), (64, 1), (69, 35)):
+        assert int(cells[n // 64, k // 4, n % 64, k % 4]) == int(w.q[n, k])
+    assert cells[:, 9, :, 1:].abs().sum() == 0 and cells[1, :, 6:].abs().sum() == 0  # K and column padding
+    assert torch.equal(p.colsum[:70], w.q.sum(1, dtype=torch.int32)) and p.colsum[70:].abs().sum() == 0
+    assert torch.equal(p.scale[:70], w.scale) and p.scale[70:].abs().sum() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("n", "k"), [(96, 256), (130, 33), (64, 5), (7, 1024)])
+def test_it_equals_the_reference(kernel: I8MM, dtype: torch.dtype, n: int, k: int) -> None:
+    w = _weight(n, k)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(1))
+    packed = I8MM.pack(w.q, w.scale, bias)
+    for rows in (1, 5, 6, 7, 33, 200):  # tiles of 6, and more than 192 (one pass)
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(dtype)
+        want = w.reference(x, bias)
+        got = kernel.linear(x, packed)
+        assert got.dtype == dtype and got.shape == (rows, n)
+        tol = 1e-5 if dtype == torch.float32 else 8e-3  # bf16: one rounding of the output
+        assert (got.float() - want).abs().max() <= tol * want.abs().max()
+
+
+def test_products_at_the_int8_extremes_are_exact(kernel: I8MM) -> None:
+    """VPDPBUSD sums four u8 x s8 products into 32 bits: nothing saturates (unlike VPMADDUBSW's 16-bit pairs)."""
+    q = torch.full((32, 64), -128, dtype=torch.int8)
+    q[:, 1::2] = 127
+    w = Int8Weight(q, torch.ones(32))
+    x = torch.tensor([[127.0, -127.0] * 32, [-128.0, 127.0] * 32, [1.0] * 64])  # quantizes to these exact steps
+    got = kernel.linear(x, I8MM.pack(w.q, w.scale)).double()
+    xq, xs = quantize_tokens(x)
+    exact = (xq.long() @ w.q.long().t()).double() * xs.double()  # integer sums, then the scales
+    assert torch.allclose(got, exact, rtol=1e-6, atol=0)
+
+
+def test_an_all_zero_row_gives_zero_and_leaves_its_neighbours_alone(kernel: I8MM) -> None:
+    w = _weight(64, 128)
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(2))
+    x[1] = 0
+    got = kernel.linear(x, I8MM.pack(w.q, w.scale))
+    want = w.reference(x[[0, 2]], None)
+    assert bool((got[1] == 0).all()) and (got[[0, 2]] - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+def test_its_path_is_a_candidate_for_either_math_and_the_selection_keeps_it_when_fastest(kernel: I8MM) -> None:
+    for dtype in (torch.float32, torch.bfloat16):
+        assert "i8mm" in [p.name for p in quant_paths(dtype)]
+    path = I8MMPath(kernel)
+    w = _weight(96, 256)
+    int4 = Int4Weight(torch.zeros(96, 128, dtype=torch.uint8), torch.ones(96, 2), torch.ones(96, 2), 128)
+    assert path.accepts(w, None) and not path.accepts(int4, None)
+    bias = torch.randn(96)
+    run = path.prepare(w, bias, None)
+    for rows in (1, 8, 33):
+        for dtype in (torch.float32, torch.bfloat16):
+            assert _matches_reference(run, torch.randn(rows, 256).to(dtype), w, bias, None)
+    calls: list[int] = []
+    original = kernel.linear
+
+    class Spy(I8MM):
+        def __init__(self) -> None:
+            self.lib = kernel.lib
+
+        def linear(self, *args):  # type: ignore[no-untyped-def]
+            calls.append(1)
+            return original(*args)
+
+    others = [p for p in quant_paths(torch.bfloat16) if p.name != "i8mm"]
+
+    def i8mm_fast(fn) -> float:  # type: ignore[no-untyped-def]
+        calls.clear()
+        fn()
+        return 1e-6 if calls else 1e-3
+
+    sel = GemmSelector([*others, I8MMPath(Spy())], torch.bfloat16, timer=i8mm_fast)
+    assert sel.choose("w8a8 test", [(w, None)], None).per_class == ["i8mm"] * 5  # type: ignore[list-item]

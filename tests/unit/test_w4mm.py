@@ -1,0 +1,136 @@
+"""The W4A16 kernel (engine.kernels.w4mm), compiled here with gcc: its packed layout holds exactly the weight's
+nibbles and scales, both entry points equal the float32 dequantize-then-matmul reference within bf16 rounding,
+and its GEMM paths plug into the engine's measured selection. Needs AVX512-BF16: skipped on other CPUs, where
+torch's int4 GEMM runs W4A16 layers (tests/unit/test_quant_paths.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.kernels import bf16mm, w4mm
+from engine.kernels.select import GemmSelector, _matches_reference
+from engine.kernels.w4mm import W4MM
+from engine.layers.activation import ActAndMul
+from engine.quant.paths import W4MMPath, quant_paths
+from engine.quant.weights import Int4Weight, Int8Weight, pack_nibbles
+
+pytestmark = pytest.mark.skipif(not bf16mm.supported(), reason="this CPU has no AVX512-BF16")
+
+
+@pytest.fixture(scope="module")
+def kernel() -> W4MM:
+    k = w4mm.kernel()
+    assert k is not None, "the W4A16 kernel did not build or failed its self-check (see the warning)"
+    return k
+
+
+def _weight(n: int, k: int, g: int, symmetric: bool, seed: int = 0) -> Int4Weight:
+    gen = torch.Generator().manual_seed(seed)
+    values = torch.randint(0, 16, (n, k), generator=gen)
+    zero = torch.full((n, k // g), 8) if symmetric else torch.randint(0, 16, (n, k // g), generator=gen)
+    scale = torch.rand(n, k // g, generator=gen) * 0.05 + 1e-3
+    return Int4Weight(pack_nibbles(values), scale, zero.to(torch.uint8), g)
+
+
+def test_the_packed_layout_holds_each_nibble_and_scale_where_the_kernel_reads_it() -> None:
+    w = _weight(70, 64, 32, symmetric=False)
+    p = W4MM.pack(w.values(), w.scale, w.zero, 32)
+    blocks = 2  # 70 columns: one whole block and a padded one
+    nib = p.nibbles.view(blocks, 64 // 4, 4, 32)
+    v = w.values()
+    for col, k in ((0, 0), (1, 1), (17, 2), (63, 3), (64, 62), (69, 61)):
+        b, c, j = col // 64, col % 64 // 16, col % 16
+        byte = int(nib[b, k // 4, c, 2 * j + k % 2])
+        assert (byte >> 4 if k % 4 >= 2 else byte & 15) == int(v[col, k])
+    sc = p.scales.view(blocks, 2, 2, 64)  # [block, group, (s, s * z), column]
+    assert sc[1, 1, 0, 5] == w.scale[69, 1] and torch.isclose(sc[0, 0, 1, 3], w.scale[3, 0] * w.zero[3, 0])
+    # the 58 padding columns: zero nibbles and zero scales, so they add nothing
+    assert sc[1, :, :, 6:].abs().sum() == 0 and nib[1, :, 0, 12:].sum() == 0 and nib[1, :, 1:].sum() == 0
+
+
+@pytest.mark.parametrize("entry", ["direct", "panel"])
+@pytest.mark.parametrize(
+    ("n", "k", "g", "symmetric"), [(96, 256, 128, False), (130, 96, 32, True), (64, 64, 64, False), (8, 32, 8, False)]
+)
+def test_both_entry_points_equal_the_reference(
+    kernel: W4MM, entry: str, n: int, k: int, g: int, symmetric: bool
+) -> None:
+    w = _weight(n, k, g, symmetric)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(1)).bfloat16()
+    packed = W4MM.pack(w.values(), w.scale, w.zero, g)
+    for rows in (1, 2, 3, 4, 7, 33, 200):  # tiles of 3 (direct) and 6 (panel), and more than 192 (one pass)
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        want = w.reference(x, bias.float())
+        got = getattr(kernel, entry)(x, packed, bias)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+        assert (got.float() - want).abs().max() <= 1e-2 * want.abs().max()
+
+
+@pytest.mark.parametrize("entry", ["direct", "panel"])
+def test_the_paths_match_the_reference_as_the_selector_checks_it(kernel: W4MM, entry: str) -> None:
+    path = W4MMPath(kernel, entry)
+    w = _weight(96, 256, 64, symmetric=False)
+    assert path.accepts(w, None)
+    assert not path.accepts(Int8Weight(torch.zeros(96, 256, dtype=torch.int8), torch.ones(96)), None)
+    assert not path.accepts(torch.zeros(96, 256), None)
+    run = path.prepare(w, None, None)
+    for rows in (1, 8, 33):
+        x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        assert _matches_reference(run, x, w, None, None), entry
+    x3 = torch.randn(2, 3, 256).bfloat16()
+    assert run(x3).shape == (2, 3, 96)
+    act = ActAndMul("silu")
+    gated = path.prepare(w, None, act)(x3)
+    assert torch.allclose(gated.float(), act(w.reference(x3, None)).float(), rtol=3e-2, atol=3e-2)
+
+
+def test_a_group_size_that_does_not_divide_the_inputs_is_refused(kernel: W4MM) -> None:
+    assert not W4MM.accepts(64, 96, 64)  # 96 inputs are not whole groups of 64
+    assert not W4MM.accepts(64, 12, 6)  # a group is whole steps of 4 inputs
+
+
+def test_both_entry_points_share_one_packed_copy(kernel: W4MM) -> None:
+    w = _weight(64, 128, 32, symmetric=True)
+    runs = [W4MMPath(kernel, e).prepare(w, None, None) for e in ("direct", "panel")]
+    cells = [
+        {id(c.cell_contents) for c in r.__closure__ or () if isinstance(c.cell_contents, w4mm.PackedInt4)} for r in runs
+    ]
+    assert cells[0] and cells[0] == cells[1]
+
+
+class _Spy:
+    """A kernel whose entry points say when they ran."""
+
+    def __init__(self, kernel: W4MM) -> None:
+        self.kernel, self.calls = kernel, []
+
+    def direct(self, *args):  # type: ignore[no-untyped-def]
+        self.calls.append("direct")
+        return self.kernel.direct(*args)
+
+    def panel(self, *args):  # type: ignore[no-untyped-def]
+        self.calls.append("panel")
+        return self.kernel.panel(*args)
+
+
+def test_the_selection_times_them_among_the_bf16_candidates_and_keeps_the_fastest(kernel: W4MM) -> None:
+    names = [p.name for p in quant_paths(torch.bfloat16)]
+    assert "w4mm" in names and "w4mm-panel" in names and names[-1] == "torch-dequant"
+    assert "w4mm" not in [p.name for p in quant_paths(torch.float32)]  # bf16 math only
+    spy = _Spy(kernel)
+    paths = [p for p in quant_paths(torch.bfloat16) if not p.name.startswith("w4mm")]
+    paths += [W4MMPath(spy, "direct"), W4MMPath(spy, "panel")]  # type: ignore[arg-type]
+
+    def fast(entry: str):  # type: ignore[no-untyped-def]
+        def timer(fn) -> float:  # type: ignore[no-untyped-def]
+            spy.calls.clear()
+            fn()
+            return 1e-6 if spy.calls == [entry] else 1e-3
+
+        return timer
+
+    w = _weight(96, 256, 64, symmetric=False)
+    for entry, name in (("direct", "w4mm"), ("panel", "w4mm-panel")):
+        choice = GemmSelector(paths, torch.bfloat16, timer=fast(entry)).choose(entry, [(w, None)], None)  # type: ignore[list-item]
+        assert choice.per_class == [name] * 5
