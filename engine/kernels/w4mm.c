@@ -2,9 +2,9 @@
 // 4-bit with a float scale s and zero point z per output channel and group of G inputs: w = (q - z) * s.
 //
 // Two entry points, which the engine times against each other and torch's int4 GEMM per shape and batch class:
-// - w4mm_linear: the nibbles are widened to bf16 in registers (q itself, 0..15, exact) and VDPBF16PS sums x * q
-//   over a group; at the group's end y += s * (sum x q) - s * z * (sum x). It reads a quarter of bf16's bytes:
-//   for decode's small batches, which stream every weight from memory once per step.
+// - w4mm_linear: the nibbles are widened to bf16 in registers (as 128 + q, exact) and VDPBF16PS sums
+//   x * (128 + q) over a group; at the group's end y += s * sum - s * (128 + z) * (sum x). It reads a quarter of
+//   bf16's bytes: for decode's small batches, which stream every weight from memory once per step.
 // - w4mm_linear_panel: a thread widens one group of its 64-column block at a time into bf16mm's layout in an L1
 //   buffer of its own, then runs bf16mm's tiles (6 rows x 64 columns) over it for every row, the group's sums
 //   scaled into float rows in memory: the widening is shared by all the rows (batches past a few rows).
@@ -12,7 +12,8 @@
 // Packed layout (w4mm.py packs): nibbles [N/64][K/4][4][32] bytes: for each 64-column block, each 4 k and each
 // 16 columns, byte i holds column i/2's k = 4kq + i%2 in its low nibble and k = 4kq + 2 + i%2 in its high one,
 // so one 32-byte load widens to two VDPBF16PS operands of 16 columns x 2 k (bf16mm's pair layout). Scales
-// [N/64][K/G][2][64] float: s, then s * z, of the block's columns for each group. K and G are multiples of 4.
+// [N/64][K/G][2][64] float: s, then s * (128 + z), of the block's columns for each group. K and G are multiples
+// of 4.
 #ifndef __AVX512BF16__
 #error "this kernel needs AVX512-BF16 (-march=native on a CPU without it: torch's int4 GEMM is used instead)"
 #endif
@@ -25,17 +26,13 @@
 
 #define QR 3  // rows per tile of the direct kernel: 2 x 4 accumulators a row, the rest of the 32 registers spare
 
-static inline __m512i lut_bf16(void) {  // word q (0..15, twice over) = q as bf16
-    uint16_t t[32];
-    for (int i = 0; i < 32; i++) t[i] = to_bf16((float)(i & 15));
-    return _mm512_loadu_si512((const void *)t);
-}
-
-// One 32-byte load: 16 columns x 4 k as two bf16 operands (k pairs 0 and 1).
-static inline __attribute__((always_inline)) void widen(const uint8_t *p, __m512i lut, __m512bh *a, __m512bh *b) {
+// One 32-byte load: 16 columns x 4 k as two bf16 operands (k pairs 0 and 1), each value as 128 + q: a nibble
+// under bf16's exponent of 128 (0x4300) is that number exactly (8 significant bits), so widening is two ORs.
+static inline __attribute__((always_inline)) void widen(const uint8_t *p, __m512bh *a, __m512bh *b) {
     const __m512i wide = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));
-    *a = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(wide, _mm512_set1_epi16(15)), lut);
-    *b = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(wide, 4), lut);
+    const __m512i e128 = _mm512_set1_epi16(0x4300);
+    *a = (__m512bh)_mm512_or_si512(_mm512_and_si512(wide, _mm512_set1_epi16(15)), e128);
+    *b = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(wide, 4), e128);
 }
 
 // mr rows of x (row stride K) against one block's nibbles wq and scales sc; xs: the rows' sums per group
@@ -43,7 +40,6 @@ static inline __attribute__((always_inline)) void widen(const uint8_t *p, __m512
 static inline __attribute__((always_inline)) void qtile(const int mr, int64_t K, int64_t G, const uint16_t *x,
                                                         const uint8_t *wq, const float *sc, const float *xs,
                                                         float *out) {
-    const __m512i lut = lut_bf16();
     const int64_t groups = K / G;
     __m512 tot[QR][4], acc[QR][4];
     for (int r = 0; r < mr; r++)
@@ -60,7 +56,7 @@ static inline __attribute__((always_inline)) void qtile(const int mr, int64_t K,
             }
             for (int c = 0; c < 4; c++) {
                 __m512bh a, b;
-                widen(wk + 32 * c, lut, &a, &b);
+                widen(wk + 32 * c, &a, &b);
                 for (int r = 0; r < mr; r++) {
                     acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)_mm512_set1_epi32(p0[r]), a);
                     acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)_mm512_set1_epi32(p1[r]), b);
@@ -154,20 +150,19 @@ int w4mm_linear(int64_t M, int64_t N, int64_t K, int64_t G, const uint16_t *x, c
     return 0;
 }
 
-// One group's nibbles of a 64-column block widened to bf16 (q itself, exact) in bf16mm's layout [G/2][64][2].
+// One group's nibbles of a 64-column block widened to bf16 (128 + q, exact) in bf16mm's layout [G/2][64][2].
 static void widen_group(int64_t G, const uint8_t *wq, uint16_t *wg) {
-    const __m512i lut = lut_bf16();
     for (int64_t kq = 0; kq < G / 4; kq++)
         for (int c = 0; c < 4; c++) {
             __m512bh a, b;
-            widen(wq + kq * 128 + 32 * c, lut, &a, &b);
+            widen(wq + kq * 128 + 32 * c, &a, &b);
             _mm512_storeu_si512((void *)(wg + ((2 * kq) * NB + 16 * c) * 2), (__m512i)a);
             _mm512_storeu_si512((void *)(wg + ((2 * kq + 1) * NB + 16 * c) * 2), (__m512i)b);
         }
 }
 
 // mr rows of x (row stride ldx, at the group's first input) against a widened group wg: the sums of x * q in
-// registers (bf16mm's step), then out[r] += s * sum - s * z * xs[r] in memory.
+// registers (bf16mm's step), then out[r] += s * sum - s * (128 + z) * xs[r] in memory.
 static inline __attribute__((always_inline)) void gtile(const int mr, int64_t ldx, int64_t G, const uint16_t *x,
                                                         const uint16_t *wg, const float *sc, const float *xs,
                                                         int64_t groups, float *out) {

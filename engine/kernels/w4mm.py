@@ -29,7 +29,8 @@ _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 
 @dataclass(slots=True)
 class PackedInt4:
-    """A weight in the kernel's layout: nibbles [N/64, K/4, 4, 32] uint8, scales [N/64, K/G, 2, 64] float32."""
+    """A weight in the kernel's layout: nibbles [N/64, K/4, 4, 32] uint8, scales [N/64, K/G, 2, 64] float32 (s,
+    then s * (128 + z))."""
 
     nibbles: torch.Tensor
     scales: torch.Tensor
@@ -69,7 +70,7 @@ class W4MM:
         byte = v[..., 0, :] | (v[..., 1, :] << 4)  # [block, c, j, kq, kk]
         nibbles = byte.permute(0, 3, 1, 2, 4).contiguous()  # [block, kq, c, j, kk]: byte i = j * 2 + kk
         s = torch.nn.functional.pad(scale.float(), (0, 0, 0, pad))
-        sz = s * torch.nn.functional.pad(zero.float(), (0, 0, 0, pad))
+        sz = s * (torch.nn.functional.pad(zero.float(), (0, 0, 0, pad)) + 128)  # the kernel sums x * (128 + q)
         scales = torch.stack((s, sz), dim=0).view(2, blocks, BLOCK, -1).permute(1, 3, 0, 2).contiguous()
         return PackedInt4(nibbles.view(-1), scales.view(-1), n, k, group_size)
 

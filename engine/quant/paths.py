@@ -223,7 +223,9 @@ class W4MMPath:
         key = id(weight.packed)
         packed = _w4mm_packed.get(key)
         if packed is None:
-            packed = W4MM.pack(weight.values(), weight.scale, weight.zero, weight.group_size)
+            p = weight.packed  # its nibbles as uint8 (values() is int32: 4 bytes a weight, gigabytes for a big head)
+            values = torch.stack((p & 15, p >> 4), dim=-1).flatten(-2)
+            packed = W4MM.pack(values, weight.scale, weight.zero, weight.group_size)
             _w4mm_packed[key] = packed
             weakref.finalize(weight.packed, _w4mm_packed.pop, key, None)
         fn = getattr(self.kernel, self.entry)

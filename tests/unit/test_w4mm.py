@@ -43,8 +43,9 @@ def test_the_packed_layout_holds_each_nibble_and_scale_where_the_kernel_reads_it
         b, c, j = col // 64, col % 64 // 16, col % 16
         byte = int(nib[b, k // 4, c, 2 * j + k % 2])
         assert (byte >> 4 if k % 4 >= 2 else byte & 15) == int(v[col, k])
-    sc = p.scales.view(blocks, 2, 2, 64)  # [block, group, (s, s * z), column]
-    assert sc[1, 1, 0, 5] == w.scale[69, 1] and torch.isclose(sc[0, 0, 1, 3], w.scale[3, 0] * w.zero[3, 0])
+    sc = p.scales.view(blocks, 2, 2, 64)  # [block, group, (s, s * (128 + z)), column]
+    assert sc[1, 1, 0, 5] == w.scale[69, 1]
+    assert torch.isclose(sc[0, 0, 1, 3], w.scale[3, 0] * (128 + w.zero[3, 0].float()))
     # the 58 padding columns: zero nibbles and zero scales, so they add nothing
     assert sc[1, :, :, 6:].abs().sum() == 0 and nib[1, :, 0, 12:].sum() == 0 and nib[1, :, 1:].sum() == 0
 
