@@ -157,6 +157,7 @@ static __thread int64_t xq_cap;
 int i8mm_linear(int64_t M, int64_t N, int64_t K, const void *x, int bf16, const uint8_t *w, const int32_t *colsum,
                 const float *ws, const float *b, void *y, int nthreads) {
     const int64_t K4 = (K + 3) / 4 * 4, nblocks = (N + NB - 1) / NB, need = M * K4 + 4 * M;
+    if (M <= 0) return 0;
     if (xq_cap < need) {
         free(xq_buf);
         xq_buf = malloc((size_t)need);

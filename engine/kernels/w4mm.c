@@ -132,6 +132,7 @@ static void store_row(const float *o, const float *bias, uint16_t *yr, int64_t n
 int w4mm_linear(int64_t M, int64_t N, int64_t K, int64_t G, const uint16_t *x, const uint8_t *wq, const float *sc,
                 const uint16_t *b, uint16_t *y, int nthreads) {
     const int64_t nblocks = (N + NB - 1) / NB, groups = K / G;
+    if (M <= 0) return 0;
     float *xs = sums_for(M * groups);
     if (!xs) return -1;
     group_sums(M, K, G, x, xs, nthreads);
@@ -204,6 +205,7 @@ static __thread int64_t group_cap;
 int w4mm_linear_panel(int64_t M, int64_t N, int64_t K, int64_t G, const uint16_t *x, const uint8_t *wq,
                       const float *sc, const uint16_t *b, uint16_t *y, int nthreads) {
     const int64_t nblocks = (N + NB - 1) / NB, groups = K / G;
+    if (M <= 0) return 0;
     float *xs = sums_for(M * groups);
     if (!xs) return -1;
     group_sums(M, K, G, x, xs, nthreads);

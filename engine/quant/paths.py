@@ -42,14 +42,16 @@ def _probe(name: str, fn: object) -> bool:
 _usable: dict[str, bool] = {}  # W8A8 path name → whether it passed its probes in this process
 
 
-def _best_seconds(fn: Callable[[], object], rounds: int = 3) -> float:
-    fn()  # warm-up: first-call set-up is not the path's speed
-    best = math.inf
+def _best_of_turns(a: Callable[[], object], b: Callable[[], object], rounds: int = 5) -> tuple[float, float]:
+    """The fastest of `rounds` calls of each, taking turns, after one warm-up call each (first-call set-up)."""
+    a(), b()
+    best = [math.inf, math.inf]
     for _ in range(rounds):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
+        for i, fn in enumerate((a, b)):
+            t = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - t)
+    return best[0], best[1]
 
 
 class QuantReferencePath:
@@ -69,6 +71,7 @@ class _W8A8Path:
     """Shared by the int8 paths: per-token quantization in, per-token x per-channel scaling out."""
 
     name = ""
+    SLOW = 50.0  # an int8 GEMM slower than this many float32 matmuls of its shape is broken here (_check_speed)
 
     def __init__(self) -> None:
         known = _usable.get(self.name)
@@ -97,16 +100,15 @@ class _W8A8Path:
 
     def _check_speed(self) -> None:
         """Raise if one int8 GEMM takes more than SLOW times float32 matmul's on the same shape. WHY: on a Zen 4
-        (2026-12-01/02) oneDNN's int8 GEMM ran a reference implementation, seconds a call, and timing it among
-        the candidates made a model's first start take many minutes for a path that could never win."""
+        (2026-12-01/02) oneDNN's int8 GEMM ran a reference implementation, ~2,000x a float32 matmul here, and
+        timing it among the candidates made a model's first start take many minutes for a path that could never
+        win. The two take turns, so load from elsewhere slows both alike."""
         g = torch.Generator().manual_seed(0)
         wq, x = torch.randint(-127, 128, (512, 512), generator=g, dtype=torch.int8), torch.randn(64, 512, generator=g)
         run, wf = self.prepare(Int8Weight(wq, torch.ones(512)), None, None), wq.float()
-        ours, float_mm = _best_seconds(lambda: run(x)), _best_seconds(lambda: torch.nn.functional.linear(x, wf))
+        ours, float_mm = _best_of_turns(lambda: run(x), lambda: torch.nn.functional.linear(x, wf))
         if ours > self.SLOW * float_mm:
             raise RuntimeError(f"its int8 GEMM took {ours / float_mm:.0f}x float32 matmul's time on this CPU")
-
-    SLOW = 8.0
 
     def accepts(self, weight: object, act: Act | None) -> bool:
         return self.available and isinstance(weight, Int8Weight)
@@ -208,8 +210,8 @@ _w4mm_packed: dict[int, PackedInt4] = {}
 
 
 class W4MMPath:
-    """engine.kernels.w4mm for bf16 math: `direct` (nibbles widened in registers) or `panel` (a dequantized
-    block through bf16mm's tiles)."""
+    """engine.kernels.w4mm for bf16 math: `direct` (nibbles widened in registers) or `panel` (a group at a time
+    widened into a buffer and run through bf16mm's tiles)."""
 
     def __init__(self, kernel: W4MM, entry: str) -> None:
         self.kernel, self.entry = kernel, entry

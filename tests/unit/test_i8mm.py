@@ -69,6 +69,11 @@ def test_products_at_the_int8_extremes_are_exact(kernel: I8MM) -> None:
     assert torch.allclose(got, exact, rtol=1e-6, atol=0)
 
 
+def test_no_rows_give_no_rows(kernel: I8MM) -> None:
+    w = _weight(64, 128)
+    assert kernel.linear(torch.empty(0, 128), I8MM.pack(w.q, w.scale)).shape == (0, 64)
+
+
 def test_an_all_zero_row_gives_zero_and_leaves_its_neighbours_alone(kernel: I8MM) -> None:
     w = _weight(64, 128)
     x = torch.randn(3, 128, generator=torch.Generator().manual_seed(2))

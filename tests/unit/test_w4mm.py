@@ -86,6 +86,13 @@ def test_the_paths_match_the_reference_as_the_selector_checks_it(kernel: W4MM, e
     assert torch.allclose(gated.float(), act(w.reference(x3, None)).float(), rtol=3e-2, atol=3e-2)
 
 
+@pytest.mark.parametrize("entry", ["direct", "panel"])
+def test_no_rows_give_no_rows(kernel: W4MM, entry: str) -> None:
+    w = _weight(64, 64, 32, symmetric=True)
+    packed = W4MM.pack(w.values(), w.scale, w.zero, 32)
+    assert getattr(kernel, entry)(torch.empty(0, 64, dtype=torch.bfloat16), packed, None).shape == (0, 64)
+
+
 def test_a_group_size_that_does_not_divide_the_inputs_is_refused(kernel: W4MM) -> None:
     assert not W4MM.accepts(64, 96, 64)  # 96 inputs are not whole groups of 64
     assert not W4MM.accepts(64, 12, 6)  # a group is whole steps of 4 inputs
