@@ -11,7 +11,9 @@ With --vllm, vLLM's CPU build runs twice: plain (both cores bound) and with tcma
 (its docs' advice, when both are installed); the better is reported as "vLLM". The machine bound (measured GEMM
 peak and read bandwidth, benchmarks.bound) is printed beside the rows.
 
-Batch: N prompts of random token ids, greedy, EOS ignored → output tok/s. Batch-1: ms per decoded token.
+Batch: N prompts of random token ids, greedy, EOS ignored → output tok/s. Batch-1: ms per decoded token. Each
+tianmen row first prints its process's resident memory once the engine is loaded (weights as packed for the
+chosen kernels, the KV cache, what the allocator keeps).
 Each engine runs in a fresh process of its own, so neither inherits the other's threads, caches or malloc
 settings (ours keeps freed memory for reuse, see engine/malloc.py; transformers runs as its users run it).
 """
@@ -44,6 +46,7 @@ def ours(path: str, prompts: list[list[int]], n: int, dtype: str, cpu_kernels: b
         model=path, dtype=dtype, max_num_seqs=max(len(prompts), 1), max_model_len=1024, cpu_kernels=cpu_kernels
     )
     llm = LLM(config)
+    print(f"{Path(path).name}: {resident_mib():.0f} MiB resident after load", flush=True)  # weights, layouts, KV
     params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
     llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
     t = time.perf_counter()
@@ -57,6 +60,15 @@ def ours(path: str, prompts: list[list[int]], n: int, dtype: str, cpu_kernels: b
     llm.generate([prompts[1]], params)
     one_s = time.perf_counter() - t
     return len(prompts) * n / batch_s, (one_s - prefill_s) / (n - 1) * 1e3
+
+
+def resident_mib() -> float:
+    """This process's resident memory (Linux VmRSS), MiB; 0 where /proc cannot be read."""
+    try:
+        line = next(ln for ln in Path("/proc/self/status").read_text().splitlines() if ln.startswith("VmRSS"))
+    except (OSError, StopIteration):
+        return 0.0
+    return int(line.split()[1]) / 1024
 
 
 def hf(path: str, prompts: list[list[int]], n: int, dtype: torch.dtype) -> tuple[float, float]:
