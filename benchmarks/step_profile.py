@@ -1,7 +1,7 @@
 """Where a step's time goes: the throughput workload with a timer around each kind of module call.
 
     python -m benchmarks.step_profile [--shape qwen2-0.5b] [--num-prompts 32] [--output-len 128] [--no-cpu-kernels]
-                                      [--quantization w8a8|w4a16 [--group-size 128]]
+                                      [--quantization w8a8|w4a16 [--group-size 128] [--quantize-lm-head]]
 
 Runs N prompts x 128 random ids -> --output-len tokens (greedy, EOS ignored, prefix caching off) once to warm
 up, then once timed, wrapping Linear, attention, RMSNorm, DeepSeek's MoE and MLA layers and the runner's step
