@@ -7,6 +7,7 @@ and torch._int_mm per shape and batch class (engine.quant.paths).
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels.cbuild import Once, SelfCheckError, build
+from engine.quant.weights import Int8Weight
 
 log = logging.getLogger(__name__)
 
@@ -75,14 +77,6 @@ class I8MM:
         return y.view(*x.shape[:-1], w.n)
 
 
-def reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """What the kernel computes, in float32 (engine.quant.weights.Int8Weight.reference without the import)."""
-    xf = x.float()
-    s = (xf.abs().amax(dim=-1, keepdim=True) / 127.5).clamp_min(torch.finfo(torch.float32).tiny)
-    xq = torch.round(xf / s).clamp_(-128, 127)
-    return (xq @ q.float().t()) * s * scale.float()
-
-
 def self_check(kernel: I8MM) -> None:
     """Column and K tails, more rows than a tile and a pass, both input types, full-range products (VPDPBUSD
     never saturates: its sums are 32-bit)."""
@@ -96,7 +90,7 @@ def self_check(kernel: I8MM) -> None:
         for dtype in (torch.float32, torch.bfloat16):
             x = torch.randn(m, k, generator=g).to(dtype)
             x[0, 0] = 50.0  # one outlier: the rest quantize to small steps
-            want = reference(x, q, scale) + bias
+            want = Int8Weight(q, scale).reference(x, bias)
             got = kernel.linear(x, packed).float()
             tol = 1e-5 if dtype == torch.float32 else 1e-2
             if not torch.allclose(got, want, rtol=tol, atol=tol * want.abs().max().item()):
@@ -104,6 +98,7 @@ def self_check(kernel: I8MM) -> None:
                 raise SelfCheckError(f"i8mm self-check failed at {m}x{n}x{k} {dtype}: max error {err:.3g}")
 
 
+@functools.cache
 def supported() -> bool:
     """AVX512-VNNI with AVX512-BW: the instructions the kernel is made of."""
     try:

@@ -18,6 +18,7 @@ import torch
 
 from engine.kernels import bf16mm
 from engine.kernels.cbuild import Once, SelfCheckError, build
+from engine.quant.weights import Int4Weight, pack_nibbles
 
 log = logging.getLogger(__name__)
 
@@ -96,13 +97,6 @@ class W4MM:
         return y.view(*x.shape[:-1], w.n)
 
 
-def reference(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, g: int) -> torch.Tensor:
-    """float32 x (q - z) * s, what both entry points compute up to bf16 rounding."""
-    n, k = values.shape
-    w = (values.float().view(n, -1, g) - zero.float()[..., None]) * scale.float()[..., None]
-    return x.float() @ w.view(n, k).t()
-
-
 def self_check(kernel: W4MM) -> None:
     """Column tails, several groups, more rows than a tile, asymmetric zero points, through both entry points."""
     g = torch.Generator().manual_seed(0)
@@ -112,7 +106,7 @@ def self_check(kernel: W4MM) -> None:
         zero = torch.randint(0, 16, (n, k // gs), generator=g)
         x = torch.randn(m, k, generator=g).bfloat16()
         bias = torch.randn(n, generator=g).bfloat16()
-        want = reference(x, values, scale, zero, gs) + bias.float()
+        want = Int4Weight(pack_nibbles(values), scale, zero, gs).reference(x, bias.float())
         packed = W4MM.pack(values, scale, zero, gs)
         for name, fn in (("direct", kernel.direct), ("panel", kernel.panel)):
             got = fn(x, packed, bias).float()
