@@ -29,20 +29,24 @@ static inline int32_t pair_at(const uint16_t *xr, int64_t kp, int64_t K) {
     return v;
 }
 
+// One k-pair of a 64-column block: its weights, 4 vectors of 16 columns x 2 k.
+static inline __attribute__((always_inline)) void load_pair(const uint16_t *wk, __m512bh w[4]) {
+    for (int j = 0; j < 4; j++) w[j] = (__m512bh)_mm512_loadu_si512((const void *)(wk + 32 * j));
+}
+
+// One row's 64 sums += its k-pair xv (broadcast) . the block's k-pair w.
+static inline __attribute__((always_inline)) void dot_row(__m512 acc[4], __m512bh xv, const __m512bh w[4]) {
+    for (int j = 0; j < 4; j++) acc[j] = _mm512_dpbf16_ps(acc[j], xv, w[j]);
+}
+
 static inline __attribute__((always_inline)) void step(const int mr, __m512 acc[MR][4], const uint16_t *wk,
                                                        const int32_t *p) {
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512((const void *)wk);
-    const __m512bh w1 = (__m512bh)_mm512_loadu_si512((const void *)(wk + 32));
-    const __m512bh w2 = (__m512bh)_mm512_loadu_si512((const void *)(wk + 64));
-    const __m512bh w3 = (__m512bh)_mm512_loadu_si512((const void *)(wk + 96));
-    for (int r = 0; r < mr; r++) {
-        const __m512bh xv = (__m512bh)_mm512_set1_epi32(p[r]);
-        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xv, w0);
-        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xv, w1);
-        acc[r][2] = _mm512_dpbf16_ps(acc[r][2], xv, w2);
-        acc[r][3] = _mm512_dpbf16_ps(acc[r][3], xv, w3);
-    }
+    __m512bh w[4];
+    load_pair(wk, w);
+    for (int r = 0; r < mr; r++) dot_row(acc[r], (__m512bh)_mm512_set1_epi32(p[r]), w);
 }
+
+typedef int32_t __attribute__((may_alias, aligned(1))) pair_t;  // a k-pair of bf16, anywhere in a row
 
 // pf, pf_end: the part of the next column block this tile asks for, spread over its k steps (see block()).
 static inline __attribute__((always_inline)) void tile(const int mr, int64_t K, const uint16_t *x,
@@ -51,14 +55,22 @@ static inline __attribute__((always_inline)) void tile(const int mr, int64_t K, 
     __m512 acc[MR][4];
     for (int r = 0; r < mr; r++)
         for (int j = 0; j < 4; j++) acc[r][j] = _mm512_loadu_ps(bias + 16 * j);
-    int32_t p[MR];
+    // NOTE: rows 0-2 and 3-5 as two pointers and one stride, which the CPU's addressing adds for free: six row
+    // pointers (with the prefetch's) spilled, and each pair went through a general register to its broadcast
+    const int64_t ld = K;
+    const uint16_t *x0 = x, *x3 = x + (mr > 3 ? 3 : 0) * ld;
     const int64_t full = K / 2;
     for (int64_t kp = 0; kp < full; kp++) {
         for (int64_t l = 0; l < pf_step && pf < pf_end; l++, pf += 64) _mm_prefetch(pf, _MM_HINT_T1);
-        for (int r = 0; r < mr; r++) memcpy(&p[r], x + r * K + 2 * kp, 4);
-        step(mr, acc, w + kp * 2 * NB, p);
+        __m512bh wk[4];
+        load_pair(w + kp * 2 * NB, wk);
+        for (int r = 0; r < mr; r++) {
+            const uint16_t *xr = (r < 3 ? x0 + r * ld : x3 + (r - 3) * ld) + 2 * kp;
+            dot_row(acc[r], (__m512bh)_mm512_set1_epi32(*(const pair_t *)xr), wk);
+        }
     }
     if (K & 1) {
+        int32_t p[MR];
         for (int r = 0; r < mr; r++) p[r] = pair_at(x + r * K, full, K);
         step(mr, acc, w + full * 2 * NB, p);
     }

@@ -7,9 +7,10 @@
 //   - the softmax runs on that vector, and P is rounded to bf16, as flash attention does;
 //   - P.V is bf16 dot products over pairs of tokens: V rows of tokens 2i, 2i+1 interleaved (unpacklo/hi), the
 //     pair of probabilities broadcast, float32 accumulators in the interleaved lane order until the end.
-// No software prefetch: on a 2-core Zen 4 it was no faster than the hardware prefetchers alone, timed alone with
-// cold caches (one to eight slices ahead, into L1 or L2) nor in the model (two ahead: 0.50 against 0.47 ms a
-// layer, Qwen2-0.5B's heads, batch 32).
+// PF_AHEAD > 0: each slice asks for the task's rows of the slice that many ahead (K and V). The blocks of a
+// sequence lie anywhere in the pool, so the hardware prefetchers lose the stream at every block; on a 2-core Zen 5,
+// 24 layers' caches (75 MB, Qwen2-0.5B's heads, 32 x 192 tokens) took 240-270 us a layer against 300 without.
+// On a Zen 4 it measured no faster. Built both ways (decode_attn_dp.py); the op choice times both, cold.
 //
 // Requires: bf16 cache, block_size % 16 == 0, head_dim % 32 == 0 and <= 32 * MAX_STEPS, G = H / KV <= 16.
 // Built twice (decode_attn_dp.py): for attention heads (MAX_STEPS 8: head_dim <= 256), and for MLA's latent rows
@@ -30,6 +31,9 @@
 #endif
 #define MAX_G 16
 #define MAX_HT 32  // query heads one task keeps state for
+#ifndef PF_AHEAD
+#define PF_AHEAD 0  // slices ahead to prefetch; 0: none
+#endif
 #ifndef PV_G
 #define PV_G 4  // P.V accumulators: heads x vectors of 16 lanes
 #endif
@@ -89,6 +93,18 @@ static inline __attribute__((always_inline)) void task(int64_t b, int64_t k0, in
         const int64_t n = L - c < 16 ? L - c : 16, pairs = (n + 1) / 2;
         const __mmask16 valid = (__mmask16)((1u << n) - 1u);
         const int64_t first = (table[c / bs] * bs + c % bs) * KV;  // the slice's first row, KV head 0
+#if PF_AHEAD > 0
+        if (c + 16 * PF_AHEAD < L) {
+            const int64_t ahead = c + 16 * PF_AHEAD, nrow = L - ahead < 16 ? L - ahead : 16;
+            const int64_t row = (table[ahead / bs] * bs + ahead % bs) * KV + k0;
+            const char *kp = (const char *)(kc + row * D), *vp = (const char *)(vc + row * D);
+            const int64_t bytes = ((nrow - 1) * KV + (k1 - k0)) * D * 2;
+            for (int64_t off = 0; off < bytes; off += 64) {
+                _mm_prefetch(kp + off, _MM_HINT_T0);
+                _mm_prefetch(vp + off, _MM_HINT_T0);
+            }
+        }
+#endif
         for (int64_t kh = k0; kh < k1; kh++) {
             const uint16_t *kr = kc + (first + kh) * D, *vr = vc + (first + kh) * D;
             __m512i *qh = qv[(kh - k0) * G];

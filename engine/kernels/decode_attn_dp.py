@@ -60,6 +60,19 @@ def kernel() -> DotDecodeAttention | None:
     return _once() if bf16mm.supported() else None
 
 
+# the same kernel asking for the next 16-token slice's rows ahead (PF_AHEAD in decode_attn_dp.c): faster on one CPU
+# measured, no faster on another, so engine.kernels.op_choice times it beside the plain build
+_once_prefetch = Once(
+    lambda: DotDecodeAttention.build(("-march=native", "-DPF_AHEAD=1")), log,
+    "decode attention is not timed with software prefetch", check=self_check_bf16,
+)  # fmt: skip
+
+
+def kernel_with_prefetch() -> DotDecodeAttention | None:
+    """The build with software prefetch, as kernel() otherwise."""
+    return _once_prefetch() if bf16mm.supported() else None
+
+
 def check_latent(kernel: DecodeAttention) -> None:
     """DeepSeek's latent width: 16 query heads over one 576-wide row that is K and V at once."""
     check_against_reference(kernel, (torch.bfloat16,), ((16, 1, 576),), 16, (1, 17, 300))

@@ -8,6 +8,7 @@ is in question. Timings go into the same on-disk table as the GEMMs' (engine.ker
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 
@@ -20,7 +21,7 @@ from engine.kernels.gemm import OneDNNPath, TorchPath
 from engine.kernels.grouped import GroupedExperts, GroupedKernel, GroupedLinear
 from engine.kernels.kernel_set import CpuKernels
 from engine.kernels.pointwise import PointwiseKernels, apply_rotary, rms_norm
-from engine.kernels.select import MIN_ROUNDS, PlanCache, ShapeChoice, Timer
+from engine.kernels.select import MIN_ROUNDS, PlanCache, ShapeChoice, Timer, last_level_cache_bytes
 from engine.layers.activation import ActAndMul
 from engine.layers.attention import PagedAttention
 from engine.layers.mla import MLAttention, bmm_absorbed, latent_attention, per_head_absorbed
@@ -32,6 +33,7 @@ ROWS = 32  # a decode batch: where these ops' per-call overhead matters
 CONTEXT = 256  # decode attention's tokens of context per sequence
 BLOCK = 16
 PREFILL_LENGTHS = (32, 128, 512, 2048)  # prompt chunks timed both ways for prefill in place
+COLD_BYTES = 256 << 20  # the most the decode attention probe allocates to read its caches from memory
 PROBE_EXPERTS = 16  # routed experts timed for the grouped call (engine.kernels.grouped.GroupedExperts)
 
 
@@ -249,14 +251,17 @@ Probe = Callable[[DecodeAttention | None], Callable[[], object]]
 
 def _probe(
     attention: PagedAttention, dtype: torch.dtype, blocks: int, rows: int,
-    context: Callable[[DecodeAttention | None], AttentionContext],
+    context: Callable[[DecodeAttention | None], AttentionContext], copies: int = 1,
 ) -> Probe:  # fmt: skip
     """A copy of `attention`'s shape over random caches of `blocks` blocks (+ a spare) and `rows` query rows:
-    given a kernel (None: the torch path), the call that runs one forward under `context(kernel)`."""
+    given a kernel (None: the torch path), the call that runs one forward under `context(kernel)`. With `copies`
+    > 1, each call reads the next of that many caches, so that they come from memory as a model's layers' do."""
     h, kv, d = attention.num_heads, attention.num_kv_heads, attention.head_dim
     probe = PagedAttention(h, kv, d, d**-0.5, (torch.empty(0, dtype=dtype), torch.empty(0, dtype=dtype)))
-    probe.k_cache = torch.randn(blocks + 1, BLOCK, kv, d).to(dtype)
-    probe.v_cache = torch.randn_like(probe.k_cache)
+    k_cache = torch.randn(blocks + 1, BLOCK, kv, d).to(dtype)
+    v_cache = torch.randn_like(k_cache)
+    # the copies hold the same values, so every call gives the same answer whichever it reads
+    turn = itertools.cycle([(k_cache, v_cache)] + [(k_cache.clone(), v_cache.clone()) for _ in range(copies - 1)])
     q, kk, vv = (torch.randn(rows, n, d).to(dtype) for n in (h, kv, kv))
 
     def run(kernel: DecodeAttention | None) -> Callable[[], object]:
@@ -264,6 +269,7 @@ def _probe(
 
         def step() -> object:
             probe.kernel = kernel
+            probe.k_cache, probe.v_cache = next(turn)
             set_context(ctx)
             try:
                 return probe(q, kk, vv)
@@ -278,17 +284,27 @@ def _probe(
 
 def attention_probe(attention: PagedAttention, dtype: torch.dtype) -> Probe:
     """A decode step of ROWS sequences of CONTEXT tokens through a copy of `attention`'s shape: given a kernel
-    (None: gather + SDPA), the call that runs it."""
+    (None: gather + SDPA), the call that runs it. The sequences' blocks lie scattered in the pool, and successive
+    calls read different caches, together more than the last-level cache holds (up to COLD_BYTES): a decode step
+    reads every layer's cache from memory, so a kernel timed on one hot cache was ranked wrongly."""
     per_seq = CONTEXT // BLOCK
-    tables = torch.arange(ROWS * per_seq).view(ROWS, per_seq)
+    blocks = ROWS * per_seq
+    tables = torch.randperm(blocks, generator=torch.Generator().manual_seed(0)).view(ROWS, per_seq)
     mask = torch.zeros(ROWS, 1, 1, CONTEXT, dtype=dtype)
     ctx = AttentionContext(tables[:, -1] * BLOCK + BLOCK - 1, ROWS, tables, mask, [], torch.full((ROWS,), CONTEXT))
-    return _probe(attention, dtype, ROWS * per_seq, ROWS, lambda kernel: ctx)
+    one = 2 * (blocks + 1) * BLOCK * attention.num_kv_heads * attention.head_dim * dtype.itemsize
+    copies = max(1, min(last_level_cache_bytes() * 3 // 2, COLD_BYTES) // one)
+    return _probe(attention, dtype, blocks, ROWS, lambda kernel: ctx, copies)
 
 
 def decode_attention_kernels() -> dict[str, DecodeAttention]:
     """Every decode attention kernel built for this CPU, by name; without a timer the first that fits is used."""
-    found = (("amx", decode_attn_amx.kernel()), ("dp", decode_attn_dp.kernel()), ("portable", decode_attn.kernel()))
+    found = (
+        ("amx", decode_attn_amx.kernel()),
+        ("dp", decode_attn_dp.kernel()),
+        ("dp-prefetch", decode_attn_dp.kernel_with_prefetch()),
+        ("portable", decode_attn.kernel()),
+    )
     return {name: k for name, k in found if k is not None}
 
 

@@ -17,12 +17,13 @@ from tests.kernel_checks import assert_latent_rows_match
 pytestmark = pytest.mark.skipif(not bf16mm.supported(), reason="this CPU has no AVX512-BF16")
 
 
-@pytest.fixture(scope="module")
-def kernel(tmp_path_factory: pytest.TempPathFactory) -> DotDecodeAttention:
+@pytest.fixture(scope="module", params=[0, 1], ids=["plain", "prefetch"])
+def kernel(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> DotDecodeAttention:
+    """Both builds the op choice times: without and with the software prefetch of the next slice (PF_AHEAD)."""
     mp = pytest.MonkeyPatch()
     mp.setenv("TIANMEN_KERNEL_CACHE", str(tmp_path_factory.mktemp("kernels")))
     try:
-        return DotDecodeAttention.build()
+        return DotDecodeAttention.build(("-march=native", f"-DPF_AHEAD={request.param}"))
     finally:
         mp.undo()
 
