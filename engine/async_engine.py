@@ -21,6 +21,7 @@ from engine.outputs import EngineOutput, RequestOutput
 from engine.params import SamplingParams
 from engine.request import Request
 from engine.sampler import SamplerFn
+from engine.step_thread import StepThread
 from engine.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -43,7 +44,9 @@ class AsyncEngine:
     loop in one callback, which detokenizes them and checks stop strings there, off the step's critical path.
     """
 
-    def __init__(self, core: EngineCore, tokenizer: Tokenizer) -> None:
+    def __init__(self, core: EngineCore, tokenizer: Tokenizer, thread: StepThread | None = None) -> None:
+        """`thread`: the one the core was built on (from_config does so), which then runs the steps; without it, a
+        new one (slower on CPU when the core was built on another thread: engine.step_thread says why)."""
         self.core = core
         self.tokenizer = tokenizer
         self.config = core.config
@@ -59,8 +62,9 @@ class AsyncEngine:
         self._dead: BaseException | None = None
         self._profiler: Any = None  # torch.profiler.profile while recording
         self._profile_left, self._profile_path = 0, Path()
-        self._thread = threading.Thread(target=self._run, name="tianmen-engine", daemon=True)
-        self._thread.start()
+        self._thread = thread or StepThread()
+        self._thread.submit(self._run)
+        self._thread.finish()
         core.on_failure(self._fail)  # a tensor-parallel rank died: fail now, whatever the step thread is doing
 
     @classmethod
@@ -73,8 +77,13 @@ class AsyncEngine:
             from engine.data_parallel import DataParallelEngine  # it builds on this module
 
             return DataParallelEngine.from_config(config, files, sampler)
-        core = EngineCore(config, files, sampler)
-        return cls(core, Tokenizer.from_files(core.files.read))
+        thread = StepThread()
+        try:
+            core = thread.call(lambda: EngineCore(config, files, sampler))
+        except BaseException:
+            thread.finish()
+            raise
+        return cls(core, Tokenizer.from_files(core.files.read), thread)
 
     @property
     def healthy(self) -> bool:

@@ -24,6 +24,7 @@ from engine.outputs import RequestOutput
 from engine.parallel.launch import torchrun_rank
 from engine.params import SamplingParams
 from engine.sampler import SamplerFn
+from engine.step_thread import StepThread
 from engine.tokenizer import Tokenizer
 
 _SUMMED = (
@@ -67,15 +68,19 @@ class DataParallelEngine:
         if torchrun_rank() is not None:
             raise ConfigError("data_parallel_size > 1 under torchrun is not implemented: start one server per replica")
         cores: list[EngineCore] = []
+        threads: list[StepThread] = []
         try:
             for i in range(config.data_parallel_size):
-                cores.append(EngineCore(replica_config(config, i), files, sampler))
+                threads.append(StepThread(f"tianmen-engine-{i}"))  # each replica built on the thread that steps it
+                cores.append(threads[-1].call(lambda i=i: EngineCore(replica_config(config, i), files, sampler)))  # type: ignore[misc]
         except BaseException:
             for core in cores:
                 core.close()
+            for thread in threads:
+                thread.finish()
             raise
         tokenizer = Tokenizer.from_files(cores[0].files.read)
-        return cls([AsyncEngine(core, tokenizer) for core in cores])
+        return cls([AsyncEngine(core, tokenizer, thread) for core, thread in zip(cores, threads, strict=True)])
 
     @property
     def healthy(self) -> bool:

@@ -1,0 +1,94 @@
+"""All of an engine's CPU work on one thread (engine.step_thread): the core is built on the thread that steps it,
+so the process holds one OpenMP pool, not two (two made libgomp stop spinning between parallel regions)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import pytest
+
+from engine import AsyncEngine, EngineConfig, SamplingParams
+from engine import async_engine as async_engine_module
+from engine import data_parallel as data_parallel_module
+from engine.core import EngineCore
+from engine.step_thread import StepThread
+from tests.tiny_model import build_tiny_chat_model
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_chat_model(tmp_path_factory.mktemp("m") / "tiny")
+
+
+def test_runs_jobs_in_order_on_one_thread_and_hands_back_results_and_errors() -> None:
+    thread = StepThread("test-step")
+    seen: list[tuple[int, int]] = []
+    first = thread.submit(lambda: seen.append((1, threading.get_ident())) or "one")
+    assert thread.call(lambda: seen.append((2, threading.get_ident())) or 2) == 2
+    assert first.result() == "one"
+    with pytest.raises(ZeroDivisionError):
+        thread.call(lambda: 1 // 0)
+    assert thread.call(lambda: "still serving") == "still serving"  # a failed job does not end the thread
+    assert [n for n, _ in seen] == [1, 2]
+    assert seen[0][1] == seen[1][1] != threading.get_ident()
+    thread.finish()
+    thread.join(10)
+    assert not thread._thread.is_alive()
+
+
+class _Recording(EngineCore):
+    """An EngineCore that records which threads built and stepped it."""
+
+    built_on: list[int] = []
+    stepped_on: set[int] = set()
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        type(self).built_on.append(threading.get_ident())
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+
+    def step(self):  # type: ignore[no-untyped-def]
+        type(self).stepped_on.add(threading.get_ident())
+        return super().step()
+
+
+async def _one(engine: AsyncEngine, request_id: str) -> str:
+    text = ""
+    async for out in engine.generate([1, 2, 3, 4], SamplingParams(max_tokens=3, ignore_eos=True), request_id):
+        text += out.new_text
+    return text
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_the_core_is_built_on_the_thread_that_steps_it(
+    model: Path, replicas: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _Recording.built_on, _Recording.stepped_on = [], set()
+    monkeypatch.setattr(async_engine_module, "EngineCore", _Recording)
+    monkeypatch.setattr(data_parallel_module, "EngineCore", _Recording)
+    config = EngineConfig(model=model, dtype="float32", data_parallel_size=replicas)
+    engine = AsyncEngine.from_config(config)
+
+    async def run() -> None:
+        try:
+            await asyncio.gather(*(_one(engine, f"r{i}") for i in range(2 * replicas)))
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(run())
+    assert len(_Recording.built_on) == replicas
+    assert threading.get_ident() not in _Recording.built_on
+    assert _Recording.stepped_on and _Recording.stepped_on <= set(_Recording.built_on)
+
+
+def test_a_core_that_fails_to_build_raises_to_the_caller_and_ends_its_thread(tmp_path: Path) -> None:
+    config = EngineConfig(model=tmp_path / "missing")  # valid as a setting; the build finds nothing there
+    before = threading.active_count()
+    with pytest.raises(Exception, match=r"config\.json|model"):
+        AsyncEngine.from_config(config)
+    for _ in range(100):
+        if threading.active_count() <= before:
+            break
+        threading.Event().wait(0.05)
+    assert threading.active_count() <= before
