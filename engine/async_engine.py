@@ -78,12 +78,16 @@ class AsyncEngine:
 
             return DataParallelEngine.from_config(config, files, sampler)
         thread = StepThread()
+        core: EngineCore | None = None
         try:
             core = thread.call(lambda: EngineCore(config, files, sampler))
+            tokenizer = Tokenizer.from_files(core.files.read)
         except BaseException:
             thread.finish()
+            if core is not None:
+                core.close()
             raise
-        return cls(core, Tokenizer.from_files(core.files.read), thread)
+        return cls(core, tokenizer, thread)
 
     @property
     def healthy(self) -> bool:
