@@ -45,8 +45,9 @@ class AsyncEngine:
     """
 
     def __init__(self, core: EngineCore, tokenizer: Tokenizer, thread: StepThread | None = None) -> None:
-        """`thread`: the one the core was built on (from_config does so), which then runs the steps; without it, a
-        new one (slower on CPU when the core was built on another thread: engine.step_thread says why)."""
+        """`thread`: the one the core was built on (from_config does so), which then runs its steps, perhaps
+        taking turns with other engines; its owner finishes it. Without it, a thread of its own (slower on CPU
+        when the core was built on another thread: engine.step_thread says why)."""
         self.core = core
         self.tokenizer = tokenizer
         self.config = core.config
@@ -57,37 +58,44 @@ class AsyncEngine:
         self._pins: dict[str, tuple[Request, concurrent.futures.Future[int]]] = {}  # warm-ups under way
         self._pin_ids = itertools.count()
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
-        self._wake = threading.Event()
+        own = thread is None
+        self._thread = thread or StepThread()
+        self._wake = self._thread.wake
+        self._ended = threading.Event()  # the step loop has ended and told every waiting caller why
         self._stop = False
         self._dead: BaseException | None = None
         self._profiler: Any = None  # torch.profiler.profile while recording
         self._profile_left, self._profile_path = 0, Path()
-        self._thread = thread or StepThread()
-        self._thread.submit(self._run)
-        self._thread.finish()
+        self._thread.attach(self)
+        if own:
+            self._thread.finish()
         core.on_failure(self._fail)  # a tensor-parallel rank died: fail now, whatever the step thread is doing
 
     @classmethod
     def from_config(
-        cls, config: EngineConfig, files: ModelFiles | None = None, sampler: SamplerFn | None = None
-    ) -> AsyncEngine | DataParallelEngine:
+        cls, config: EngineConfig, files: ModelFiles | None = None, sampler: SamplerFn | None = None,
+        thread: StepThread | None = None,
+    ) -> AsyncEngine | DataParallelEngine:  # fmt: skip
         """The engine `config` asks for: with data_parallel_size > 1, a front over that many replicas with the
-        same surface (engine.data_parallel)."""
+        same surface (engine.data_parallel), each on a thread of its own. `thread`: build and step the engine
+        there, in turns with the others on it (several models on the same CPU cores); its owner finishes it."""
         if config.data_parallel_size > 1:
             from engine.data_parallel import DataParallelEngine  # it builds on this module
 
             return DataParallelEngine.from_config(config, files, sampler)
-        thread = StepThread()
+        own = thread is None
+        thread = thread or StepThread()
         core: EngineCore | None = None
         try:
             core = thread.call(lambda: EngineCore(config, files, sampler))
-            tokenizer = Tokenizer.from_files(core.files.read)
+            return cls(core, Tokenizer.from_files(core.files.read), thread)
         except BaseException:
-            thread.finish()
             if core is not None:
                 core.close()
             raise
-        return cls(core, tokenizer, thread)
+        finally:
+            if own:
+                thread.finish()  # it ends with the engine (at once where there is none)
 
     @property
     def healthy(self) -> bool:
@@ -208,7 +216,7 @@ class AsyncEngine:
     async def shutdown(self) -> None:
         self._stop = True
         self._wake.set()
-        await asyncio.to_thread(self._thread.join, 30)
+        await asyncio.to_thread(self._ended.wait, 30)
         await asyncio.to_thread(self.core.close)
 
     def _fail(self, error: BaseException) -> None:
@@ -286,25 +294,39 @@ class AsyncEngine:
         if endings:
             self._send("finish", endings)
 
-    # ---- the engine thread --------------------------------------------------------------------------
-    def _run(self) -> None:
+    # ---- the engine thread: its turns (engine.step_thread.Stepper) -------------------------------------------
+    @property
+    def done(self) -> bool:
+        return self._ended.is_set()
+
+    def turn(self) -> bool:
+        """One pass of the step loop on the step thread: take in what arrived, run a step if there is work (True
+        then). Once stopped or failed, tells every waiting caller and is done."""
+        if self._ended.is_set():
+            return False
         try:
-            while not self._stop and self._dead is None:
-                self._drain_inbox()
-                if not self._loop.has_unfinished():
-                    self._wake.wait()
-                    self._wake.clear()
-                    continue
-                outputs = self._loop.step_tokens()
-                if self._profiler is not None:
-                    self._profile_step()
-                self._deliver([(out.req_id, out) for out in outputs])
+            if self._stop or self._dead is not None:
+                self._end()
+                return False
+            self._drain_inbox()
+            if not self._loop.has_unfinished():
+                return False
+            outputs = self._loop.step_tokens()
+            if self._profiler is not None:
+                self._profile_step()
+            self._deliver([(out.req_id, out) for out in outputs])
+            return True
         except BaseException as e:  # NOTE: every waiting caller must hear of it, or it would hang forever
             log.exception("an engine step failed; the engine is stopped")
             if self._dead is None:
                 self._dead = e  # set before the broadcast: generate() checks it after registering its collector
+            self._end()
+            return False
+
+    def _end(self) -> None:
         why = _DEAD if self._dead is not None else _SHUT_DOWN
         self._deliver([(req_id, EngineDeadError(why)) for req_id in [*self._collectors, *self._pins]])
+        self._ended.set()
 
     def _drain_inbox(self) -> None:
         while True:

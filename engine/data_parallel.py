@@ -73,14 +73,16 @@ class DataParallelEngine:
             for i in range(config.data_parallel_size):
                 threads.append(StepThread(f"tianmen-engine-{i}"))  # each replica built on the thread that steps it
                 cores.append(threads[-1].call(lambda i=i: EngineCore(replica_config(config, i), files, sampler)))  # type: ignore[misc]
+            tokenizer = Tokenizer.from_files(cores[0].files.read)
+            replicas = [AsyncEngine(core, tokenizer, thread) for core, thread in zip(cores, threads, strict=True)]
         except BaseException:
             for core in cores:
                 core.close()
-            for thread in threads:
-                thread.finish()
             raise
-        tokenizer = Tokenizer.from_files(cores[0].files.read)
-        return cls([AsyncEngine(core, tokenizer, thread) for core, thread in zip(cores, threads, strict=True)])
+        finally:
+            for thread in threads:
+                thread.finish()  # each ends with its replica (at once where there is none)
+        return cls(replicas)
 
     @property
     def healthy(self) -> bool:

@@ -1,11 +1,14 @@
-"""The one thread that does all of an engine's CPU work: building the core (loading, packing and timing the
-kernels) and then every step.
+"""The one thread that does engines' CPU work: building each core (loading, packing and timing the kernels) and
+then every step of every engine attached to it, in turns.
 
 WHY one thread: libgomp (the OpenMP runtime of torch and of our kernels) keeps a pool of worker threads for each
 thread that opens parallel regions. A core built on the caller's thread and stepped on another gives the process
 two pools, more OpenMP threads than CPUs, and libgomp then stops spinning between regions: every GEMM of a step
 began with a futex wake-up of its workers. Measured on a 2-core Zen 5, the demo model's shape at batch 1: 15-17 ms
-a step built on one thread and stepped on another, 9.4-10.7 ms with both on the same thread.
+a step built on one thread and stepped on another, 9.4-10.7 ms with both on the same thread. Several models
+served on the CPU by one gateway share one such thread for the same reason (two engines' threads: 16.6-18.9 ms a
+step for the busy one while the other was idle, against 11.3-12.2 alone); their steps take turns, which on
+shared cores is what they would do anyway, each with all of the cores.
 """
 
 from __future__ import annotations
@@ -14,23 +17,62 @@ import concurrent.futures
 import queue
 import threading
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 T = TypeVar("T")
 
 _Job = tuple[Callable[[], Any], "concurrent.futures.Future[Any]"] | None
 
 
+class Stepper(Protocol):
+    """An engine's step loop, a turn at a time (engine.async_engine.AsyncEngine)."""
+
+    def turn(self) -> bool:
+        """One pass: take in what arrived, run a step if there is work. True when it ran one."""
+        ...
+
+    @property
+    def done(self) -> bool:
+        """It has ended: the thread forgets it."""
+        ...
+
+
 class StepThread:
-    """A daemon thread that runs the callables it is given, one after another, until `finish()`."""
+    """A daemon thread that runs the callables it is given, one after another, and between them gives every
+    attached Stepper a turn while any has work; it sleeps on `wake` when none has. It ends once `finish()` was
+    called and every stepper is done."""
 
     def __init__(self, name: str = "tianmen-engine") -> None:
+        self.wake = threading.Event()  # set by anyone who gave a job or a stepper something to do
         self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+        self._steppers: list[Stepper] = []  # touched on the thread only
+        self._finishing = False
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
     def _serve(self) -> None:
-        while (job := self._jobs.get()) is not None:
+        while True:
+            self._run_jobs()
+            busy = False
+            for s in list(self._steppers):
+                busy = s.turn() or busy
+                if s.done:
+                    self._steppers.remove(s)
+            if self._finishing and not self._steppers:
+                return
+            if not busy:
+                self.wake.wait()
+                self.wake.clear()
+
+    def _run_jobs(self) -> None:
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                return
+            if job is None:
+                self._finishing = True
+                continue
             fn, done = job
             try:
                 done.set_result(fn())
@@ -41,15 +83,21 @@ class StepThread:
         """Run `fn` on the thread after what was submitted before it."""
         done: concurrent.futures.Future[T] = concurrent.futures.Future()
         self._jobs.put((fn, done))
+        self.wake.set()
         return done
 
     def call(self, fn: Callable[[], T]) -> T:
         """Run `fn` on the thread and wait for it: its result, or what it raised."""
         return self.submit(fn).result()
 
+    def attach(self, stepper: Stepper) -> None:
+        """Give `stepper` turns from now until it is done."""
+        self.submit(lambda: self._steppers.append(stepper))
+
     def finish(self) -> None:
-        """The thread ends once what was submitted has run."""
+        """The thread ends once its jobs have run and every attached stepper is done."""
         self._jobs.put(None)
+        self.wake.set()
 
     def join(self, timeout: float | None = None) -> None:
         self._thread.join(timeout)

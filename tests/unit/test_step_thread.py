@@ -54,8 +54,8 @@ class _Recording(EngineCore):
 
 
 async def _one(engine: AsyncEngine, request_id: str) -> str:
-    text = ""
-    async for out in engine.generate([1, 2, 3, 4], SamplingParams(max_tokens=3, ignore_eos=True), request_id):
+    text, greedy = "", SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    async for out in engine.generate([1, 2, 3, 4], greedy, request_id):
         text += out.new_text
     return text
 
@@ -92,3 +92,30 @@ def test_a_core_that_fails_to_build_raises_to_the_caller_and_ends_its_thread(tmp
             break
         threading.Event().wait(0.05)
     assert threading.active_count() <= before
+
+
+def test_engines_sharing_a_thread_take_turns_and_one_can_stop_alone(
+    model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Several models on the CPU share one step thread (gateway.server): both serve at once, each built and
+    stepped there; one shut down leaves the other serving; the thread ends with the last."""
+    _Recording.built_on, _Recording.stepped_on = [], set()
+    monkeypatch.setattr(async_engine_module, "EngineCore", _Recording)
+    shared = StepThread("test-shared")
+    config = EngineConfig(model=model, dtype="float32", enable_prefix_caching=False)  # the same floats each time
+    a, b = (AsyncEngine.from_config(config, thread=shared) for _ in range(2))
+    shared.finish()
+
+    async def run() -> None:
+        texts = await asyncio.gather(*(_one(e, f"{n}{i}") for i in range(3) for n, e in (("a", a), ("b", b))))
+        assert all(texts)
+        await a.shutdown()
+        assert shared._thread.is_alive()
+        assert await _one(b, "b-after") == texts[1]  # greedy: the same as before the other stopped
+        await b.shutdown()
+
+    asyncio.run(run())
+    shared.join(10)
+    assert not shared._thread.is_alive()
+    assert len(_Recording.built_on) == 2 and len(set(_Recording.built_on)) == 1
+    assert _Recording.stepped_on == set(_Recording.built_on)
