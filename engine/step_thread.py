@@ -14,12 +14,14 @@ shared cores is what they would do anyway, each with all of the cores.
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import queue
 import threading
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 _Job = tuple[Callable[[], Any], "concurrent.futures.Future[Any]"] | None
 
@@ -55,7 +57,12 @@ class StepThread:
             self._run_jobs()
             busy = False
             for s in list(self._steppers):
-                busy = s.turn() or busy
+                try:
+                    busy = s.turn() or busy
+                except BaseException:  # a turn handles its own failures; this one could not: the others go on
+                    log.exception("an engine's step loop failed outside its step; that engine no longer steps")
+                    self._steppers.remove(s)
+                    continue
                 if s.done:
                     self._steppers.remove(s)
             if self._finishing and not self._steppers:

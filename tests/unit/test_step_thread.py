@@ -119,3 +119,32 @@ def test_engines_sharing_a_thread_take_turns_and_one_can_stop_alone(
     assert not shared._thread.is_alive()
     assert len(_Recording.built_on) == 2 and len(set(_Recording.built_on)) == 1
     assert _Recording.stepped_on == set(_Recording.built_on)
+
+
+class _Broken:
+    """A stepper whose turn raises (AsyncEngine.turn never does: it catches what a step raises)."""
+
+    done = False
+
+    def turn(self) -> bool:
+        raise RuntimeError("injected")
+
+
+class _Counting:
+    def __init__(self, turns: int) -> None:
+        self.left, self.done = turns, False
+
+    def turn(self) -> bool:
+        self.left -= 1
+        self.done = self.left <= 0
+        return not self.done
+
+
+def test_a_stepper_that_raises_is_dropped_and_the_others_still_get_turns() -> None:
+    thread = StepThread("test-broken")
+    counting = _Counting(5)
+    thread.attach(_Broken())
+    thread.attach(counting)
+    thread.finish()
+    thread.join(10)
+    assert not thread._thread.is_alive() and counting.done
