@@ -122,17 +122,19 @@ def build_models(settings: Settings) -> ModelRegistry:
     # bring its own OpenMP pool, and with more OpenMP threads than CPUs every step ran ~1.5x slower, even while
     # the other models were idle (engine.step_thread)
     on_cpu = [o.name for o in opened if o.config.torch_device.type == "cpu"]
-    shared = StepThread("tianmen-engines") if len(on_cpu) > 1 else None
+    shared = StepThread() if len(on_cpu) > 1 else None
     try:
         for o in opened:
             engine = _load(o, plans[o.name], shared if o.name in on_cpu else None)
             served.append(ServedModel(o.name, engine, tool_call_parser=o.spec.engine.tool_call_parser))
     except BaseException:
         _stop([m.engine for m in served])
-        raise
-    finally:
         if shared is not None:
-            shared.finish()  # it ends with the last of its engines
+            shared.finish()
+            shared.join(30)  # no partial server: the thread is gone too
+        raise
+    if shared is not None:
+        shared.finish()  # it ends with the last of its engines
     try:
         return ModelRegistry(served, settings.aliases)
     except ValueError as e:  # an alias of the one-model case, whose model's name was known only now
