@@ -32,6 +32,7 @@ from engine.loop import EngineLoop
 from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor
 from engine.scheduler import Scheduler
+from engine.step_thread import StepThread
 from gateway import completion, routes
 from gateway.audit_hook import AuditHook
 from gateway.demo import DEMO_NAME
@@ -141,7 +142,7 @@ def instrument(t: Timers, engine: AsyncEngine) -> None:
     t.wrap(Metrics, "observe_request", "metrics", cpu)
 
 
-def thread_cpu(thread: threading.Thread) -> float:
+def thread_cpu(thread: threading.Thread | StepThread) -> float:
     assert thread.ident is not None
     return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
 

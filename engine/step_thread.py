@@ -108,3 +108,8 @@ class StepThread:
 
     def join(self, timeout: float | None = None) -> None:
         self._thread.join(timeout)
+
+    @property
+    def ident(self) -> int | None:
+        """The thread's id (its CPU clock: time.pthread_getcpuclockid)."""
+        return self._thread.ident
