@@ -6,8 +6,8 @@ thread that opens parallel regions. A core built on the caller's thread and step
 two pools, more OpenMP threads than CPUs, and libgomp then stops spinning between regions: every GEMM of a step
 began with a futex wake-up of its workers. Measured on a 2-core Zen 5, the demo model's shape at batch 1: 15-17 ms
 a step built on one thread and stepped on another, 9.4-10.7 ms with both on the same thread. Several models
-served on the CPU by one gateway share one such thread for the same reason (two engines' threads: 16.6-18.9 ms a
-step for the busy one while the other was idle, against 11.3-12.2 alone); their steps take turns, which on
+served on the CPU by one gateway share one such thread for the same reason (two engines in one process, one busy,
+the other idle: 17-21 ms a step with a thread each, 12.2-13.8 sharing one); their steps take turns, which on
 shared cores is what they would do anyway, each with all of the cores.
 """
 

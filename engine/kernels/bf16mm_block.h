@@ -57,15 +57,14 @@ static inline __attribute__((always_inline)) void tile(const int mr, int64_t K, 
         for (int j = 0; j < 4; j++) acc[r][j] = _mm512_loadu_ps(bias + 16 * j);
     // NOTE: rows 0-2 and 3-5 as two pointers and one stride, which the CPU's addressing adds for free: six row
     // pointers (with the prefetch's) spilled, and each pair went through a general register to its broadcast
-    const int64_t ld = K;
-    const uint16_t *x0 = x, *x3 = x + (mr > 3 ? 3 : 0) * ld;
+    const uint16_t *x0 = x, *x3 = x + (mr > 3 ? 3 : 0) * K;
     const int64_t full = K / 2;
     for (int64_t kp = 0; kp < full; kp++) {
         for (int64_t l = 0; l < pf_step && pf < pf_end; l++, pf += 64) _mm_prefetch(pf, _MM_HINT_T1);
         __m512bh wk[4];
         load_pair(w + kp * 2 * NB, wk);
         for (int r = 0; r < mr; r++) {
-            const uint16_t *xr = (r < 3 ? x0 + r * ld : x3 + (r - 3) * ld) + 2 * kp;
+            const uint16_t *xr = (r < 3 ? x0 + r * K : x3 + (r - 3) * K) + 2 * kp;
             dot_row(acc[r], (__m512bh)_mm512_set1_epi32(*(const pair_t *)xr), wk);
         }
     }

@@ -21,7 +21,7 @@ from engine.kernels.gemm import OneDNNPath, TorchPath
 from engine.kernels.grouped import GroupedExperts, GroupedKernel, GroupedLinear
 from engine.kernels.kernel_set import CpuKernels
 from engine.kernels.pointwise import PointwiseKernels, apply_rotary, rms_norm
-from engine.kernels.select import MIN_ROUNDS, PlanCache, ShapeChoice, Timer, last_level_cache_bytes
+from engine.kernels.select import MIN_ROUNDS, CacheFlush, PlanCache, ShapeChoice, Timer
 from engine.layers.activation import ActAndMul
 from engine.layers.attention import PagedAttention
 from engine.layers.mla import MLAttention, bmm_absorbed, latent_attention, per_head_absorbed
@@ -293,7 +293,7 @@ def attention_probe(attention: PagedAttention, dtype: torch.dtype) -> Probe:
     mask = torch.zeros(ROWS, 1, 1, CONTEXT, dtype=dtype)
     ctx = AttentionContext(tables[:, -1] * BLOCK + BLOCK - 1, ROWS, tables, mask, [], torch.full((ROWS,), CONTEXT))
     one = 2 * (blocks + 1) * BLOCK * attention.num_kv_heads * attention.head_dim * dtype.itemsize
-    copies = max(1, min(last_level_cache_bytes() * 3 // 2, COLD_BYTES) // one)
+    copies = max(1, min(CacheFlush().nbytes, COLD_BYTES) // one)  # as much as evicting the caches takes
     return _probe(attention, dtype, blocks, ROWS, lambda kernel: ctx, copies)
 
 

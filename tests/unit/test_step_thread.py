@@ -84,14 +84,18 @@ def test_the_core_is_built_on_the_thread_that_steps_it(
 
 def test_a_core_that_fails_to_build_raises_to_the_caller_and_ends_its_thread(tmp_path: Path) -> None:
     config = EngineConfig(model=tmp_path / "missing")  # valid as a setting; the build finds nothing there
-    before = threading.active_count()
+    before = _engine_threads()
     with pytest.raises(Exception, match=r"config\.json|model"):
         AsyncEngine.from_config(config)
     for _ in range(100):
-        if threading.active_count() <= before:
+        if _engine_threads() <= before:
             break
         threading.Event().wait(0.05)
-    assert threading.active_count() <= before
+    assert _engine_threads() <= before
+
+
+def _engine_threads() -> int:
+    return sum(t.name == "tianmen-engine" and t.is_alive() for t in threading.enumerate())
 
 
 def test_engines_sharing_a_thread_take_turns_and_one_can_stop_alone(
