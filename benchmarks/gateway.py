@@ -6,7 +6,9 @@ Starts `tianmen serve` in a subprocess (embedded default: dev TLS + dev JWT, the
 and drives it from this process with 32 keep-alive HTTPS clients; the direct run uses AsyncEngine in-process.
 Also reports the server's CPU per request during the timed run: its event loop (the main thread) and the
 whole process (engine threads included), read from /proc (Linux). `--tiny` serves a 2-layer random model (the
-tests' tiny chat model) so that engine time is negligible and what is left is the gateway's own cost.
+tests' tiny chat model) so that engine time is negligible and what is left is the gateway's own cost. Then the
+same clients drive `benchmarks.gateway_floor` (uvicorn + TLS 1.3 with a route that does nothing) on the same
+CPUs: the HTTP layer's own cost on this machine at this moment, which the gateway's figure includes.
 """
 
 from __future__ import annotations
@@ -158,6 +160,7 @@ def main() -> None:
     finally:
         server.terminate()
         server.wait(30)
+    floor = measure_floor(args, pki.server_cert, pki.server_key, pki.ca_cert)
     d_rps, d_lat = asyncio.run(direct(settings, args.requests, args.concurrency))
 
     print(f"\n{args.requests} chat requests, max_tokens=1, {args.concurrency} concurrent, model {args.model.name}")
@@ -169,6 +172,31 @@ def main() -> None:
         f"{(pct(gw_lat, 99) - pct(d_lat, 99)) * 1e3:>8.1f}"
     )
     print(f"gateway CPU per request: event loop {loop_cpu * 1e3:.2f} ms, whole process {proc_cpu * 1e3:.2f} ms")
+    f_rps, _, f_loop, f_proc = floor
+    print(
+        f"HTTP layer floor (uvicorn + TLS, an empty route, the same clients): event loop {f_loop * 1e3:.2f} ms, "
+        f"whole process {f_proc * 1e3:.2f} ms, {f_rps:.1f} req/s"
+    )
+    print(f"the gateway's own work on its event loop: {(loop_cpu - f_loop) * 1e3:.2f} ms a request")
+
+
+def measure_floor(args: argparse.Namespace, cert: Path, key: Path, ca: Path) -> tuple[float, list[float], float, float]:
+    """benchmarks.gateway_floor on the same CPUs, driven like the gateway (its certificate: the dev PKI's)."""
+    port = args.port + 1
+    cmd = [sys.executable, "-m", "benchmarks.gateway_floor", str(port), str(cert), str(key)]
+    floor = subprocess.Popen(cmd, preexec_fn=pin(args.server_cpus))
+    url = f"https://127.0.0.1:{port}"
+    try:
+        for _ in range(300):
+            try:
+                httpx.get(url + "/", verify=client_ssl_context(ca))
+                break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        return asyncio.run(through_gateway(url, "unused", ca, "floor", args.requests, args.concurrency, floor.pid))
+    finally:
+        floor.terminate()
+        floor.wait(30)
 
 
 if __name__ == "__main__":

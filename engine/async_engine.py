@@ -61,6 +61,7 @@ class AsyncEngine:
         own = thread is None
         self._thread = thread or StepThread()
         self._wake = self._thread.wake
+        self._nudges: set[asyncio.AbstractEventLoop] = set()  # loops with a wake-up scheduled for this pass
         self._ended = threading.Event()  # the step loop has ended and told every waiting caller why
         self._stop = False
         self._dead: BaseException | None = None
@@ -228,7 +229,27 @@ class AsyncEngine:
         self._deliver([(req_id, EngineDeadError(why)) for req_id in list(self._collectors)])
 
     def _send(self, kind: str, payload: Any) -> None:
+        """Queue a message for the step thread and wake it: from an event loop, once per pass of that loop.
+
+        WHY: waking a sleeping thread costs the event loop a futex call and, on a busy core, a context switch and
+        a GIL hand-off; the requests one pass admits (or aborts, or ends) share one wake-up and reach the same
+        step, which they would not have beaten the first of them to anyway."""
         self._inbox.put((kind, payload))
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # a plain thread (pin_prefix at start-up)
+            self._wake.set()
+            return
+        if loop not in self._nudges:
+            self._nudges.add(loop)
+            try:
+                loop.call_soon(self._nudge, loop)
+            except RuntimeError:  # the loop is closing: wake the thread now
+                self._nudges.discard(loop)
+                self._wake.set()
+
+    def _nudge(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._nudges.discard(loop)
         self._wake.set()
 
     def _deliver(self, items: list[_Item]) -> None:

@@ -4,7 +4,6 @@ the JSON body or the SSE stream, the per-request record, and the lease settled w
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
@@ -156,6 +155,8 @@ def _record(
     state.total_tokens = usage["total_tokens"]
     state.cached_tokens = builder.cached_tokens()
     state.finish_reason = override or ",".join(sorted({c.finish_reason or "none" for c in builder.choices}))
+    if guard is not None:
+        guard.close()
     # the audit trail keeps the answer as the policy rewrote it (a tokenized prompt's placeholders not restored)
     state.response_text = guard.audit_text() if guard is not None else "".join(c.text for c in builder.choices)
     state.tool_calls = builder.tool_names() if builder.tools is not None else None
@@ -224,22 +225,27 @@ async def _first(stream: AsyncIterator[list[tuple[int, RequestOutput]]]) -> list
 
 
 async def _until_disconnect(request: Request, work: Any) -> bool:
-    """Run `work`; False if the client hung up first (then `work` is cancelled, which aborts the request)."""
-    task = asyncio.ensure_future(work)
+    """Await `work` in this task; False if the client hung up first (then `work` is cancelled, which aborts the
+    request). One watcher task, which cancels this one: cheaper than running `work` as a task of its own."""
+    task = asyncio.current_task()
+    assert task is not None
+    gone = False
 
     async def disconnected() -> None:
+        nonlocal gone
         while (await request.receive())["type"] != "http.disconnect":
             pass
+        gone = True
+        task.cancel()
 
     watcher = asyncio.ensure_future(disconnected())
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        await work
+        return True
+    except asyncio.CancelledError:
+        if not gone:
+            raise  # cancelled from outside (shutdown): not ours to swallow
+        task.uncancel()
+        return False
     finally:
         watcher.cancel()
-    if task.done():
-        task.result()
-        return True
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
-    return False

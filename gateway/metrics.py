@@ -113,6 +113,7 @@ class Metrics:
         self.auth_failures = Counter("tianmen:auth_failures", "Refused credentials by reason.", ["reason"], registry=r)
         self.ratelimit_refusals = Counter("tianmen:ratelimit_refusals", "429s by limit.", ["limit"], registry=r)
         r.register(_StatsCollector(engine_stats, audit_stats))
+        self._children: dict[tuple[str, str], tuple[Any, ...]] = {}
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -128,10 +129,14 @@ class Metrics:
         model, tenant = state.model, state.tenant
         if model is None or tenant is None or state.ttft_ms is None:
             return
-        self.prompt_tokens.labels(model, tenant).inc(state.prompt_tokens or 0)
-        self.generation_tokens.labels(model, tenant).inc(state.completion_tokens or 0)
-        self.ttft.labels(model, tenant).observe(state.ttft_ms / 1e3)
-        self.e2e.labels(model, tenant).observe(state.duration_s)
-        itl = self.itl.labels(model, tenant)
+        children = self._children.get((model, tenant))
+        if children is None:  # labels() costs a lock and a tuple key per metric: once per (model, tenant)
+            per_model = (self.prompt_tokens, self.generation_tokens, self.ttft, self.e2e, self.itl)
+            children = self._children[(model, tenant)] = tuple(m.labels(model, tenant) for m in per_model)
+        prompt, generated, ttft, e2e, itl = children
+        prompt.inc(state.prompt_tokens or 0)
+        generated.inc(state.completion_tokens or 0)
+        ttft.observe(state.ttft_ms / 1e3)
+        e2e.observe(state.duration_s)
         for gap in state.itl_s:
             itl.observe(gap)

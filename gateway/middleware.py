@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import math
-import secrets
 import time
 from collections.abc import Awaitable, Callable
 
@@ -14,6 +13,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from gateway.auth_guard import FailedAuthLimiter
 from gateway.errors import APIError, error_response
 from gateway.state import RequestState
+from security.ids import new_id
 from security.jwks import JWKSError
 from security.jwt import AuthError, TokenVerifier
 
@@ -43,7 +43,7 @@ class RequestContext:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        request_id = secrets.token_hex(12)
+        request_id = new_id(12)
         state = RequestState(request_id)
         scope["request_id"], scope["request_state"] = request_id, state
         audited = scope["path"] not in PUBLIC_PATHS

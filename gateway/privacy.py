@@ -196,11 +196,10 @@ class CompletionGuard:
 
     def _one(self, i: int, out: RequestOutput) -> RequestOutput:
         f, restorer = self.filters[i], self.restorers[i]
-        if self.passthrough:
-            f.feed(out.new_text)  # counts what fired; what it holds back is only for the count
+        if self.passthrough:  # nothing is held back, so the text is scanned once, when the choice ends
+            f.pending += out.new_text
             if out.finished:
-                f.finish()
-            self.session.record("completion", f.take_fired())
+                self._count(f)
             text = restorer.feed(out.new_text) + (restorer.finish() if out.finished else "")
             return out if text == out.new_text else replace(out, new_text=text)
         if self.ended[i]:  # blocked before: count its tokens, send nothing
@@ -217,6 +216,16 @@ class CompletionGuard:
         if out.finished:
             text += restorer.finish()
         return replace(out, new_text=text)
+
+    def _count(self, f: StreamFilter) -> None:
+        f.finish()
+        self.session.record("completion", f.take_fired())
+
+    def close(self) -> None:
+        """The request ended (or was cut): what an audit-only policy has not yet scanned is counted now."""
+        if self.passthrough:
+            for f in self.filters:
+                self._count(f)
 
     @property
     def blocked(self) -> str | None:

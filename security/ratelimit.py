@@ -3,13 +3,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import os
 import time
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 from urllib.parse import quote
 
+from security.ids import new_id
 from security.ratelimit_store import (
     EPS_US,
     WINDOW_US,
@@ -154,6 +154,9 @@ class RateLimiter:
         self._next_probe = 0.0
         self._warned_tiers: set[str] = set()
         self._pending: set[asyncio.Task[Any]] = set()
+        # WHY: the in-process store never suspends (its calls are atomic on the loop), so a cancelled caller
+        # cannot leave a call half done and it needs no task of its own: ~2 tasks less per request
+        self._atomic = isinstance(self._store, InProcessStore)
 
     async def admit(
         self, tenant: str, subject: str, tier: str | None, est_tokens: int, model: str | None = None
@@ -164,14 +167,28 @@ class RateLimiter:
         if not scopes:
             return Admission(True)
         buckets = tuple(b for _, _, b in scopes)
-        lease_id = os.urandom(12).hex()
+        lease_id = new_id(12)
+        if self._atomic:
+            store, verdict = await self._decide(buckets, est_tokens, lease_id)
+            return self._admitted(scopes, verdict, est_tokens, store, buckets, lease_id)
         decision = self._spawn(self._decide(buckets, est_tokens, lease_id))
         try:
             store, verdict = await asyncio.shield(decision)
         except asyncio.CancelledError:  # the client left mid-admit: give back whatever the script took
             decision.add_done_callback(lambda d: self._undo(d, buckets, lease_id, est_tokens))
             raise
-        admission = _admission(scopes, verdict, est_tokens)
+        return self._admitted(scopes, verdict, est_tokens, store, buckets, lease_id)
+
+    @staticmethod
+    def _admitted(
+        scopes: Sequence[tuple[Scope, RateLimitTier, Bucket]],
+        verdict: Verdict,
+        cost: int,
+        store: RateLimitStore,
+        buckets: tuple[Bucket, ...],
+        lease_id: str,
+    ) -> Admission:
+        admission = _admission(scopes, verdict, cost)
         if admission.allowed:
             admission.ticket = Ticket(store, buckets, lease_id)
         return admission
@@ -183,6 +200,9 @@ class RateLimiter:
         if admission.settled or admission.ticket is None:
             return
         admission.settled = True
+        if self._atomic and admission.ticket.store is self._store:
+            await self._update(admission.ticket, actual_tokens - admission.reserved_tokens, True)
+            return
         # NOTE: shielded so that a client disconnect cancelling the caller still refunds and frees the slot
         await asyncio.shield(
             self._spawn(self._update(admission.ticket, actual_tokens - admission.reserved_tokens, True))

@@ -36,6 +36,24 @@ def test_audit_only_passes_every_delta_through_at_once_and_counts() -> None:
     assert last.finish_reason == "length"  # type: ignore[attr-defined]
 
 
+def test_audit_only_counts_a_cut_stream_when_it_closes() -> None:
+    """Audit-only scans each answer once, at its end; an answer cut before its end is scanned when it closes."""
+    card = gen.card(random.Random(2))
+    text = f"卡号{card}，以及邮箱 a.b@example.com 然后"
+    state = RequestState("r")
+    guard = build_privacy(PrivacySettings()).session("t", state).completion(1)
+    assert guard is not None
+    outs = deltas(text, 4)[:-1]  # the last delta never comes: the client left
+    got = [guard.apply([(0, d)])[0][1].new_text for d in outs]
+    assert "".join(got) == text[: 4 * len(outs)]  # passed through untouched, as it came
+    assert state.policy_hits == {}  # nothing is counted before the answer ends
+    guard.close()
+    assert state.policy_hits == {("completion", "bank_card", "audit"): 1, ("completion", "email", "audit"): 1}
+    guard.close()  # once only
+    assert state.policy_hits == {("completion", "bank_card", "audit"): 1, ("completion", "email", "audit"): 1}
+    assert guard.audit_text() == "".join(got)
+
+
 def test_mask_holds_only_the_card_and_block_ends_with_content_filter() -> None:
     card = gen.card(random.Random(1))
     text = f"卡号{card}，谢谢"
