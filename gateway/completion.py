@@ -245,7 +245,8 @@ async def _until_disconnect(request: Request, work: Any) -> bool:
     except asyncio.CancelledError:
         if not gone:
             raise  # cancelled from outside (shutdown): not ours to swallow
-        task.uncancel()
+        if hasattr(task, "uncancel"):  # Python 3.11+: the cancel was ours and is handled
+            task.uncancel()
         return False
     finally:
         watcher.cancel()

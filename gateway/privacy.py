@@ -190,6 +190,7 @@ class CompletionGuard:
         self.ended = [False] * n
         # only audit (the default): the text is counted, never held back; the stream is what it was without us
         self.passthrough = not session.policy.completion.transforms
+        self.unscanned: list[list[str]] = [[] for _ in range(n)]  # passthrough: each choice's text until it ends
 
     def apply(self, ready: list[tuple[int, RequestOutput]]) -> list[tuple[int, RequestOutput]]:
         return [(i, self._one(i, out)) for i, out in ready]
@@ -197,9 +198,9 @@ class CompletionGuard:
     def _one(self, i: int, out: RequestOutput) -> RequestOutput:
         f, restorer = self.filters[i], self.restorers[i]
         if self.passthrough:  # nothing is held back, so the text is scanned once, when the choice ends
-            f.pending += out.new_text
+            self.unscanned[i].append(out.new_text)
             if out.finished:
-                self._count(f)
+                self._count(i)
             text = restorer.feed(out.new_text) + (restorer.finish() if out.finished else "")
             return out if text == out.new_text else replace(out, new_text=text)
         if self.ended[i]:  # blocked before: count its tokens, send nothing
@@ -217,15 +218,18 @@ class CompletionGuard:
             text += restorer.finish()
         return replace(out, new_text=text)
 
-    def _count(self, f: StreamFilter) -> None:
+    def _count(self, i: int) -> None:
+        f = self.filters[i]
+        f.pending += "".join(self.unscanned[i])
+        self.unscanned[i].clear()
         f.finish()
         self.session.record("completion", f.take_fired())
 
     def close(self) -> None:
         """The request ended (or was cut): what an audit-only policy has not yet scanned is counted now."""
         if self.passthrough:
-            for f in self.filters:
-                self._count(f)
+            for i in range(len(self.filters)):
+                self._count(i)
 
     @property
     def blocked(self) -> str | None:
@@ -242,5 +246,5 @@ class CompletionGuard:
     def audit_text(self) -> str:
         """What the trail may keep of the answers: rewritten, placeholders not restored."""
         if self.passthrough:  # the text is the model's: what was counted, and what a cut stream left uncounted
-            return "".join(f.text + f.pending for f in self.filters)
+            return "".join(f.text + f.pending + "".join(u) for f, u in zip(self.filters, self.unscanned))
         return "".join(f.text for f in self.filters)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import ssl
 import time
 from collections.abc import Iterator
@@ -243,6 +244,34 @@ def test_disconnect_mid_stream_returns_every_block(gw: RunningGateway) -> None:
             break
         time.sleep(0.05)
     assert stats["kv_blocks_used"] == 0 and stats["num_running"] == 0
+
+
+def test_disconnect_before_a_non_streamed_answer_aborts_it(gw: RunningGateway) -> None:
+    """A client that hangs up while its (non-streamed) answer is generated: the engine drops the request."""
+    body = json.dumps({"model": gw.model, "messages": MESSAGES, "max_tokens": 400, "ignore_eos": True}).encode()
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {gw.token()}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    generated = gw.engine.stats()["generation_tokens_total"]  # type: ignore[attr-defined]
+    with socket.create_connection(("127.0.0.1", gw.port)) as raw:
+        conn = ssl_ctx(gw).wrap_socket(raw, server_hostname="127.0.0.1")
+        conn.sendall(head + body)
+        for _ in range(400):  # until the engine runs it
+            if gw.engine.stats()["num_running"] > 0:  # type: ignore[attr-defined]
+                break
+            time.sleep(0.01)
+        assert gw.engine.stats()["num_running"] > 0  # type: ignore[attr-defined]
+        conn.close()
+    for _ in range(200):  # the disconnect cancels the wait, which aborts the request on the engine's next step
+        stats = gw.engine.stats()  # type: ignore[attr-defined]
+        if stats["kv_blocks_used"] == 0 and stats["num_running"] == 0:
+            break
+        time.sleep(0.05)
+    assert stats["kv_blocks_used"] == 0 and stats["num_running"] == 0
+    assert stats["generation_tokens_total"] - generated < 400  # stopped, not run to its max_tokens
+    r = post(gw, "/v1/chat/completions", {"model": gw.model, "messages": MESSAGES, "max_tokens": 2})
+    assert r.status_code == 200  # and the gateway serves the next one
 
 
 def test_sixteen_concurrent_streams_complete(gw: RunningGateway) -> None:
