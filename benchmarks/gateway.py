@@ -172,10 +172,11 @@ def main() -> None:
         f"{(pct(gw_lat, 99) - pct(d_lat, 99)) * 1e3:>8.1f}"
     )
     print(f"gateway CPU per request: event loop {loop_cpu * 1e3:.2f} ms, whole process {proc_cpu * 1e3:.2f} ms")
-    f_rps, _, f_loop, f_proc = floor
+    f_rps, f_lat, f_loop, f_proc = floor
     print(
         f"HTTP layer floor (uvicorn + TLS, an empty route, the same clients): event loop {f_loop * 1e3:.2f} ms, "
-        f"whole process {f_proc * 1e3:.2f} ms, {f_rps:.1f} req/s"
+        f"whole process {f_proc * 1e3:.2f} ms, {f_rps:.1f} req/s, p50 {pct(f_lat, 50) * 1e3:.1f} ms, "
+        f"p99 {pct(f_lat, 99) * 1e3:.1f} ms"
     )
     print(f"the gateway's own work on its event loop: {(loop_cpu - f_loop) * 1e3:.2f} ms a request")
 
