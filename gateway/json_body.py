@@ -18,6 +18,8 @@ MAX_DEPTH = 32  # objects and arrays; a chat request needs 5
 # a JSON string (escapes included) or one bracket: strings are skipped whole, so brackets inside them do not count
 _TOKENS = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]')
 _SURROGATE = re.compile("[\ud800-\udfff]")
+# valid UTF-8 holds no surrogate, so one can only come from an escape; a body without any skips the walk
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 def decode(body: bytes, max_depth: int = MAX_DEPTH) -> Any:
@@ -28,14 +30,16 @@ def decode(body: bytes, max_depth: int = MAX_DEPTH) -> Any:
         text = body.decode("utf-8")
     except UnicodeDecodeError as e:
         raise APIError(400, f"the request body is not valid UTF-8 (byte {e.start})", code="invalid_json") from None
-    _check_depth(body, max_depth)
+    if body.count(b"[") + body.count(b"{") > max_depth:  # fewer brackets than that cannot nest too deep
+        _check_depth(body, max_depth)
     try:
         value = json.loads(text, parse_constant=_no_constant, parse_float=_finite_float)
     except APIError:
         raise
     except ValueError as e:  # JSONDecodeError, and ints past Python's digit limit
         raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
-    _check_strings(value)
+    if _SURROGATE_ESCAPE.search(body) is not None:
+        _check_strings(value)
     return value
 
 

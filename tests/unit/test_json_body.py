@@ -35,6 +35,8 @@ def test_refused(raw: bytes, param: str | None) -> None:
 def test_accepted() -> None:
     nested = b"[" * MAX_DEPTH + b"]" * MAX_DEPTH
     assert decode(nested) is not None
+    many = b'{"s": "' + b"[{" * MAX_DEPTH + b'", "t": ["\\\\ud800"]}'  # brackets in a string; an escaped backslash
+    assert decode(many) == {"s": "[{" * MAX_DEPTH, "t": ["\\ud800"]}
     assert decode(b'{"s": "[[[[\\"{{{{", "e": "\\ud83d\\ude00", "f": 1.5e300}') == {
         "s": '[[[["{{{{',
         "e": "\U0001f600",
