@@ -156,7 +156,7 @@ class RateLimiter:
         self._pending: set[asyncio.Task[Any]] = set()
         # WHY: the in-process store never suspends (its calls are atomic on the loop), so a cancelled caller
         # cannot leave a call half done and it needs no task of its own: ~2 tasks less per request
-        self._atomic = isinstance(self._store, InProcessStore)
+        self._atomic = type(self._store) is InProcessStore  # a subclass might await
 
     async def admit(
         self, tenant: str, subject: str, tier: str | None, est_tokens: int, model: str | None = None
@@ -170,25 +170,14 @@ class RateLimiter:
         lease_id = new_id(12)
         if self._atomic:
             store, verdict = await self._decide(buckets, est_tokens, lease_id)
-            return self._admitted(scopes, verdict, est_tokens, store, buckets, lease_id)
-        decision = self._spawn(self._decide(buckets, est_tokens, lease_id))
-        try:
-            store, verdict = await asyncio.shield(decision)
-        except asyncio.CancelledError:  # the client left mid-admit: give back whatever the script took
-            decision.add_done_callback(lambda d: self._undo(d, buckets, lease_id, est_tokens))
-            raise
-        return self._admitted(scopes, verdict, est_tokens, store, buckets, lease_id)
-
-    @staticmethod
-    def _admitted(
-        scopes: Sequence[tuple[Scope, RateLimitTier, Bucket]],
-        verdict: Verdict,
-        cost: int,
-        store: RateLimitStore,
-        buckets: tuple[Bucket, ...],
-        lease_id: str,
-    ) -> Admission:
-        admission = _admission(scopes, verdict, cost)
+        else:
+            decision = self._spawn(self._decide(buckets, est_tokens, lease_id))
+            try:
+                store, verdict = await asyncio.shield(decision)
+            except asyncio.CancelledError:  # the client left mid-admit: give back whatever the script took
+                decision.add_done_callback(lambda d: self._undo(d, buckets, lease_id, est_tokens))
+                raise
+        admission = _admission(scopes, verdict, est_tokens)
         if admission.allowed:
             admission.ticket = Ticket(store, buckets, lease_id)
         return admission
@@ -200,7 +189,7 @@ class RateLimiter:
         if admission.settled or admission.ticket is None:
             return
         admission.settled = True
-        if self._atomic and admission.ticket.store is self._store:
+        if self._atomic:
             await self._update(admission.ticket, actual_tokens - admission.reserved_tokens, True)
             return
         # NOTE: shielded so that a client disconnect cancelling the caller still refunds and frees the slot
