@@ -32,9 +32,9 @@ class SpoolWriter:
     events keep coming, so a busy spool shares one fsync among many events (group commit).
 
     WHY a deque and one wake-up per event-loop pass: waking a sleeping thread costs the event loop a futex call
-    and, on a busy core, a context switch and a GIL hand-off (py-spy: a quarter of the gateway's event-loop
-    time went to `Queue.put`'s and `Event.set`'s notify). The events of one pass (a step's finished requests
-    all reach `on_response_start` together) share one wake-up; the writer reads the deque without locks."""
+    and, on a busy core, a context switch and a GIL hand-off (~15-20 µs of the waker's CPU on a shared core,
+    measured alone). The events of one pass (a step's finished requests all reach `on_response_start` together)
+    share one wake-up; the writer reads the deque without locks."""
 
     def __init__(
         self,

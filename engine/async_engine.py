@@ -241,6 +241,8 @@ class AsyncEngine:
             self._wake.set()
             return
         if loop not in self._nudges:
+            if self._nudges:  # a loop that closed before its nudge ran is not kept
+                self._nudges -= {other for other in self._nudges if other.is_closed()}
             self._nudges.add(loop)
             try:
                 loop.call_soon(self._nudge, loop)
