@@ -124,7 +124,7 @@ class ModelRunner:
             pw = pointwise.kernel()
             attn = decode_attention_kernels()
             timer = selector.timer if selector.measure else None  # a forced gemm_path binds every kernel untimed
-            grouped = grouped_kernels(c.gemm_path)
+            grouped = grouped_kernels(self.dtype, c.gemm_path)
             kernels = choose_kernels(self.model, pw, attn, self.dtype, timer, selector.cache, self.block_size, grouped)
         return bind_cpu_kernels(self.model, [self.sampler], kernels, selector, c.max_num_seqs)
 

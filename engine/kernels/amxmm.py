@@ -28,6 +28,7 @@ class AMXMM:
     (engine.kernels.grouped)."""
 
     k_multiple = KB
+    dtype = torch.bfloat16  # math and activations (engine.kernels.grouped.GroupedKernel)
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib = lib

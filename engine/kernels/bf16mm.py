@@ -32,6 +32,7 @@ class BF16MM:
     (engine.kernels.grouped)."""
 
     k_multiple = 1  # an odd K's last pair is padded
+    dtype = torch.bfloat16  # math and activations (engine.kernels.grouped.GroupedKernel)
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib = lib

@@ -60,6 +60,7 @@ _SOURCES = [
         "decode_attn.c",
         "decode_attn_amx.c",
         "decode_attn_dp.c",
+        "decode_attn_latent.c",
     )
 ] + [Path(__file__).parents[1] / "quant" / n for n in ("paths.py", "weights.py")]
 

@@ -2,8 +2,9 @@
 
 A decode batch gives each of them a handful of rows, and a GEMM call each paid a parallel region and a Python round
 trip (~135 us a call for ~10 us of streaming, DeepSeek-V2-tiny's experts at batch 32 on a 2-core Xeon). The
-kernels that offer a grouped entry point (engine.kernels.amxmm on AMX, engine.kernels.bf16mm on AVX512-BF16) are
-timed against a GEMM per layer at start (engine.kernels.op_choice) and used only where they win.
+kernels that offer a grouped entry point (engine.kernels.amxmm on AMX, engine.kernels.bf16mm on AVX512-BF16, both
+bf16 math; engine.kernels.wbf16 for float32 math over bf16 weights) are timed against a GEMM per layer at start
+(engine.kernels.op_choice) and used only where they win.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from engine.kernels.gemm import interleave_halves
 
 
 class GroupedKernel(Protocol):
-    """A compiled bf16 kernel with a grouped entry point."""
+    """A compiled kernel over bf16 weights with a grouped entry point."""
 
     k_multiple: int  # K must be a multiple of this (the kernel's k step)
+    dtype: torch.dtype  # of the activations in and out: bf16 (bf16 math) or float32 (float32 math)
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         """[N, K] bf16 weight → the kernel's own layout."""
@@ -34,7 +36,7 @@ class GroupedKernel(Protocol):
 
 
 class GroupedLinear:
-    """Several bf16 linear layers of one shape (no bias) over consecutive row groups of one input, in one
+    """Several linear layers of one shape, bf16 weights, (no bias) over consecutive row groups of one input, in one
     parallel region: group g's rows go through weight g. With `silu_mul` the weights are gated MLPs' merged
     [gate; up] projections and the result silu(gate) * up."""
 
@@ -54,14 +56,15 @@ class GroupedLinear:
         return same and k % kernel.k_multiple == 0 and (not silu_mul or n % 64 == 0)
 
     def __call__(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """x [rows, K] bf16, group-major (counts[g] rows for group g, in order) → [rows, N] (N / 2 with silu_mul)."""
+        """x [rows, K], group-major (counts[g] rows for group g, in order) → [rows, N] (N / 2 with silu_mul), in
+        the kernel's dtype."""
         # NOTE: the C side trusts these: a wrong count reads past the weights' pointers or the rows of x
         if len(counts) != len(self.packed) or sum(counts) != x.shape[0] or x.shape[-1] != self.k:
             raise ValueError(
                 f"{len(counts)} groups of {sum(counts)} rows for {len(self.packed)} weights, x {tuple(x.shape)}"
             )
-        x = x.to(torch.bfloat16).contiguous()
-        y = torch.empty(x.shape[0], self.n // 2 if self.silu_mul else self.n, dtype=torch.bfloat16)
+        x = x.to(self.kernel.dtype).contiguous()
+        y = torch.empty(x.shape[0], self.n // 2 if self.silu_mul else self.n, dtype=self.kernel.dtype)
         self.kernel.grouped((ctypes.c_int64 * len(counts))(*counts), self.n, self.k, x, self._ptrs, y, self.silu_mul)
         return y
 
@@ -86,5 +89,5 @@ class GroupedExperts:
         return chained and GroupedLinear.accepts(kernel, gate_up, silu_mul=True) and GroupedLinear.accepts(kernel, down)
 
     def __call__(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """x [rows, H] bf16, expert-major (counts[e] rows for expert e, in order) → the experts' outputs, [rows, H]."""
+        """x [rows, H], expert-major (counts[e] rows for expert e, in order) → the experts' outputs, [rows, H]."""
         return self.down(self.gate_up(x, counts), counts)

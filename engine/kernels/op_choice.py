@@ -2,6 +2,7 @@
 sampling's inverse CDF and paged decode attention is timed against its torch code at the model's own sizes, and
 kept only where faster. Decode attention has more than one kernel where the CPU has AVX512-BF16
 (engine.kernels.decode_attn_dp) or AMX (engine.kernels.decode_attn_amx): the fastest of all the paths is kept.
+MLA's latent decode has the same choice (for float32 math: engine.kernels.decode_attn_latent).
 
 The kernels were each checked against torch when they were built (engine.kernels.cbuild.Once); here only speed
 is in question. Timings go into the same on-disk table as the GEMMs' (engine.kernels.select.PlanCache)."""
@@ -15,9 +16,9 @@ from collections.abc import Callable
 import torch
 
 from engine.context import AttentionContext, PrefillMeta, reset_context, set_context
-from engine.kernels import amxmm, bf16mm, decode_attn, decode_attn_amx, decode_attn_dp
+from engine.kernels import amxmm, bf16mm, decode_attn, decode_attn_amx, decode_attn_dp, decode_attn_latent, wbf16
 from engine.kernels.decode_attn import DecodeAttention
-from engine.kernels.gemm import OneDNNPath, TorchPath
+from engine.kernels.gemm import GemmPath, KernelPath, OneDNNPath, TorchPath
 from engine.kernels.grouped import GroupedExperts, GroupedKernel, GroupedLinear
 from engine.kernels.kernel_set import CpuKernels
 from engine.kernels.pointwise import PointwiseKernels, apply_rotary, rms_norm
@@ -95,10 +96,12 @@ def fastest(key: str, candidates: dict[str, Callable[[], object]], timer: Timer 
     return won
 
 
-def grouped_kernels(prefer: str = "auto") -> dict[str, GroupedKernel]:
-    """Every GEMM kernel with a grouped entry point built for this CPU, by name; `prefer` (a forced gemm_path)
-    first, as without a timer the first that fits is used."""
-    found = (("amxmm", amxmm.kernel()), ("bf16mm", bf16mm.kernel()))
+def grouped_kernels(dtype: torch.dtype, prefer: str = "auto") -> dict[str, GroupedKernel]:
+    """Every GEMM kernel with a grouped entry point for `dtype` math built for this CPU, by name; `prefer` (a
+    forced gemm_path) first, as without a timer the first that fits is used."""
+    builders = (("amxmm", amxmm.AMXMM.dtype, amxmm.kernel), ("bf16mm", bf16mm.BF16MM.dtype, bf16mm.kernel),
+                ("wbf16", wbf16.WBF16.dtype, wbf16.kernel))  # fmt: skip
+    found = ((name, build()) for name, math, build in builders if math == dtype)  # builds only what can run
     kernels = {name: k for name, k in found if k is not None}
     return dict(sorted(kernels.items(), key=lambda item: item[0] != prefer))
 
@@ -106,12 +109,12 @@ def grouped_kernels(prefer: str = "auto") -> dict[str, GroupedKernel]:
 def choose_grouped_experts(
     kernels: dict[str, GroupedKernel], moe: MoE, dtype: torch.dtype, timer: Timer | None, cache: PlanCache | None
 ) -> GroupedKernel | None:
-    """The grouped kernel (engine.kernels.grouped.GroupedExperts) that beat the others and one oneDNN GEMM per
-    expert and projection on random weights of `moe`'s expert shapes, ROWS tokens routed at random to its top-k;
-    None where a GEMM per expert won or none fits."""
+    """The grouped kernel (engine.kernels.grouped.GroupedExperts) that beat the others and one GEMM per expert
+    and projection (oneDNN's; under float32 math also the bf16-weight kernel's) on random bf16 weights of `moe`'s
+    expert shapes, ROWS tokens routed at random to its top-k; None where a GEMM per expert won or none fits."""
     experts = moe.local_experts()
     quantized = any(hasattr(lin, "gemm_weight") for e in experts for lin in (e.gate_up_proj, e.down_proj))
-    if dtype != torch.bfloat16 or not experts or quantized:  # MoE.bind_kernels would not take it either
+    if not experts or quantized:  # MoE.bind_kernels would not take it either
         return None
     (n, h), i = experts[0].gate_up_proj.weight.shape, experts[0].down_proj.weight.shape[1]
     # NOTE: at most PROBE_EXPERTS of them, with as many rows each as a decode batch gives the model's experts:
@@ -122,30 +125,45 @@ def choose_grouped_experts(
     g = torch.Generator().manual_seed(0)
     gate_up = [torch.randn(n, h, generator=g).bfloat16() for _ in range(e)]
     down = [torch.randn(h, i, generator=g).bfloat16() for _ in range(e)]
-    fits = {name: k for name, k in kernels.items() if GroupedExperts.accepts(k, gate_up, down)}
+    fits = {name: k for name, k in kernels.items() if k.dtype == dtype and GroupedExperts.accepts(k, gate_up, down)}
     if not fits:
         return None
     picks = torch.rand(tokens, e, generator=g).topk(top_k, dim=-1)[1].flatten()
     counts = torch.bincount(picks, minlength=e).tolist()
-    x = torch.randn(tokens * top_k, h, generator=g).bfloat16()
+    x = torch.randn(tokens * top_k, h, generator=g).to(dtype)
     candidates: dict[str, Callable[[], object]] = {}
     for name, k in fits.items():
         grouped = GroupedExperts(k, gate_up, down)
         candidates[name] = lambda grouped=grouped: grouped(x, counts)  # type: ignore[misc]
-    onednn = OneDNNPath(dtype, ROWS)
-    base = onednn if onednn.available else TorchPath(dtype)  # what the experts' GEMM plans never fall below
-    ups = [base.prepare(w, None, None) for w in gate_up]
-    downs = [base.prepare(w, None, None) for w in down]
     act = ActAndMul("silu")
-    candidates[base.name] = lambda: _each_expert(x, counts, ups, downs, act)
-    key = f"op moe_experts {len(experts)}x{n}x{h} top{top_k} {dtype} {'+'.join(fits)} vs {base.name}"
+    for base in _per_expert_paths(dtype):  # what the experts' GEMM plans would choose among
+        ups = [base.prepare(w, None, None) for w in gate_up]
+        downs = [base.prepare(w, None, None) for w in down]
+        each = lambda ups=ups, downs=downs: _each_expert(x, counts, ups, downs, act)  # noqa: E731
+        candidates[f"each {base.name}"] = each  # type: ignore[misc]
+    others = "+".join(name for name in candidates if name not in fits)
+    key = f"op moe_experts {len(experts)}x{n}x{h} top{top_k} {dtype} {'+'.join(fits)} vs {others}"
     return fits.get(fastest(key, candidates, timer, cache))
 
 
-def latent_attention_kernels(attn: dict[str, DecodeAttention]) -> dict[str, DecodeAttention]:
-    """The kernels that may run MLA decode over the paged latents in place: the AMX one (among `attn`, built for
-    the attention layers) and, on AVX512-BF16, the dot-product kernel's latent build."""
-    found = (("amx", attn.get("amx")), ("dp", decode_attn_dp.latent_kernel()))
+def _per_expert_paths(dtype: torch.dtype) -> list[GemmPath]:
+    """oneDNN (F.linear where it is missing: what the GEMM plans never fall below) and, under float32 math, the
+    bf16-weight kernel a bf16 expert's plan may take (engine.kernels.wbf16)."""
+    onednn = OneDNNPath(dtype, ROWS)
+    paths: list[GemmPath] = [onednn if onednn.available else TorchPath(dtype)]
+    if dtype == torch.float32 and (k := wbf16.kernel()) is not None:
+        paths.append(KernelPath("wbf16", k, dtype))
+    return paths
+
+
+def latent_attention_kernels(attn: dict[str, DecodeAttention], dtype: torch.dtype) -> dict[str, DecodeAttention]:
+    """The kernels that may run MLA decode over the paged latents in place for `dtype` math: bf16, the AMX one
+    (among `attn`, built for the attention layers) and, on AVX512-BF16, the dot-product kernel's latent build;
+    float32, the float32 latent kernel (engine.kernels.decode_attn_latent)."""
+    if dtype == torch.float32:
+        found: tuple[tuple[str, DecodeAttention | None], ...] = (("latent-f32", decode_attn_latent.kernel()),)
+    else:
+        found = (("amx", attn.get("amx")), ("dp", decode_attn_dp.latent_kernel()))
     return {name: k for name, k in found if k is not None}
 
 
@@ -208,7 +226,7 @@ def choose_absorbed_gemm(
     fits = {
         name: k
         for name, k in kernels.items()
-        if dtype == torch.bfloat16 and GroupedLinear.accepts(k, uk) and GroupedLinear.accepts(k, uv)
+        if k.dtype == dtype == torch.bfloat16 and GroupedLinear.accepts(k, uk) and GroupedLinear.accepts(k, uv)
     }
     if not fits:
         return None
@@ -393,7 +411,7 @@ def choose_kernels(
     mla = next((m for m in model.modules() if isinstance(m, MLAttention)), None)
     moe = next((m for m in model.modules() if isinstance(m, MoE)), None)
     if mla is not None:
-        k.latent_attn = choose_latent_attention(latent_attention_kernels(attn), mla, dtype, timer, cache)
+        k.latent_attn = choose_latent_attention(latent_attention_kernels(attn, dtype), mla, dtype, timer, cache)
     if grouped and mla is not None and (gk := choose_absorbed_gemm(grouped, mla, dtype, timer, cache)) is not None:
         k.absorbed = absorbed_gemm(gk)
     if grouped and moe is not None:

@@ -4,6 +4,7 @@
 // Packed layout: [ceil(N/64)][K][64] bf16. Within each 32-column half of a 64-column block, 32-bit lane i
 // holds column i in its low half and column 16+i in its high half, so one 64-byte load becomes two fp32
 // vectors with a shift and a mask (no shuffle, which would compete with the FMAs for the same port).
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 #define NB 64
@@ -208,6 +209,64 @@ void wbf16_linear(int64_t M, int64_t N, int64_t K, const float *x, const uint16_
                 float *yr = y + (m0 + r) * N + n0;
                 if (b) for (int64_t j = 0; j < nn; j++) yr[j] = out[r * NB + j] + b[n0 + j];
                 else memcpy(yr, out + r * NB, nn * sizeof(float));
+            }
+        }
+    }
+}
+
+// One whole 64-column block (wb: its packed K x 64) for m rows of x (row stride K) into out[m][64].
+static void block_into(int64_t m, int64_t K, const float *x, const uint16_t *wb, float *out) {
+#ifdef BLOCK_ROWS_FIRST
+    if (m > 1) {
+        block_rows_first(m, NB, K, x, wb, out);
+        return;
+    }
+#endif
+    for (int64_t m0 = 0; m0 < m; m0 += MR) tile_any(m - m0 < MR ? (int)(m - m0) : MR, K, x + m0 * K, K, wb, out + m0 * NB);
+}
+
+// E linear layers of one shape (no bias) in one call: layer e takes counts[e] consecutive rows of x (layers in
+// order) and its packed weight w[e]; y gets its rows in the same order, N wide. With silu_mul the weights are
+// gated MLPs' [gate; up] rows interleaved in blocks of 32 (engine.kernels.gemm.interleave_halves), so a 64-column
+// block holds 32 gate and their 32 up columns, and y (N / 2 wide) gets silu(gate) * up in float32, as torch's
+// unfused float32 code computes it. WHY: a decode batch gives each of a MoE layer's experts a handful of rows,
+// and a call per expert paid a parallel region and a Python round trip each (engine.kernels.grouped). Threads
+// take (rows, column block) tasks four at a time, dynamically: consecutive blocks of one layer's weight.
+#define GR 32  // rows of one layer per task: GR x 64 floats of output on the stack
+typedef struct {
+    const float *x;
+    const uint16_t *w;
+    float *y;
+    int64_t m;
+} wpiece_t;
+
+void wbf16_grouped(int64_t E, const int64_t *counts, int64_t N, int64_t K, const float *x,
+                   const uint16_t *const *w, float *y, int nthreads, int silu_mul) {
+    int64_t P = 0, row = 0;
+    for (int64_t e = 0; e < E; e++) P += (counts[e] + GR - 1) / GR;
+    wpiece_t pieces[P > 0 ? P : 1];
+    const int64_t width = silu_mul ? N / 2 : N, nblocks = (N + NB - 1) / NB;
+    P = 0;
+    for (int64_t e = 0; e < E; e++) {
+        for (int64_t m0 = 0; m0 < counts[e]; m0 += GR)
+            pieces[P++] = (wpiece_t){x + (row + m0) * K, w[e], y + (row + m0) * width,
+                                     counts[e] - m0 < GR ? counts[e] - m0 : GR};
+        row += counts[e];
+    }
+#pragma omp parallel for schedule(dynamic, 4) num_threads(nthreads)
+    for (int64_t t = 0; t < P * nblocks; t++) {
+        const wpiece_t *p = pieces + t / nblocks;
+        const int64_t nb = t % nblocks;
+        float out[GR * NB];
+        block_into(p->m, K, p->x, p->w + nb * K * NB, out);
+        for (int64_t r = 0; r < p->m; r++) {
+            const float *o = out + r * NB;
+            float *yr = p->y + r * width;
+            if (silu_mul) {
+                for (int64_t j = 0; j < NB / 2; j++) yr[nb * NB / 2 + j] = o[j] / (1.0f + expf(-o[j])) * o[NB / 2 + j];
+            } else {
+                const int64_t nn = N - nb * NB < NB ? N - nb * NB : NB;
+                memcpy(yr + nb * NB, o, nn * sizeof(float));
             }
         }
     }

@@ -29,14 +29,19 @@ _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 
 
 class WBF16:
-    """The compiled kernel: pack a weight once, then run linear layers over it."""
+    """The compiled kernel: pack a weight once, then run linear layers over it; with a grouped entry point
+    (engine.kernels.grouped) for float32 math."""
+
+    k_multiple = 1  # any K
+    dtype = torch.float32  # the activations' dtype (engine.kernels.grouped.GroupedKernel)
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib = lib
         lib.wbf16_linear.argtypes = [_i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _int]
         lib.wbf16_pack.argtypes = [_i64, _i64, _ptr, _ptr, _int]
         lib.wbf16_unpack_t.argtypes = [_i64, _i64, _ptr, _ptr, _int]
-        for f in (lib.wbf16_linear, lib.wbf16_pack, lib.wbf16_unpack_t):
+        lib.wbf16_grouped.argtypes = [_i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _int, _int]
+        for f in (lib.wbf16_linear, lib.wbf16_pack, lib.wbf16_unpack_t, lib.wbf16_grouped):
             f.restype = None
 
     @classmethod
@@ -74,6 +79,14 @@ class WBF16:
         b = bias.data_ptr() if bias is not None else None
         self.lib.wbf16_linear(m, n, k, x2.data_ptr(), packed.data_ptr(), b, y.data_ptr(), torch.get_num_threads())
         return y.view(*x.shape[:-1], n)
+
+    def grouped(
+        self, counts: ctypes.Array, n: int, k: int, x: torch.Tensor, weights: ctypes.Array, y: torch.Tensor,
+        silu_mul: bool,
+    ) -> None:  # fmt: skip
+        """engine.kernels.grouped.GroupedKernel.grouped, float32 rows in and out."""
+        self.lib.wbf16_grouped(len(counts), counts, n, k, x.data_ptr(), weights, y.data_ptr(),
+                               torch.get_num_threads(), int(silu_mul))  # fmt: skip
 
 
 def bf16_exact(weight: torch.Tensor) -> bool:

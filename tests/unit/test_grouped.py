@@ -1,5 +1,6 @@
-"""engine.kernels.grouped over each kernel with a grouped entry point (amxmm on AMX, bf16mm on AVX512-BF16):
-several experts' rows in one call give what one unfused torch MLP per expert gives."""
+"""engine.kernels.grouped over each kernel with a grouped entry point (amxmm on AMX, bf16mm on AVX512-BF16, both
+bf16 math; wbf16 everywhere, float32 math): several experts' rows in one call give what one unfused torch MLP per
+expert gives in the kernel's math."""
 
 from __future__ import annotations
 
@@ -7,21 +8,31 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.kernels import amxmm, bf16mm
+from engine.kernels import amxmm, bf16mm, wbf16
 from engine.kernels.grouped import GroupedExperts, GroupedKernel, GroupedLinear
 from tests.kernel_checks import bf16 as _bf16
 
-MODULES = {"amxmm": amxmm, "bf16mm": bf16mm}
+# name: (whether this CPU can run it, the kernel); wbf16 has a portable build for every CPU
+KERNELS = {
+    "amxmm": (amxmm.supported, amxmm.kernel),
+    "bf16mm": (bf16mm.supported, bf16mm.kernel),
+    "wbf16": (lambda: True, wbf16.kernel),
+}
 
 
-@pytest.fixture(scope="module", params=list(MODULES))
+@pytest.fixture(scope="module", params=list(KERNELS))
 def kernel(request: pytest.FixtureRequest) -> GroupedKernel:
-    module = MODULES[request.param]
-    if not module.supported():
+    supported, build = KERNELS[request.param]
+    if not supported():
         pytest.skip(f"this CPU cannot run {request.param}")
-    k = module.kernel()
+    k = build()
     assert k is not None
     return k
+
+
+def _tolerance(kernel: GroupedKernel) -> dict[str, float]:
+    """bf16 math rounds each product's sum, SiLU and the gate product to bf16; float32 math only reorders sums."""
+    return {"rtol": 3e-2, "atol": 3e-2} if kernel.dtype == torch.bfloat16 else {"rtol": 1e-4, "atol": 1e-4}
 
 
 def _experts(e: int, hidden: int, inner: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -35,14 +46,14 @@ def _experts(e: int, hidden: int, inner: int) -> tuple[list[torch.Tensor], list[
 def test_grouped_experts_equal_one_unfused_torch_mlp_per_expert(kernel: GroupedKernel, counts: list[int]) -> None:
     hidden, inner = 96, 64
     gate_up, down = _experts(len(counts), hidden, inner)
-    grouped = GroupedExperts(kernel, gate_up, down)
-    x = _bf16(sum(counts), hidden, seed=3)
-    got, start = grouped(x, counts).float(), 0
-    assert got.shape == (sum(counts), hidden)
+    grouped, dtype = GroupedExperts(kernel, gate_up, down), kernel.dtype
+    x = _bf16(sum(counts), hidden, seed=3).to(dtype)
+    got, start = grouped(x, counts), 0
+    assert got.shape == (sum(counts), hidden) and got.dtype == dtype
     for e, n in enumerate(counts):
-        gate, up = F.linear(x[start : start + n], gate_up[e]).chunk(2, dim=-1)  # bf16, as torch runs
-        want = F.linear(F.silu(gate) * up, down[e]).float()
-        torch.testing.assert_close(got[start : start + n], want, rtol=3e-2, atol=3e-2)
+        gate, up = F.linear(x[start : start + n], gate_up[e].to(dtype)).chunk(2, dim=-1)  # as torch runs
+        want = F.linear(F.silu(gate) * up, down[e].to(dtype))
+        torch.testing.assert_close(got[start : start + n].float(), want.float(), **_tolerance(kernel))
         start += n
 
 
@@ -54,7 +65,7 @@ def test_grouped_linear_equals_one_linear_per_group(kernel: GroupedKernel, n: in
         assert k % kernel.k_multiple != 0
         return
     counts = [4, 0, 9]
-    x = _bf16(sum(counts), k, seed=9)
+    x = _bf16(sum(counts), k, seed=9).to(kernel.dtype)
     got, start = GroupedLinear(kernel, weights)(x, counts), 0
     for w, rows in zip(weights, counts, strict=True):
         want = kernel.linear(x[start : start + rows], kernel.pack(w), n, None)  # type: ignore[attr-defined]
@@ -74,7 +85,7 @@ def test_grouped_experts_take_only_bf16_weights_in_whole_steps(kernel: GroupedKe
 def test_grouped_linear_refuses_counts_that_do_not_match_its_weights_or_rows(kernel: GroupedKernel) -> None:
     weights = [_bf16(32, 64, seed=i) for i in range(3)]
     grouped = GroupedLinear(kernel, weights)
-    x = _bf16(5, 64, seed=9)
+    x = _bf16(5, 64, seed=9).to(kernel.dtype)
     assert grouped(x, [2, 0, 3]).shape == (5, 32)
     for counts in ([2, 3], [2, 0, 4], [1, 1, 1, 2]):  # a group missing, rows past x, a weight missing
         with pytest.raises(ValueError, match="groups"):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.context import AttentionContext
-from engine.kernels import amxmm, bf16mm, decode_attn_amx, decode_attn_dp, pointwise
+from engine.kernels import amxmm, bf16mm, decode_attn_amx, decode_attn_dp, decode_attn_latent, pointwise, wbf16
 from engine.kernels.decode_attn import DecodeAttention
 from engine.kernels.grouped import GroupedExperts, GroupedKernel, GroupedLinear
 from engine.kernels.op_choice import (
@@ -210,6 +210,7 @@ class _Recording:
     """A grouped kernel for the choice alone: it writes zeros and notes that it ran."""
 
     k_multiple = 1
+    dtype = torch.bfloat16
 
     def __init__(self, ran: list[str], name: str) -> None:
         self.ran, self.name = ran, name
@@ -240,26 +241,37 @@ def test_the_fastest_grouped_kernel_wins_and_none_where_a_gemm_per_expert_does()
     assert choose_grouped_experts(kernels, moe, torch.bfloat16, fast_when("a"), None) is kernels["a"]
     assert choose_grouped_experts(kernels, moe, torch.bfloat16, fast_when(None), None) is None
     assert choose_grouped_experts(kernels, moe, torch.bfloat16, None, None) is kernels["a"]  # forced: the first
-    assert choose_grouped_experts(kernels, moe, torch.float32, None, None) is None  # bf16 math only
+    assert choose_grouped_experts(kernels, moe, torch.float32, None, None) is None  # a bf16 kernel, float32 math
     assert choose_grouped_experts({}, moe, torch.bfloat16, None, None) is None
 
 
 def test_a_forced_gemm_path_puts_its_own_grouped_kernel_first() -> None:
-    found = grouped_kernels()
+    found = grouped_kernels(torch.bfloat16)
     for name in found:
-        assert next(iter(grouped_kernels(name))) == name
-    assert list(grouped_kernels("onednn")) == list(found)
+        assert next(iter(grouped_kernels(torch.bfloat16, name))) == name
+    assert list(grouped_kernels(torch.bfloat16, "onednn")) == list(found)
 
 
-@pytest.mark.parametrize("name", list(GROUPED))
+def test_grouped_kernels_are_those_of_the_math() -> None:
+    """bf16 math: the bf16 kernels (where the CPU has them); float32 math: the bf16-weight kernel, on every CPU."""
+    assert all(k.dtype == torch.bfloat16 for k in grouped_kernels(torch.bfloat16).values())
+    assert "wbf16" not in grouped_kernels(torch.bfloat16)
+    assert list(grouped_kernels(torch.float32)) == ["wbf16"]
+
+
+EXPERTS = [*GROUPED, "wbf16"]  # the grouped experts' kernels: the bf16 ones and, for float32 math, wbf16
+
+
+@pytest.mark.parametrize("name", EXPERTS)
 def test_grouped_experts_are_bound_only_where_they_beat_a_gemm_per_expert(
     monkeypatch: pytest.MonkeyPatch, name: str
 ) -> None:
-    kernel = _grouped_kernel(name)
+    kernel = wbf16.kernel() if name == "wbf16" else _grouped_kernel(name)
+    assert kernel is not None
     moe = MoE(MoEGate(64, 8, 2, "softmax", 1, 1, False, 1.0), 64, 32, 0, "silu")
 
     def chosen(t: Timer | None) -> bool:
-        return choose_grouped_experts({name: kernel}, moe, torch.bfloat16, t, None) is kernel
+        return choose_grouped_experts({name: kernel}, moe, kernel.dtype, t, None) is kernel
 
     _bound_only_when_faster(monkeypatch, GroupedExperts, chosen)
     assert chosen(None)  # forced
@@ -278,7 +290,8 @@ def test_latent_attention_is_bound_only_where_it_fits_and_is_faster(monkeypatch:
     if not module.supported():
         pytest.skip(f"this CPU cannot run the {name} latent decode")
     kernel = build()
-    assert kernel is not None and latent_attention_kernels({"amx": kernel} if name == "amx" else {})[name] is kernel
+    attn = {"amx": kernel} if name == "amx" else {}
+    assert kernel is not None and latent_attention_kernels(attn, torch.bfloat16)[name] is kernel
     mla = MLAttention(*MLA)
 
     def chosen(t: Timer | None) -> bool:
@@ -288,6 +301,21 @@ def test_latent_attention_is_bound_only_where_it_fits_and_is_faster(monkeypatch:
     assert chosen(None)  # forced
     narrow = (64, 4, None, 64, 32, 8, 32, False, 0.2, False)  # latent + rope = 72: not whole 32-wide steps
     assert choose_latent_attention({name: kernel}, MLAttention(*narrow), torch.bfloat16, None, None) is None
+
+
+def test_float32_latent_attention_is_bound_only_where_it_fits_and_is_faster(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Float32 math (a CPU without bf16 arithmetic): the float32 latent kernel is the candidate, on every CPU."""
+    kernel = decode_attn_latent.kernel()
+    assert kernel is not None
+    assert latent_attention_kernels({}, torch.float32) == {"latent-f32": kernel}
+    mla = MLAttention(64, 16, None, 512, 32, 64, 32, False, 0.2, False)  # DeepSeek's 512 + 64 latent row
+
+    def chosen(t: Timer | None) -> bool:
+        return choose_latent_attention({"latent-f32": kernel}, mla, torch.float32, t, None) is kernel
+
+    _bound_only_when_faster(monkeypatch, type(kernel), chosen)
+    assert chosen(None)  # forced
+    assert choose_latent_attention({"latent-f32": kernel}, MLAttention(*MLA), torch.float32, None, None) is None
 
 
 @pytest.mark.parametrize("name", list(GROUPED))
