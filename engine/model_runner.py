@@ -15,6 +15,7 @@ from engine.context import AttentionContext, PrefillMeta, reset_context, set_con
 from engine.errors import ConfigError
 from engine.kernels import pointwise, wbf16
 from engine.kernels.bind import BindReport, bind_cpu_kernels, gemm_paths, make_selector
+from engine.kernels.decode_attn import DECODE_ROWS, runs_at
 from engine.kernels.kernel_set import CpuKernels
 from engine.kernels.op_choice import choose_kernels, decode_attention_kernels, grouped_kernels
 from engine.loader import ModelFiles, load_model
@@ -77,12 +78,7 @@ class ModelRunner:
         self.kernel_report = BindReport()
         if cpu:
             self.kernel_report = self._bind_cpu_kernels(compact)
-        layers = list(self.model.attention_layers())
-        self.attention_in_place = all(getattr(m, "kernel", None) is not None for m in layers)
-        # prompt chunks up to this long attend in place too, as decode rows (engine.kernels.op_choice)
-        self.prefill_in_place = min((getattr(m, "prefill_in_place", 0) for m in layers), default=0)
-        if not self.attention_in_place:
-            self.prefill_in_place = 0
+        self.plan_attention()
         log.info(
             "model on %s, %s math, %s weights: %d KV blocks of %d tokens",
             self.device,
@@ -127,6 +123,17 @@ class ModelRunner:
             grouped = grouped_kernels(self.dtype, c.gemm_path)
             kernels = choose_kernels(self.model, pw, attn, self.dtype, timer, selector.cache, self.block_size, grouped)
         return bind_cpu_kernels(self.model, [self.sampler], kernels, selector, c.max_num_seqs)
+
+    def plan_attention(self) -> None:
+        """How the attention layers, as bound, take a step's rows: per decode batch class whether every layer reads
+        the cache in place (else SDPA's paths need a mask), and how long a prompt chunk may attend in place too."""
+        layers = list(self.model.attention_layers())
+        self.in_place_at = tuple(all(m.in_place(rows) for m in layers) for rows in DECODE_ROWS)
+        self.attention_in_place = all(self.in_place_at)
+        # prompt chunks up to this long attend in place too, as decode rows (engine.kernels.op_choice)
+        self.prefill_in_place = min((getattr(m, "prefill_in_place", 0) for m in layers), default=0)
+        if not self.attention_in_place:
+            self.prefill_in_place = 0
 
     # ---- one step -----------------------------------------------------------------------------
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
@@ -296,7 +303,7 @@ class ModelRunner:
             tables = padded if in_place == len(counts) else padded.repeat_interleave(torch.tensor(counts), dim=0)
             tables = tables.to(dev)
             ctx_lens = torch.tensor([first + j for _, first, n in in_place_seqs for j in range(n)], device=dev)
-            if not self.attention_in_place:  # the kernels read the lengths; SDPA's paths need a mask
+            if not runs_at(self.in_place_at, in_place):  # the kernels read the lengths; SDPA's paths need a mask
                 hidden = torch.arange(width * bs, device=dev) >= ctx_lens.unsqueeze(1)
                 dmask = torch.zeros(hidden.shape, dtype=self.dtype, device=dev).masked_fill_(hidden, float("-inf"))
                 dmask = dmask.view(in_place, 1, 1, -1)

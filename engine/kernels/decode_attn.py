@@ -6,6 +6,7 @@ Qwen2-0.5B's heads: 0.37 ms a layer against 0.64 ms in bf16, 0.40 against 0.79 m
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import logging
 from pathlib import Path
@@ -20,6 +21,15 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("decode_attn.c")
 _i64, _ptr, _int, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+# Decode batch classes (1, <=8, <=32, more) at which reading the cache in place is timed against gather + SDPA
+# (engine.kernels.op_choice): a kernel far ahead at one sequence can trail at 32 (measured on a Zen 3, 2026-12-02:
+# 3.80 against 3.28 ms a layer), so the choice is made per class.
+DECODE_ROWS = (1, 8, 32, 128)
+
+
+def runs_at(at: tuple[bool, ...], rows: int) -> bool:
+    """Whether a kernel chosen per class (`at`, one flag per DECODE_ROWS) runs a decode step of `rows` rows."""
+    return bool(at) and at[bisect.bisect_left(DECODE_ROWS, rows, hi=len(DECODE_ROWS) - 1)]
 
 
 class DecodeAttention:

@@ -24,6 +24,9 @@ class CpuKernels:
     argmax: PointwiseKernels | None = None
     sample: PointwiseKernels | None = None  # random sampling's inverse CDF (engine.sampler.inverse_cdf)
     decode_attn: DecodeAttention | None = None
+    # per decode batch class (engine.kernels.decode_attn.DECODE_ROWS), whether decode_attn runs a step of that many
+    # rows (False: gather + SDPA was faster there)
+    decode_attn_at: tuple[bool, ...] = ()
     # prompt chunks of up to this many tokens attend through decode_attn, one query row per token, over the cache
     # (0: never): measured against SDPA's causal prefill (engine.kernels.op_choice.prefill_in_place_limit)
     prefill_in_place: int = 0
@@ -33,6 +36,7 @@ class CpuKernels:
     # MLA decode over the paged latent cache in place (engine.layers.mla), where it beat gather + SDPA
     # (engine.kernels.op_choice.choose_latent_attention)
     latent_attn: DecodeAttention | None = None
+    latent_attn_at: tuple[bool, ...] = ()  # as decode_attn_at
     # MLA decode's per-head W_UK / W_UV products as one grouped call each, where that beat torch.bmm: given the
     # layer, its two GroupedLinear (engine.kernels.op_choice.choose_absorbed_gemm)
     absorbed: Callable[[MLAttention], tuple[GroupedLinear, GroupedLinear] | None] | None = None

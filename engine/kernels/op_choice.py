@@ -17,7 +17,7 @@ import torch
 
 from engine.context import AttentionContext, PrefillMeta, reset_context, set_context
 from engine.kernels import amxmm, bf16mm, decode_attn, decode_attn_amx, decode_attn_dp, decode_attn_latent, wbf16
-from engine.kernels.decode_attn import DecodeAttention
+from engine.kernels.decode_attn import DECODE_ROWS, DecodeAttention
 from engine.kernels.gemm import GemmPath, KernelPath, OneDNNPath, TorchPath
 from engine.kernels.grouped import GroupedExperts, GroupedKernel, GroupedLinear
 from engine.kernels.kernel_set import CpuKernels
@@ -170,34 +170,58 @@ def latent_attention_kernels(attn: dict[str, DecodeAttention], dtype: torch.dtyp
 def choose_latent_attention(
     kernels: dict[str, DecodeAttention], mla: MLAttention, dtype: torch.dtype, timer: Timer | None,
     cache: PlanCache | None,
-) -> DecodeAttention | None:  # fmt: skip
+) -> tuple[DecodeAttention | None, tuple[bool, ...]]:  # fmt: skip
     """The fastest of the kernels that read the paged latents in place, for a decode step of ROWS sequences of
-    CONTEXT tokens at `mla`'s sizes; None where gather + SDPA (engine.layers.mla.latent_attention) beat them all.
-    Without a timer, the first that takes the shape."""
+    CONTEXT tokens at `mla`'s sizes, and per decode batch class (DECODE_ROWS) whether it beat gather + SDPA
+    (engine.layers.mla.latent_attention) there; (None, ()) where it won at none. Without a timer, the first that
+    takes the shape, at every class."""
     h, lat, width = mla.num_heads, mla.kv_lora_rank, mla.kv_lora_rank + mla.rope
     fits = {name: k for name, k in kernels.items() if k.takes_latent(h, width, dtype, BLOCK)}
     if not fits:
-        return None
-    per_seq = CONTEXT // BLOCK
-    g = torch.Generator().manual_seed(0)
-    rows = torch.randn(ROWS * per_seq + 1, BLOCK, width, generator=g).to(dtype)
-    q = torch.randn(ROWS, h, width, generator=g).to(dtype)
-    tables = torch.arange(ROWS * per_seq).view(ROWS, per_seq)
-    lens, mask = torch.full((ROWS,), CONTEXT), torch.zeros(ROWS, 1, 1, CONTEXT, dtype=dtype)
-    scratch = torch.empty(0, dtype=dtype)
+        return None, ()
 
-    def torch_path() -> torch.Tensor:
-        gathered = torch.index_select(rows, 0, tables.flatten(), out=scratch.resize_(ROWS * per_seq, BLOCK, width))
-        return latent_attention(q, gathered, mask, mla.scale, lat)
+    def probe(rows: int) -> Probe:
+        per_seq = CONTEXT // BLOCK
+        g = torch.Generator().manual_seed(0)
+        cache_rows = torch.randn(rows * per_seq + 1, BLOCK, width, generator=g).to(dtype)
+        q = torch.randn(rows, h, width, generator=g).to(dtype)
+        tables = torch.arange(rows * per_seq).view(rows, per_seq)
+        lens, mask = torch.full((rows,), CONTEXT), torch.zeros(rows, 1, 1, CONTEXT, dtype=dtype)
+        scratch, four_d = torch.empty(0, dtype=dtype), cache_rows.unsqueeze(2)
 
-    four_d = rows.unsqueeze(2)
+        def run(kernel: DecodeAttention | None) -> Callable[[], object]:
+            if kernel is not None:
+                return lambda: kernel(q, four_d, four_d, tables, lens, mla.scale)
+            shape = (rows * per_seq, BLOCK, width)
+            return lambda: latent_attention(
+                q, torch.index_select(cache_rows, 0, tables.flatten(), out=scratch.resize_(shape)), mask, mla.scale, lat
+            )
 
-    def in_place(kernel: DecodeAttention) -> Callable[[], object]:
-        return lambda: kernel(q, four_d, four_d, tables, lens, mla.scale)
+        return run
 
-    candidates = {name: in_place(k) for name, k in fits.items()} | {"torch": torch_path}
-    key = f"op latent_attention {ROWS}x{CONTEXT} h{h} w{width} {dtype} {'+'.join(fits)}"
-    return fits.get(fastest(key, candidates, timer, cache))
+    key = f"op latent_attention {{}}x{CONTEXT} h{h} w{width} {dtype} {{}}"
+    return _per_class(fits, probe, key, timer, cache)
+
+
+def _per_class(
+    fits: dict[str, DecodeAttention], probe: Callable[[int], Probe], key: str, timer: Timer | None,
+    cache: PlanCache | None,
+) -> tuple[DecodeAttention | None, tuple[bool, ...]]:  # fmt: skip
+    """The fastest of `fits` at ROWS rows, then per DECODE_ROWS class whether it beat torch (probe(rows)(None));
+    `key` is formatted with the rows and the candidates. (None, ()) where it won at no class."""
+    if timer is None:
+        return next(iter(fits.values())), (True,) * len(DECODE_ROWS)
+    kernel = next(iter(fits.values()))
+    if len(fits) > 1:
+        run = probe(ROWS)
+        kernel = fits[fastest(key.format(ROWS, "+".join(fits)), {n: run(k) for n, k in fits.items()}, timer, cache)]
+    name = next(n for n, k in fits.items() if k is kernel)
+    at = []
+    for rows in DECODE_ROWS:
+        run = probe(rows)
+        won = fastest(key.format(rows, f"{name} vs torch"), {"torch": run(None), name: run(kernel)}, timer, cache)
+        at.append(won == name)
+    return (kernel, tuple(at)) if any(at) else (None, ())
 
 
 def absorbed_gemm(kernel: GroupedKernel) -> Callable[[MLAttention], tuple[GroupedLinear, GroupedLinear] | None]:
@@ -286,7 +310,7 @@ def _probe(
         ctx = context(kernel)
 
         def step() -> object:
-            probe.kernel = kernel
+            probe.kernel, probe.kernel_at = kernel, (True,) * len(DECODE_ROWS)  # the kernel at any rows
             probe.k_cache, probe.v_cache = next(turn)
             set_context(ctx)
             try:
@@ -294,25 +318,25 @@ def _probe(
             finally:
                 reset_context()
 
-        step.kernel = kernel  # type: ignore[attr-defined]  # which path the step times (tests, logs)
+        step.kernel, step.rows = kernel, rows  # type: ignore[attr-defined]  # what the step times (tests, logs)
         return step
 
     return run
 
 
-def attention_probe(attention: PagedAttention, dtype: torch.dtype) -> Probe:
-    """A decode step of ROWS sequences of CONTEXT tokens through a copy of `attention`'s shape: given a kernel
+def attention_probe(attention: PagedAttention, dtype: torch.dtype, rows: int = ROWS) -> Probe:
+    """A decode step of `rows` sequences of CONTEXT tokens through a copy of `attention`'s shape: given a kernel
     (None: gather + SDPA), the call that runs it. The sequences' blocks lie scattered in the pool, and successive
     calls read different caches, together more than the last-level cache holds (up to COLD_BYTES): a decode step
     reads every layer's cache from memory, so a kernel timed on one hot cache was ranked wrongly."""
     per_seq = CONTEXT // BLOCK
-    blocks = ROWS * per_seq
-    tables = torch.randperm(blocks, generator=torch.Generator().manual_seed(0)).view(ROWS, per_seq)
-    mask = torch.zeros(ROWS, 1, 1, CONTEXT, dtype=dtype)
-    ctx = AttentionContext(tables[:, -1] * BLOCK + BLOCK - 1, ROWS, tables, mask, [], torch.full((ROWS,), CONTEXT))
+    blocks = rows * per_seq
+    tables = torch.randperm(blocks, generator=torch.Generator().manual_seed(0)).view(rows, per_seq)
+    mask = torch.zeros(rows, 1, 1, CONTEXT, dtype=dtype)
+    ctx = AttentionContext(tables[:, -1] * BLOCK + BLOCK - 1, rows, tables, mask, [], torch.full((rows,), CONTEXT))
     one = 2 * (blocks + 1) * BLOCK * attention.num_kv_heads * attention.head_dim * dtype.itemsize
     copies = max(1, min(CacheFlush().nbytes, COLD_BYTES) // one)  # as much as evicting the caches takes
-    return _probe(attention, dtype, blocks, ROWS, lambda kernel: ctx, copies)
+    return _probe(attention, dtype, blocks, rows, lambda kernel: ctx, copies)
 
 
 def decode_attention_kernels() -> dict[str, DecodeAttention]:
@@ -333,17 +357,16 @@ def choose_decode_attention(
     block_size: int,
     timer: Timer | None,
     cache: PlanCache | None,
-) -> DecodeAttention | None:
-    """The fastest of the kernels that take `attention`'s shape, or None where gather + SDPA (torch) beat them
-    all. Without a timer, the first kernel that takes the shape."""
+) -> tuple[DecodeAttention | None, tuple[bool, ...]]:
+    """The fastest of the kernels that take `attention`'s shape (at ROWS sequences), and per decode batch class
+    (DECODE_ROWS) whether it beat gather + SDPA (torch) there; (None, ()) where it won at none. Without a timer,
+    the first kernel that takes the shape, at every class."""
     h, kv, d = attention.num_heads, attention.num_kv_heads, attention.head_dim
     fits = {n: k for n, k in kernels.items() if k.takes(h, kv, d, dtype, block_size)}
     if not fits:
-        return None
-    run = attention_probe(attention, dtype)
-    candidates = {n: run(k) for n, k in fits.items()} | {"torch": run(None)}
-    key = f"op decode_attention {ROWS}x{CONTEXT} h{h} kv{kv} d{d} {dtype} {'+'.join(fits)}"
-    return fits.get(fastest(key, candidates, timer, cache))
+        return None, ()
+    key = f"op decode_attention {{}}x{CONTEXT} h{h} kv{kv} d{d} {dtype} {{}}"
+    return _per_class(fits, lambda rows: attention_probe(attention, dtype, rows), key, timer, cache)
 
 
 def prefill_probe(attention: PagedAttention, dtype: torch.dtype, tokens: int) -> Probe:
@@ -411,13 +434,15 @@ def choose_kernels(
     mla = next((m for m in model.modules() if isinstance(m, MLAttention)), None)
     moe = next((m for m in model.modules() if isinstance(m, MoE)), None)
     if mla is not None:
-        k.latent_attn = choose_latent_attention(latent_attention_kernels(attn, dtype), mla, dtype, timer, cache)
+        k.latent_attn, k.latent_attn_at = choose_latent_attention(
+            latent_attention_kernels(attn, dtype), mla, dtype, timer, cache
+        )
     if grouped and mla is not None and (gk := choose_absorbed_gemm(grouped, mla, dtype, timer, cache)) is not None:
         k.absorbed = absorbed_gemm(gk)
     if grouped and moe is not None:
         k.moe_experts = choose_grouped_experts(grouped, moe, dtype, timer, cache)
     if layer is not None:
-        k.decode_attn = choose_decode_attention(attn, layer, dtype, block_size, timer, cache)
-        if k.decode_attn is not None:
+        k.decode_attn, k.decode_attn_at = choose_decode_attention(attn, layer, dtype, block_size, timer, cache)
+        if k.decode_attn is not None and all(k.decode_attn_at):  # prompt rows join the decodes' class
             k.prefill_in_place = prefill_in_place_limit(k.decode_attn, layer, dtype, timer, cache)
     return k

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.context import AttentionContext, PrefillMeta, get_context
-from engine.kernels.decode_attn import DecodeAttention
+from engine.kernels.decode_attn import DecodeAttention, runs_at
 
 if TYPE_CHECKING:
     from engine.kernels.kernel_set import CpuKernels
@@ -36,6 +36,7 @@ class PagedAttention(nn.Module):
         # tensor per layer and step costs page faults, which are dear on a VM.
         self.scratch = scratch or (torch.empty(0), torch.empty(0))
         self.kernel: DecodeAttention | None = None  # reads the paged cache in place (engine.kernels.decode_attn)
+        self.kernel_at: tuple[bool, ...] = ()  # by decode batch class: whether the kernel runs (CpuKernels)
         self.prefill_in_place = 0  # prompt chunks up to this long go through the kernel too (CpuKernels)
 
     @property
@@ -48,7 +49,12 @@ class PagedAttention(nn.Module):
             self.num_heads, self.num_kv_heads, self.head_dim, self.k_cache.dtype, self.block_size
         )
         self.kernel = k if fits else None
+        self.kernel_at = kernels.decode_attn_at if fits else ()
         self.prefill_in_place = kernels.prefill_in_place if fits else 0
+
+    def in_place(self, rows: int) -> bool:
+        """Whether a decode step of `rows` rows reads the cache in place (no mask needed)."""
+        return self.kernel is not None and runs_at(self.kernel_at, rows)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [T, H, D]  k, v: [T, KV, D]  ->  [T, H * D]
@@ -76,7 +82,7 @@ class PagedAttention(nn.Module):
     def _decode(self, q: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         block_tables, mask = ctx.decode_block_tables, ctx.decode_mask
         assert block_tables is not None
-        if self.kernel is not None and ctx.decode_context_lens is not None:
+        if self.kernel is not None and ctx.decode_context_lens is not None and runs_at(self.kernel_at, q.shape[0]):
             return self.kernel(q, self.k_cache, self.v_cache, block_tables, ctx.decode_context_lens, self.scale)
         assert mask is not None
         b, kv, d = q.shape[0], self.num_kv_heads, self.head_dim

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.context import AttentionContext, PrefillMeta, get_context
+from engine.kernels.decode_attn import runs_at
 from engine.layers.linear import Linear, MergedLinear
 from engine.layers.norm import RMSNorm
 from engine.layers.parallel import column_linear, row_linear, split
@@ -78,13 +79,19 @@ class MLAttention(nn.Module):
         self.scratch = torch.empty(0) if scratch is None else scratch
         self._absorbed: tuple[tuple[int, int], torch.Tensor, torch.Tensor] | None = None
         self.kernel: DecodeAttention | None = None  # decode attends over the paged latents in place
+        self.kernel_at: tuple[bool, ...] = ()  # by decode batch class: whether the kernel runs (CpuKernels)
         self.absorbed: tuple[GroupedLinear, GroupedLinear] | None = None  # W_UK, W_UV as one call each
 
     def bind_kernels(self, kernels: CpuKernels) -> None:
         k = kernels.latent_attn
         width, block = self.kv_lora_rank + self.rope, self.kv_cache.shape[1] if self.kv_cache.dim() == 3 else 16
         self.kernel = k if k is not None and k.takes_latent(self.num_heads, width, self.kv_cache.dtype, block) else None
+        self.kernel_at = kernels.latent_attn_at if self.kernel is not None else ()
         self.absorbed = kernels.absorbed(self) if kernels.absorbed is not None else None
+
+    def in_place(self, rows: int) -> bool:
+        """Whether a decode step of `rows` rows attends over the paged latents in place (no mask needed)."""
+        return self.kernel is not None and runs_at(self.kernel_at, rows)
 
     def absorbed_weights(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Per head, W_UK as a linear layer's weight ([L, N]: nope → latent) and W_UV ([V, L]: latent → value)."""
@@ -128,7 +135,7 @@ class MLAttention(nn.Module):
             q_lat = torch.bmm(q_nope.transpose(0, 1), self._absorbed_weights()[0]).transpose(0, 1)  # [B, H, L]
         q = torch.cat((q_lat, q_pe), dim=-1)  # [B, H, L + R]
         assert ctx.decode_block_tables is not None
-        if self.kernel is not None and ctx.decode_context_lens is not None:
+        if self.kernel is not None and ctx.decode_context_lens is not None and runs_at(self.kernel_at, b):
             rows = self.kv_cache.unsqueeze(2)  # [blocks, block_size, 1, L + R]: K and V at once
             o = self.kernel(q, rows, rows, ctx.decode_block_tables, ctx.decode_context_lens, self.scale)[..., :lat]
         else:

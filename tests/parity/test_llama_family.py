@@ -158,6 +158,35 @@ def test_a_forced_gemm_path_binds_every_cpu_kernel(model_dir: Path) -> None:
     assert linears and all(m.plan is not None for m in linears)  # every GEMM as the selection chose
 
 
+@pytest.mark.parametrize("at", [(True, False, False, False), (False, True, True, True)], ids=["one-row", "batches"])
+def test_decode_attention_runs_in_place_only_at_the_batch_classes_chosen(
+    model_dir: Path, hf_models: dict, at: tuple[bool, ...]
+) -> None:
+    """The decode kernel chosen per batch class (engine.kernels.op_choice): a step of one row and steps of several
+    each take their class's path, mask or no mask, and the tokens stay transformers'."""
+    from engine.kernels.decode_attn import DECODE_ROWS
+    from engine.layers.attention import PagedAttention
+
+    core = make_core(model_dir, gemm_path="onednn")  # forced: the decode kernel bound at every class
+    layers = [m for m in core.runner.model.modules() if isinstance(m, PagedAttention)]
+    assert layers and all(m.kernel is not None for m in layers)
+    ran: list[int] = []  # the rows of each call through the kernel
+    kernel = layers[0].kernel
+    for m in layers:
+        m.kernel_at = at
+        m.kernel = lambda q, *rest, k=kernel: ran.append(q.shape[0]) or k(q, *rest)  # type: ignore[assignment, misc]
+    core.runner.plan_attention()
+    assert core.runner.in_place_at == at and not core.runner.attention_in_place and core.runner.prefill_in_place == 0
+    prompts = mixed_prompts(4)
+    single = {"solo": prompts.pop("r0")}
+    assert run_core(core, single, NEW_TOKENS) == _expected(hf_models, model_dir, single)
+    assert bool(ran) == at[0] and set(ran) <= {1}
+    ran.clear()
+    assert run_core(core, prompts, NEW_TOKENS) == _expected(hf_models, model_dir, prompts)
+    in_class = [rows for rows in ran if rows > 1]
+    assert bool(in_class) == at[1] and all(rows <= DECODE_ROWS[1] for rows in ran)
+
+
 @pytest.mark.parametrize("prompts", [mixed_prompts(), same_length_prompts()], ids=["mixed", "same-length"])
 def test_without_cpu_kernels_the_tokens_are_the_same(
     model_dir: Path, hf_models: dict, prompts: dict[str, list[int]]

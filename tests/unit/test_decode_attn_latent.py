@@ -9,7 +9,7 @@ import torch
 
 from engine.context import AttentionContext
 from engine.kernels import decode_attn_latent
-from engine.kernels.decode_attn import reference
+from engine.kernels.decode_attn import DECODE_ROWS, reference
 from engine.kernels.decode_attn_latent import VALUES, WIDTH, LatentDecodeAttention
 from engine.layers.mla import MLAttention
 
@@ -89,5 +89,6 @@ def test_an_mla_layer_decodes_through_it_as_through_gather_and_sdpa(kernel: Late
     ctx = AttentionContext(tables[:, -1] * 16, len(lens), tables, mask, [], used)
     q_nope, q_pe = torch.randn(len(lens), heads, nope), torch.randn(len(lens), heads, rope)
     plain = mla._decode(q_nope, q_pe, ctx)
-    mla.kernel = kernel
+    mla.kernel, mla.kernel_at = kernel, (True,) * len(DECODE_ROWS)  # every batch class
+    assert mla.in_place(len(lens))
     torch.testing.assert_close(mla._decode(q_nope, q_pe, ctx), plain, rtol=1e-4, atol=1e-4)

@@ -10,7 +10,7 @@ import torch
 
 from engine.context import AttentionContext
 from engine.kernels import amxmm, bf16mm, decode_attn_amx, decode_attn_dp, decode_attn_latent, pointwise, wbf16
-from engine.kernels.decode_attn import DecodeAttention
+from engine.kernels.decode_attn import DECODE_ROWS, DecodeAttention, runs_at
 from engine.kernels.grouped import GroupedExperts, GroupedKernel, GroupedLinear
 from engine.kernels.op_choice import (
     PREFILL_LENGTHS,
@@ -109,16 +109,35 @@ def test_decode_attention_takes_the_fastest_kernel_and_none_when_torch_wins() ->
         pytest.skip("no decode attention kernel built here (the warning says why)")
     layer = PagedAttention(8, 2, 64, 64**-0.5)
     dtype = torch.bfloat16
+    every = (True,) * len(DECODE_ROWS)
     for k in kernels.values():  # each kernel in turn made the only fast one
-        assert (
-            choose_decode_attention(
-                kernels, layer, dtype, 16, lambda fn, k=k: 1e-3 if _kernel_of(fn) is k else 1.0, None
-            )
-            is k
-        )
+        timer = lambda fn, k=k: 1e-3 if _kernel_of(fn) is k else 1.0  # noqa: E731
+        assert choose_decode_attention(kernels, layer, dtype, 16, timer, None) == (k, every)
     torch_fastest = lambda fn: 1e-3 if _kernel_of(fn) is None else 1.0  # noqa: E731
-    assert choose_decode_attention(kernels, layer, dtype, 16, torch_fastest, None) is None
-    assert choose_decode_attention(kernels, layer, dtype, 16, None, None) is next(iter(kernels.values()))
+    assert choose_decode_attention(kernels, layer, dtype, 16, torch_fastest, None) == (None, ())
+    assert choose_decode_attention(kernels, layer, dtype, 16, None, None) == (next(iter(kernels.values())), every)
+
+
+@pytest.mark.parametrize("wins_up_to", [1, 8, 32])
+def test_decode_attention_runs_in_place_only_at_the_batch_classes_it_won(wins_up_to: int) -> None:
+    """A kernel far ahead at one sequence can trail gather + SDPA at 32: each decode batch class gets its own."""
+    kernels = decode_attention_kernels()
+    if not kernels:
+        pytest.skip("no decode attention kernel built here (the warning says why)")
+    layer = PagedAttention(8, 2, 64, 64**-0.5)
+    first = next(iter(kernels.values()))
+
+    def timer(fn: Callable[[], object]) -> float:
+        kernel, rows = _kernel_of(fn), fn.rows  # type: ignore[attr-defined]
+        if kernel is None:
+            return 1e-3 if rows > wins_up_to else 2e-3
+        return 1e-3 if kernel is first and rows <= wins_up_to else 5e-3
+
+    kernel, at = choose_decode_attention(kernels, layer, torch.bfloat16, 16, timer, None)
+    assert kernel is first and at == tuple(rows <= wins_up_to for rows in DECODE_ROWS)
+    assert [runs_at(at, rows) for rows in (1, 2, 8, 9, 32, 33, 500)] == [
+        r <= wins_up_to for r in (1, 2, 8, 9, 32, 33, 500)
+    ]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -295,12 +314,12 @@ def test_latent_attention_is_bound_only_where_it_fits_and_is_faster(monkeypatch:
     mla = MLAttention(*MLA)
 
     def chosen(t: Timer | None) -> bool:
-        return choose_latent_attention({name: kernel}, mla, torch.bfloat16, t, None) is kernel
+        return choose_latent_attention({name: kernel}, mla, torch.bfloat16, t, None)[0] is kernel
 
     _bound_only_when_faster(monkeypatch, type(kernel), chosen)
     assert chosen(None)  # forced
     narrow = (64, 4, None, 64, 32, 8, 32, False, 0.2, False)  # latent + rope = 72: not whole 32-wide steps
-    assert choose_latent_attention({name: kernel}, MLAttention(*narrow), torch.bfloat16, None, None) is None
+    assert choose_latent_attention({name: kernel}, MLAttention(*narrow), torch.bfloat16, None, None) == (None, ())
 
 
 def test_float32_latent_attention_is_bound_only_where_it_fits_and_is_faster(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -311,11 +330,11 @@ def test_float32_latent_attention_is_bound_only_where_it_fits_and_is_faster(monk
     mla = MLAttention(64, 16, None, 512, 32, 64, 32, False, 0.2, False)  # DeepSeek's 512 + 64 latent row
 
     def chosen(t: Timer | None) -> bool:
-        return choose_latent_attention({"latent-f32": kernel}, mla, torch.float32, t, None) is kernel
+        return choose_latent_attention({"latent-f32": kernel}, mla, torch.float32, t, None)[0] is kernel
 
     _bound_only_when_faster(monkeypatch, type(kernel), chosen)
     assert chosen(None)  # forced
-    assert choose_latent_attention({"latent-f32": kernel}, MLAttention(*MLA), torch.float32, None, None) is None
+    assert choose_latent_attention({"latent-f32": kernel}, MLAttention(*MLA), torch.float32, None, None) == (None, ())
 
 
 @pytest.mark.parametrize("name", list(GROUPED))
