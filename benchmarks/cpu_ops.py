@@ -4,7 +4,9 @@ Qwen2-0.5B's shape (and a 4,096-row prefill where it applies).
     python -m benchmarks.cpu_ops [--dtype bfloat16|float32] [--context 176] [--repeat 200]
 
 Rows: paged decode attention (engine.kernels.decode_attn, read in place) against gathering the blocks and
-running SDPA with a padding mask (the engine's path without it); residual add + RMSNorm, RoPE and greedy
+running SDPA with a padding mask (the engine's path without it); with --dtype float32 also MLA's latent decode
+(engine.kernels.decode_attn_latent: DeepSeek's 16 heads over 576-wide latent rows) at 32 and 1 sequences against
+gathering the latents and SDPA (engine.layers.mla.latent_attention); residual add + RMSNorm, RoPE and greedy
 argmax (engine.kernels.pointwise) against their eager torch definitions. Microseconds per call, best of
 --repeat; outputs are checked against the torch code first.
 """
@@ -19,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.timing import best_seconds
-from engine.kernels import decode_attn, pointwise
+from engine.kernels import decode_attn, decode_attn_latent, pointwise
+from engine.layers.mla import latent_attention
 from engine.malloc import keep_freed_memory
 
 
@@ -32,6 +35,32 @@ def _paged(b: int, ctx: int, kv: int, d: int, dtype: torch.dtype, block: int = 1
     kc, vc = (torch.randn(b * width + 1, block, kv, d).to(dtype) for _ in range(2))
     tables = torch.randperm(b * width).view(b, width)  # scattered blocks, as in a long-running pool
     return kc, vc, tables, torch.full((b,), ctx, dtype=torch.int64)
+
+
+def _latent_rows(ctx: int, repeat: int) -> list[tuple[str, float, float]]:
+    """MLA decode over float32 latent rows (DeepSeek-V2/V3: 16 heads, 512 + 64 wide), in place against gathered."""
+    kernel = decode_attn_latent.kernel()
+    return [] if kernel is None else [_latent_row(kernel, b, ctx, repeat) for b in (32, 1)]
+
+
+def _latent_row(kernel: decode_attn.DecodeAttention, b: int, ctx: int, repeat: int) -> tuple[str, float, float]:
+    h, lat, width = 16, decode_attn_latent.VALUES, decode_attn_latent.WIDTH
+    cache, _, tables, lens = _paged(b, ctx, 1, width, torch.float32)
+    q = torch.randn(b, h, width)
+    per_seq = tables.shape[1]
+    hidden = (torch.arange(per_seq * 16) >= lens[:, None]).view(b, 1, 1, -1)
+    mask = torch.zeros(b, 1, 1, per_seq * 16).masked_fill_(hidden, float("-inf"))
+    scratch = torch.empty(0)
+
+    def gathered() -> torch.Tensor:
+        rows = torch.index_select(cache[:, :, 0], 0, tables.flatten(), out=scratch.resize_(b * per_seq, 16, width))
+        return latent_attention(q, rows, mask, width**-0.5, lat)
+
+    def in_place() -> torch.Tensor:
+        return kernel(q, cache, cache, tables, lens, width**-0.5)[..., :lat]
+
+    torch.testing.assert_close(in_place(), gathered(), rtol=1e-4, atol=1e-4)
+    return f"MLA latent decode {b} x {ctx} fp32", per_call_us(in_place, repeat), per_call_us(gathered, repeat)
 
 
 def main() -> None:
@@ -69,6 +98,9 @@ def main() -> None:
             per_call_us(gather_sdpa, args.repeat),
         )
     )
+
+    if dtype == torch.float32:
+        rows += _latent_rows(args.context, args.repeat)
 
     w = torch.randn(hidden).to(dtype)
     for n in (b, 4096):
