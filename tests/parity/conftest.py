@@ -114,6 +114,22 @@ def hf_model(cache: dict[Path, torch.nn.Module], path: Path) -> torch.nn.Module:
     return cache[path]
 
 
+def assert_prefill_and_decode_logits_match(
+    core: EngineCore, hf: torch.nn.Module, prompts: dict[str, list[int]]
+) -> None:
+    """Two steps of `core` over `prompts` (all prefilled in the first, each decoding its greedy token in the second)
+    give transformers' last-position logits, to float32's rounding."""
+    captured = step_logits(core, prompts, 2)
+    for i, p in enumerate(prompts.values()):
+        with torch.no_grad():
+            ref = hf(torch.tensor([p])).logits[0, -1]
+        torch.testing.assert_close(captured[0][i], ref, rtol=1e-4, atol=1e-4)  # prefill
+    for i, p in enumerate(prompts.values()):  # the second step decoded them all through the cache
+        with torch.no_grad():
+            ref = hf(torch.tensor([p + [int(captured[0][i].argmax())]])).logits[0, -1]
+        torch.testing.assert_close(captured[1][i], ref, rtol=1e-4, atol=1e-4)
+
+
 def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
     with torch.no_grad():
         out = model.generate(

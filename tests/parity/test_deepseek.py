@@ -16,13 +16,13 @@ from engine.params import SamplingParams
 from engine.request import Request
 from tests.parity.conftest import (
     VOCAB,
+    assert_prefill_and_decode_logits_match,
     hf_expected,
     hf_model,
     make_core,
     mixed_prompts,
     run_core,
     same_length_prompts,
-    step_logits,
 )
 
 NEW_TOKENS = 32
@@ -122,17 +122,8 @@ def _expected(cache: dict, path: Path, prompts: dict[str, list[int]]) -> dict[st
 
 
 def test_prefill_and_decode_logits_match(ds_dir: Path, hf_cache: dict) -> None:
-    prompts = mixed_prompts(3)
-    captured = step_logits(make_core(ds_dir), prompts, 2)
-    hf = hf_model(hf_cache, ds_dir)
-    for i, p in enumerate(prompts.values()):
-        with torch.no_grad():
-            ref = hf(torch.tensor([p])).logits[0, -1]
-        torch.testing.assert_close(captured[0][i], ref, rtol=1e-4, atol=1e-4)  # prefill
-    for i, p in enumerate(prompts.values()):  # the second step decoded all three through the latent cache
-        with torch.no_grad():
-            ref = hf(torch.tensor([p + [int(captured[0][i].argmax())]])).logits[0, -1]
-        torch.testing.assert_close(captured[1][i], ref, rtol=1e-4, atol=1e-4)
+    # the second step decodes all three through the latent cache
+    assert_prefill_and_decode_logits_match(make_core(ds_dir), hf_model(hf_cache, ds_dir), mixed_prompts(3))
 
 
 @pytest.mark.parametrize("prompts", [mixed_prompts(), same_length_prompts()], ids=["mixed", "same-length"])

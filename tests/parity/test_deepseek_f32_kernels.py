@@ -17,38 +17,21 @@ from engine.kernels import decode_attn_latent, wbf16
 from engine.layers.mla import MLAttention
 from engine.layers.moe import MoE
 from tests.parity.conftest import (
-    VOCAB,
+    assert_prefill_and_decode_logits_match,
     hf_expected,
     hf_model,
     make_core,
     mixed_prompts,
     run_core,
     same_length_prompts,
-    step_logits,
 )
+from tests.parity.test_deepseek import BASE
 
 NEW_TOKENS = 24
-CONFIG: dict[str, object] = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=128,
-    moe_intermediate_size=32,  # 2I = 64: whole gate/up block pairs of the grouped call
-    num_hidden_layers=3,
-    first_k_dense_replace=1,
-    num_attention_heads=4,
-    kv_lora_rank=512,  # latent + rope = 576: the float32 latent kernel's row
-    qk_nope_head_dim=16,
-    qk_rope_head_dim=64,
-    v_head_dim=16,
-    n_routed_experts=8,
-    num_experts_per_tok=2,
-    n_shared_experts=1,
-    q_lora_rank=24,
-    max_position_embeddings=512,
-    initializer_range=0.1,  # spread router scores: float rounding must not flip a near-tied expert choice
-    tie_word_embeddings=False,
-    bos_token_id=1,
-    eos_token_id=2,
+# test_deepseek's tiny model, with DeepSeek's own latent row (512 + 64: the float32 latent kernel's width); 2I = 64
+# is whole gate/up block pairs of the grouped call
+CONFIG: dict[str, object] = BASE | dict(
+    kv_lora_rank=512, qk_rope_head_dim=64, q_lora_rank=24, num_experts_per_tok=2, n_shared_experts=1
 )
 CONFIGS: dict[str, dict[str, object]] = {
     "forced": {"gemm_path": "wbf16"},  # every kernel that fits is bound, untimed
@@ -83,17 +66,8 @@ def test_forced_kernels_take_the_experts_and_the_latent_attention(ds_bf16: Path)
 
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_prefill_and_decode_logits_match(ds_bf16: Path, hf_cache: dict, config: str) -> None:
-    prompts = mixed_prompts(3)
-    captured = step_logits(make_core(ds_bf16, **CONFIGS[config]), prompts, 2)
-    hf = hf_model(hf_cache, ds_bf16)
-    for i, p in enumerate(prompts.values()):
-        with torch.no_grad():
-            ref = hf(torch.tensor([p])).logits[0, -1]
-        torch.testing.assert_close(captured[0][i], ref, rtol=1e-4, atol=1e-4)  # prefill
-    for i, p in enumerate(prompts.values()):  # the second step decoded all three through the latent cache
-        with torch.no_grad():
-            ref = hf(torch.tensor([p + [int(captured[0][i].argmax())]])).logits[0, -1]
-        torch.testing.assert_close(captured[1][i], ref, rtol=1e-4, atol=1e-4)
+    core, hf = make_core(ds_bf16, **CONFIGS[config]), hf_model(hf_cache, ds_bf16)
+    assert_prefill_and_decode_logits_match(core, hf, mixed_prompts(3))
 
 
 @pytest.mark.parametrize("prompts", [mixed_prompts(), same_length_prompts()], ids=["mixed", "same-length"])
