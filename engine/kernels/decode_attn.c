@@ -21,6 +21,7 @@
 #define AL 8
 #endif
 #define MAX_NV (256 / AL)  // head_dim <= 256
+static const float ZERO_ROW[256] __attribute__((aligned(64)));  // a float32 row past a context's end
 #define PV_J 8             // output vectors accumulated at once in P.V (8 of 16 registers on AVX2)
 typedef float vf __attribute__((vector_size(AL * 4)));
 typedef int32_t vi __attribute__((vector_size(AL * 4)));
@@ -131,21 +132,33 @@ static inline __attribute__((always_inline)) void decode(int64_t B, int64_t H, i
             m[g] = -INFINITY;
             l[g] = 0.0f;
         }
-        vf rows[CHUNK][MAX_NV];  // this chunk's K rows, then its V rows, widened to float32
+        vf rows[CHUNK][MAX_NV];  // bf16: this chunk's K rows, then its V rows, widened to float32
+        // float32: the rows are read where they lie (a copy to the stack cost a store and a load per value, as
+        // much as the FMAs at few query heads per KV head); past the context, a zero row
+        const char *kp[CHUNK], *vp[CHUNK];
+#define ROW(which, t, j) (bf16 ? rows[t][j] : load(which[t] + (j) * AL * 4, 0))
         for (int64_t c = 0; c < L; c += CHUNK) {
             const int64_t n = L - c < CHUNK ? L - c : CHUNK;
             if (c == 0) prefetch_rows(kc, 0, n, b, kvh, tables, W, bs, KV, D, esz);
             prefetch_rows(vc, c, n, b, kvh, tables, W, bs, KV, D, esz);  // used after the scores
             if (c + CHUNK < L)  // the next chunk's keys
                 prefetch_rows(kc, c + CHUNK, L - c - CHUNK < CHUNK ? L - c - CHUNK : CHUNK, b, kvh, tables, W, bs, KV, D, esz);
-            gather(rows, kc, c, n, b, kvh, tables, W, bs, KV, D, esz, bf16, nv);
+            if (bf16) {
+                gather(rows, kc, c, n, b, kvh, tables, W, bs, KV, D, esz, bf16, nv);
+            } else {
+                for (int64_t t = 0; t < CHUNK; t++) {
+                    const int64_t pos = c + t, off = t < n ? ((tables[b * W + pos / bs] * bs + pos % bs) * KV + kvh) * D * 4 : -1;
+                    kp[t] = off < 0 ? (const char *)ZERO_ROW : kc + off;
+                    vp[t] = off < 0 ? (const char *)ZERO_ROW : vc + off;
+                }
+            }
             for (int64_t g = 0; g < G; g++) {
                 for (int64_t h = 0; h < CHUNK; h += AL) {  // AL tokens' scores as one vector
                     vf acc[AL];
-                    for (int t = 0; t < AL; t++) acc[t] = qv[g][0] * rows[h + t][0];
+                    for (int t = 0; t < AL; t++) acc[t] = qv[g][0] * ROW(kp, h + t, 0);
                     for (int64_t j = 1; j < nv; j++) {  // one query vector in a register for AL tokens
                         const vf qj = qv[g][j];
-                        for (int t = 0; t < AL; t++) acc[t] += qj * rows[h + t][j];
+                        for (int t = 0; t < AL; t++) acc[t] += qj * ROW(kp, h + t, j);
                     }
                     const vf sc = reduce(acc);
                     memcpy(s[g] + h, &sc, sizeof(sc));
@@ -166,7 +179,7 @@ static inline __attribute__((always_inline)) void decode(int64_t B, int64_t H, i
                 m[g] = mn;
                 for (int64_t j = 0; j < nv; j++) o[g][j] *= alpha;
             }
-            gather(rows, vc, c, n, b, kvh, tables, W, bs, KV, D, esz, bf16, nv);
+            if (bf16) gather(rows, vc, c, n, b, kvh, tables, W, bs, KV, D, esz, bf16, nv);
             for (int64_t g = 0; g < G; g++)
                 for (int64_t j0 = 0; j0 < nv; j0 += PV_J) {
                     // PV_J accumulators in registers across the chunk, each its own FMA chain: with one chain
@@ -177,7 +190,7 @@ static inline __attribute__((always_inline)) void decode(int64_t B, int64_t H, i
                     for (int64_t j = 0; j < nj; j++) acc[j] = o[g][j0 + j];
                     for (int64_t t = 0; t < n; t++) {
                         const float p = s[g][t];
-                        for (int64_t j = 0; j < nj; j++) acc[j] += p * rows[t][j0 + j];
+                        for (int64_t j = 0; j < nj; j++) acc[j] += p * ROW(vp, t, j0 + j);
                     }
                     for (int64_t j = 0; j < nj; j++) o[g][j0 + j] = acc[j];
                 }
@@ -189,6 +202,8 @@ static inline __attribute__((always_inline)) void decode(int64_t B, int64_t H, i
         }
     }
 }
+
+#undef ROW
 
 // head_dim 64 and 128 get their own compiled copies: a constant vector count keeps the rows in registers
 #define CALL(bf16, nv)                                                                                            \
