@@ -104,19 +104,24 @@ static inline void value_tile(int64_t n, const float *const *rows, const float *
 
 // q, out: [B][H][LD]; cache: [blocks][bs][LD] (kc == vc: K and V are the same rows); tables: [B][W] block ids;
 // ctx_lens: [B]. Writes out[b][h][0 .. LV) and zeros the rest. The family's signature (decode_attn.py): KV must be
-// 1 and D == LD, H <= 16 and a multiple of HB (the caller checks: decode_attn_latent.py).
-void decode_attn_latent_f32(int64_t B, int64_t H, int64_t KV, int64_t D, const float *q, const float *kc,
+// 1 and D == LD, H a multiple of HB (the caller checks: decode_attn_latent.py); one task per sequence and group of
+// up to MAX_H heads.
+void decode_attn_latent_f32(int64_t B, int64_t H_all, int64_t KV, int64_t D, const float *q, const float *kc,
                             const float *vc, int64_t bs, const int64_t *tables, int64_t W, const int64_t *ctx_lens,
                             float scale, float *out, int nthreads) {
     (void)KV, (void)D, (void)vc;
+    const int64_t groups = (H_all + MAX_H - 1) / MAX_H;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
-    for (int64_t b = 0; b < B; b++) {
+    for (int64_t task = 0; task < B * groups; task++) {
+        // this task's heads: a group of at most MAX_H (DeepSeek-V2/V3 have 128: eight groups read the same rows)
+        const int64_t b = task / groups, first = task % groups * MAX_H;
+        const int64_t H = H_all - first < MAX_H ? H_all - first : MAX_H;
         float qt[LD * MAX_H] __attribute__((aligned(64))), s[CH * MAX_H] __attribute__((aligned(64)));
         float o[MAX_H * LV] __attribute__((aligned(64))), alpha[MAX_H], l[MAX_H];
         const float *rows[CH];
         memset(qt, 0, sizeof(qt));
         for (int64_t h = 0; h < H; h++)
-            for (int64_t k = 0; k < LD; k++) qt[k * MAX_H + h] = q[(b * H + h) * LD + k] * scale;
+            for (int64_t k = 0; k < LD; k++) qt[k * MAX_H + h] = q[(b * H_all + first + h) * LD + k] * scale;
         memset(o, 0, sizeof(float) * H * LV);
         v16f mv = (v16f){0} - INFINITY, lv = (v16f){0};
         const int64_t L = ctx_lens[b];
@@ -147,7 +152,7 @@ void decode_attn_latent_f32(int64_t B, int64_t H, int64_t KV, int64_t D, const f
         }
         memcpy(l, &lv, sizeof(l));
         for (int64_t h = 0; h < H; h++) {
-            float *orow = out + (b * H + h) * LD;
+            float *orow = out + (b * H_all + first + h) * LD;
             const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
             for (int64_t j = 0; j < LV; j++) orow[j] = o[h * LV + j] * inv;
             memset(orow + LV, 0, sizeof(float) * (LD - LV));

@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("decode_attn_latent.c")
 WIDTH, VALUES = 576, 512  # LD and LV in decode_attn_latent.c: DeepSeek-V2/V3's latent + rope, and the latent
-HEADS_STEP, MAX_HEADS = 4, 16  # HB and MAX_H
+HEADS_STEP, GROUP = 4, 16  # HB and MAX_H: heads come in value tiles of 4, in groups of 16 per task
 
 
 class LatentDecodeAttention(DecodeAttention):
@@ -39,12 +39,13 @@ class LatentDecodeAttention(DecodeAttention):
         return False  # MLA's latent rows only
 
     def takes_latent(self, num_heads: int, width: int, dtype: torch.dtype, block_size: int = 16) -> bool:
-        return dtype == torch.float32 and width == WIDTH and 0 < num_heads <= MAX_HEADS and num_heads % HEADS_STEP == 0
+        return dtype == torch.float32 and width == WIDTH and num_heads > 0 and num_heads % HEADS_STEP == 0
 
 
 def self_check(kernel: LatentDecodeAttention) -> None:
-    """16 and 4 heads over scattered 16-token blocks, contexts under, at and over one chunk and block, stale (NaN)
-    cache memory past each context's end; scores far apart (a late peak) so the running maximum must carry."""
+    """20 (a group of 16 and one of 4), 16 and 4 heads over scattered 16-token blocks, contexts under, at and over
+    one chunk and block, stale (NaN) cache memory past each context's end; scores far apart (a late peak) so the
+    running maximum must carry."""
     g = torch.Generator().manual_seed(0)
     lens = (1, 16, 33, 300)
     width = max(-(-n // 16) for n in lens)
@@ -57,7 +58,7 @@ def self_check(kernel: LatentDecodeAttention) -> None:
         rows[tables[i, (n - 1) // 16], (n - 1) % 16 + 1 :] = float("nan")
     rows[tables[3, 250 // 16], 250 % 16] *= 6  # the peak, past the first chunks
     used = torch.tensor(lens)
-    for heads in (MAX_HEADS, HEADS_STEP):
+    for heads in (GROUP + HEADS_STEP, GROUP, HEADS_STEP):
         q = torch.randn(len(lens), heads, WIDTH, generator=g)
         got = kernel(q, rows, rows, tables, used, WIDTH**-0.5)
         want = reference(q, rows, rows, tables, used, WIDTH**-0.5)[..., :VALUES]

@@ -35,9 +35,10 @@ def _cache(lens: tuple[int, ...], block_size: int, seed: int) -> tuple[torch.Ten
     return rows, tables
 
 
-# heads: 16 (one vector of heads), fewer (tensor parallel ranks' shares); lengths: one token, under, at and past
-# a 32-token chunk, past 16-token blocks, long; blocks of 16 and 32 tokens
-@pytest.mark.parametrize("h", [16, 12, 8, 4])
+# heads: 16 (one vector of heads), fewer (tensor parallel ranks' shares), more (groups of 16 and a partial one, as
+# DeepSeek-V2/V3's 128); lengths: one token, under, at and past a 32-token chunk, past 16-token blocks, long;
+# blocks of 16 and 32 tokens
+@pytest.mark.parametrize("h", [16, 12, 8, 4, 36, 128])
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_equals_the_reference_over_scattered_blocks_and_stale_memory(
     kernel: LatentDecodeAttention, h: int, block_size: int
@@ -69,8 +70,9 @@ def test_takes_only_float32_latent_rows_of_its_width_and_head_counts(kernel: Lat
     assert kernel.takes_latent(16, WIDTH, torch.float32) and kernel.takes_latent(4, WIDTH, torch.float32, 32)
     assert not kernel.takes_latent(16, WIDTH, torch.bfloat16)
     assert not kernel.takes_latent(16, WIDTH - 32, torch.float32)
-    assert not kernel.takes_latent(20, WIDTH, torch.float32)  # more heads than one vector holds
+    assert kernel.takes_latent(128, WIDTH, torch.float32)  # DeepSeek-V2/V3: groups of 16 heads
     assert not kernel.takes_latent(6, WIDTH, torch.float32)  # not whole value tiles of 4 heads
+    assert not kernel.takes_latent(0, WIDTH, torch.float32)
     assert not kernel.takes(16, 1, WIDTH, torch.float32)  # not an attention layer's kernel
 
 
