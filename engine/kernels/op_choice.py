@@ -211,12 +211,11 @@ def _per_class(
     `key` is formatted with the rows and the candidates. (None, ()) where it won at no class."""
     if timer is None:
         return next(iter(fits.values())), (True,) * len(DECODE_ROWS)
-    kernel = next(iter(fits.values()))
+    name = next(iter(fits))
     if len(fits) > 1:
         run = probe(ROWS)
-        kernel = fits[fastest(key.format(ROWS, "+".join(fits)), {n: run(k) for n, k in fits.items()}, timer, cache)]
-    name = next(n for n, k in fits.items() if k is kernel)
-    at = []
+        name = fastest(key.format(ROWS, "+".join(fits)), {n: run(k) for n, k in fits.items()}, timer, cache)
+    kernel, at = fits[name], []
     for rows in DECODE_ROWS:
         run = probe(rows)
         won = fastest(key.format(rows, f"{name} vs torch"), {"torch": run(None), name: run(kernel)}, timer, cache)

@@ -82,7 +82,7 @@ class PagedAttention(nn.Module):
     def _decode(self, q: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         block_tables, mask = ctx.decode_block_tables, ctx.decode_mask
         assert block_tables is not None
-        if self.kernel is not None and ctx.decode_context_lens is not None and runs_at(self.kernel_at, q.shape[0]):
+        if self.kernel is not None and ctx.decode_context_lens is not None and self.in_place(q.shape[0]):
             return self.kernel(q, self.k_cache, self.v_cache, block_tables, ctx.decode_context_lens, self.scale)
         assert mask is not None
         b, kv, d = q.shape[0], self.num_kv_heads, self.head_dim

@@ -135,7 +135,7 @@ class MLAttention(nn.Module):
             q_lat = torch.bmm(q_nope.transpose(0, 1), self._absorbed_weights()[0]).transpose(0, 1)  # [B, H, L]
         q = torch.cat((q_lat, q_pe), dim=-1)  # [B, H, L + R]
         assert ctx.decode_block_tables is not None
-        if self.kernel is not None and ctx.decode_context_lens is not None and runs_at(self.kernel_at, b):
+        if self.kernel is not None and ctx.decode_context_lens is not None and self.in_place(b):
             rows = self.kv_cache.unsqueeze(2)  # [blocks, block_size, 1, L + R]: K and V at once
             o = self.kernel(q, rows, rows, ctx.decode_block_tables, ctx.decode_context_lens, self.scale)[..., :lat]
         else:
