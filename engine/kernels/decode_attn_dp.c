@@ -2,15 +2,23 @@
 // the same call as the portable kernel (decode_attn.c), for CPUs that have VDPBF16PS but no AMX tiles (Zen 4 and
 // 5, Cooper Lake). The portable kernel widens every K and V value to float32 and spends more time on that, on
 // horizontal sums and on spilled accumulators than on arithmetic. Here, per 16-token slice of a cache block:
-//   - each score is D / 32 bf16 dot products (two bf16 pairs a float32 lane) and sixteen tokens' partial sums
-//     become one vector of scores in one shuffle tree (reduce16);
+//   - scores in float32 from bf16 dot products (two bf16 pairs a float32 lane), one vector of 16 tokens per head;
 //   - the softmax runs on that vector, and P is rounded to bf16, as flash attention does;
 //   - P.V is bf16 dot products over pairs of tokens: V rows of tokens 2i, 2i+1 interleaved (unpacklo/hi), the
 //     pair of probabilities broadcast, float32 accumulators in the interleaved lane order until the end.
-// PF_AHEAD > 0: each slice asks for the task's rows of the slice that many ahead (K and V). The blocks of a
-// sequence lie anywhere in the pool, so the hardware prefetchers lose the stream at every block; on a 2-core Zen 5,
-// 24 layers' caches (75 MB, Qwen2-0.5B's heads, 32 x 192 tokens) took 240-270 us a layer against 300 without.
-// On a Zen 4 it measured no faster. Built both ways (decode_attn_dp.py); the op choice times both, cold.
+// Four entry points, one per (scores, prefetch) pair, each its own compiled copy; the op choice times them cold:
+//   - scores by reduction (decode_attn_dp_bf16, _pf): per head, sixteen tokens' dot products over head_dim, then
+//     one shuffle tree (reduce16) turns their partial sums into one vector of scores;
+//   - scores over transposed keys (_t, _t_pf): the slice's sixteen K rows are transposed once per KV head (16 x 16
+//     dword transposes: lane t of vector p holds dims 2p, 2p+1 of token t), then each query head's scores are
+//     D / 2 dot products with its broadcast dim pairs, no reduction; the G heads share the transposition. Hot, on
+//     a 2-core Zen 4: faster at G = 3 and 7 of 64 dims (~10%), slower at G = 1, and at G = 4 of 128;
+//   - prefetch (_pf, _t_pf): the slice's reads ask for the next slice's rows, one line of K and V a read, into L2
+//     (struct Ahead). The blocks of a sequence lie anywhere in the pool, so the hardware prefetchers lose the
+//     stream at every block. Cold, 24 layers' caches of Qwen2-0.5B's heads, 32 sequences of 256 tokens, on a
+//     2-core Zen 4: 581 us a layer plain, 318 with both (with prefetch alone 436: without the transposition the
+//     requests sit in the inner loop of every head). Asking for a whole slice at once, as this kernel did before,
+//     measured no faster than no prefetch: the requests queue up together and stall the loads behind them.
 //
 // Requires: bf16 cache, block_size % 16 == 0, head_dim % 32 == 0 and <= 32 * MAX_STEPS, G = H / KV <= 16.
 // Built twice (decode_attn_dp.py): for attention heads (MAX_STEPS 8: head_dim <= 256), and for MLA's latent rows
@@ -31,9 +39,6 @@
 #endif
 #define MAX_G 16
 #define MAX_HT 32  // query heads one task keeps state for
-#ifndef PF_AHEAD
-#define PF_AHEAD 0  // slices ahead to prefetch; 0: none
-#endif
 #ifndef PV_G
 #define PV_G 4  // P.V accumulators: heads x vectors of 16 lanes
 #endif
@@ -60,78 +65,151 @@ static inline __m512 reduce16(const __m512 v[16]) {
     return pair_sum(r3[0], r3[1], l4, h4);
 }
 
-// The first row of the 16-token slice holding position `pos` (a multiple of 16) for KV head `kvh`.
-static inline const uint16_t *slice_of(const uint16_t *cache, int64_t pos, const int64_t *table, int64_t bs,
-                                       int64_t KV, int64_t kvh, int64_t D) {
-    return cache + ((table[pos / bs] * bs + pos % bs) * KV + kvh) * D;
+// Sixteen rows of 16 dwords -> their transpose: out[c] lane t = dword c of row t (the standard four stages).
+static inline void transpose16(const __m512i r[16], __m512i out[16]) {
+    __m512i a[16], b[16];
+    for (int i = 0; i < 8; i++) {
+        a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {  // b[4i + c], 128-bit lane L: dword 4L + c of rows 4i .. 4i + 3
+        b[4 * i + 0] = _mm512_unpacklo_epi64(a[4 * i + 0], a[4 * i + 2]);
+        b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i + 0], a[4 * i + 2]);
+        b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
+        b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
+    }
+    for (int c = 0; c < 4; c++) {  // gather lane L of the four row groups: dword 4L + c of all sixteen rows
+        const __m512i u = _mm512_shuffle_i32x4(b[c], b[4 + c], 0x88), v = _mm512_shuffle_i32x4(b[c], b[4 + c], 0xDD);
+        const __m512i u2 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0x88);
+        const __m512i v2 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0xDD);
+        out[c] = _mm512_shuffle_i32x4(u, u2, 0x88);
+        out[4 + c] = _mm512_shuffle_i32x4(v, v2, 0x88);
+        out[8 + c] = _mm512_shuffle_i32x4(u, u2, 0xDD);
+        out[12 + c] = _mm512_shuffle_i32x4(v, v2, 0xDD);
+    }
+}
+
+// The next slice's rows of a task's KV heads, asked for one 64-byte line of K and one of V at a time, in address
+// order: row by row, and within a row the task's heads side by side. WHY address order: asked for in the order of
+// the reads (one head's rows, 256 bytes apart) the same lines measured no faster than no prefetch at all; in order,
+// the hardware prefetcher appears to join in (390 -> 220 us a layer, the header's case).
+typedef struct {
+    const uint16_t *k, *v;  // the next slice's first row of the task's first KV head, in each cache
+    int64_t at, col, width, stride;  // the next line: row offset `at` + `col`; `width` columns of the task a row
+} Ahead;
+
+static inline void ask_next(Ahead *a) {
+    _mm_prefetch((const char *)(a->k + a->at + a->col), _MM_HINT_T1);
+    _mm_prefetch((const char *)(a->v + a->at + a->col), _MM_HINT_T1);
+    a->col += 32;  // bf16 values a line
+    if (a->col == a->width) a->col = 0, a->at += a->stride;
+}
+
+// The first row of the 16-token slice starting at position `pos` (a multiple of 16), KV head 0.
+static inline int64_t slice_row(int64_t pos, const int64_t *table, int64_t bs, int64_t KV) {
+    return (table[pos / bs] * bs + pos % bs) * KV;
+}
+
+// One query head's scores over a 16-token slice from the transposed keys kt: D / 2 dot products with the head's
+// broadcast dim pairs, for four heads at a time with two accumulators each (eight independent chains: one head's
+// chain alone waits on the dot product's latency at every step; measured 1.45x on a Zen 4 against head by head).
+static inline __attribute__((always_inline)) void scores_transposed(const __m512i *kt, const uint32_t *qd, int64_t G,
+                                                                    int64_t D, __m512 *sc) {
+    for (int64_t g0 = 0; g0 < G; g0 += 4) {
+        const int64_t ng = G - g0 < 4 ? G - g0 : 4;
+        __m512 a[4][2];
+        for (int gg = 0; gg < 4; gg++) a[gg][0] = a[gg][1] = _mm512_setzero_ps();
+        for (int64_t p = 0; p < D / 2; p += 2)
+            for (int gg = 0; gg < 4; gg++) {
+                if (gg >= ng) break;
+                const uint32_t *qg = qd + (g0 + gg) * D / 2 + p;
+                a[gg][0] = _mm512_dpbf16_ps(a[gg][0], (__m512bh)_mm512_set1_epi32((int)qg[0]), (__m512bh)kt[p]);
+                a[gg][1] = _mm512_dpbf16_ps(a[gg][1], (__m512bh)_mm512_set1_epi32((int)qg[1]), (__m512bh)kt[p + 1]);
+            }
+        for (int gg = 0; gg < ng; gg++) sc[g0 + gg] = _mm512_add_ps(a[gg][0], a[gg][1]);
+    }
 }
 
 // One sequence's KV heads [k0, k1) (their G query heads each), slice by slice: each 16-token slice of a block is
 // read for all of the task's KV heads before the next slice, which walks the block's rows in address order (the
-// cache keeps a token's KV heads side by side) instead of one strided head at a time.
+// cache keeps a token's KV heads side by side) instead of one strided head at a time. TRANS: scores over
+// transposed keys; PF: ask for the next slice's rows while reading this one's (the header).
 static inline __attribute__((always_inline)) void task(int64_t b, int64_t k0, int64_t k1, int64_t H, int64_t KV,
                                                        int64_t D, const uint16_t *q, const uint16_t *kc,
                                                        const uint16_t *vc, int64_t bs, const int64_t *tables,
                                                        int64_t W, int64_t L, float scale, uint16_t *out,
-                                                       const int64_t steps) {
+                                                       const int64_t steps, const int TRANS, const int PF) {
     const int64_t G = H / KV, nv = 2 * steps, stride = KV * D, NH = (k1 - k0) * G;  // NH <= MAX_HT
     const int64_t *table = tables + b * W;
     const uint16_t *qb = q + (b * H + k0 * G) * D;  // the task's query heads are adjacent
     __m512i qv[MAX_HT][MAX_STEPS];
     __m512 o[MAX_HT][MAX_STEPS * 2];
-    float m[MAX_HT], l[MAX_HT];
+    __m512 lv[MAX_HT];  // each head's softmax denominator, summed across lanes only at the end
+    float m[MAX_HT];
     for (int64_t h = 0; h < NH; h++) {
         for (int64_t s = 0; s < steps; s++) qv[h][s] = _mm512_loadu_si512((const void *)(qb + h * D + 32 * s));
         for (int64_t j = 0; j < nv; j++) o[h][j] = _mm512_setzero_ps();
         m[h] = -INFINITY;
-        l[h] = 0.0f;
+        lv[h] = _mm512_setzero_ps();
     }
     const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
+    const __mmask16 gmask = (__mmask16)((1u << G) - 1u);
     __m512i V2[8 * MAX_STEPS * 2];  // one KV head's V of this slice, token pairs interleaved: [pair * nv + j]
     uint32_t P[MAX_G][8];            // bf16 probabilities of tokens 2i, 2i+1, one dword per pair
     for (int64_t c = 0; c < L; c += 16) {
         const int64_t n = L - c < 16 ? L - c : 16, pairs = (n + 1) / 2;
         const __mmask16 valid = (__mmask16)((1u << n) - 1u);
-        const int64_t first = (table[c / bs] * bs + c % bs) * KV;  // the slice's first row, KV head 0
-#if PF_AHEAD > 0
-        if (c + 16 * PF_AHEAD < L) {
-            const int64_t ahead = c + 16 * PF_AHEAD, nrow = L - ahead < 16 ? L - ahead : 16;
-            const int64_t row = (table[ahead / bs] * bs + ahead % bs) * KV + k0;
-            const char *kp = (const char *)(kc + row * D), *vp = (const char *)(vc + row * D);
-            const int64_t bytes = ((nrow - 1) * KV + (k1 - k0)) * D * 2;
-            for (int64_t off = 0; off < bytes; off += 64) {
-                _mm_prefetch(kp + off, _MM_HINT_T0);
-                _mm_prefetch(vp + off, _MM_HINT_T0);
-            }
-        }
-#endif
+        const int64_t first = slice_row(c, table, bs, KV);
+        // the next slice's first row (this one's on the last slice: asking again for lines at hand is harmless);
+        // rows past its context's end are still inside its block, and a prefetch never faults
+        const int64_t ahead = (PF && c + 16 < L ? slice_row(c + 16, table, bs, KV) : first) + k0;
+        Ahead pf = {kc + ahead * D, vc + ahead * D, 0, 0, (k1 - k0) * D, stride};  // 16 rows: one line a K row read
         for (int64_t kh = k0; kh < k1; kh++) {
             const uint16_t *kr = kc + (first + kh) * D, *vr = vc + (first + kh) * D;
             __m512i *qh = qv[(kh - k0) * G];
             __m512 *oh = o[(kh - k0) * G];
-            float *mh = m + (kh - k0) * G, *lh = l + (kh - k0) * G;
+            float *mh = m + (kh - k0) * G;
+            __m512 *lvh = lv + (kh - k0) * G;
             __m512 sc[MAX_G];
-            for (int64_t g = 0; g < G; g++) {
-                __m512 acc[16];
-                for (int t = 0; t < 16; t++) {  // rows past n are read (they are in the block); their scores masked
-                    __m512 a = _mm512_setzero_ps();
-                    for (int64_t s = 0; s < steps; s++)
-                        a = _mm512_dpbf16_ps(a, (__m512bh)qh[g * MAX_STEPS + s],
-                                             (__m512bh)_mm512_loadu_si512((const void *)(kr + t * stride + 32 * s)));
-                    acc[t] = a;
+            if (TRANS) {
+                __m512i kt[16 * MAX_STEPS];  // kt[p] lane t: dims 2p, 2p+1 of token t
+                for (int64_t s = 0; s < steps; s++) {
+                    __m512i rows[16];
+                    for (int t = 0; t < 16; t++) {  // rows past n are read (they are in the block); scores masked
+                        rows[t] = _mm512_loadu_si512((const void *)(kr + t * stride + 32 * s));
+                        if (PF) ask_next(&pf);
+                    }
+                    transpose16(rows, kt + 16 * s);
                 }
-                sc[g] = _mm512_mask_mov_ps(ninf, valid, _mm512_mul_ps(reduce16(acc), vscale));
+                scores_transposed(kt, (const uint32_t *)(qb + (kh - k0) * G * D), G, D, sc);
+                for (int64_t g = 0; g < G; g++) sc[g] = _mm512_mask_mov_ps(ninf, valid, _mm512_mul_ps(sc[g], vscale));
+            } else {
+                for (int64_t g = 0; g < G; g++) {
+                    __m512 acc[16];
+                    for (int t = 0; t < 16; t++) {
+                        __m512 a = _mm512_setzero_ps();
+                        for (int64_t s = 0; s < steps; s++) {
+                            a = _mm512_dpbf16_ps(a, (__m512bh)qh[g * MAX_STEPS + s],
+                                                 (__m512bh)_mm512_loadu_si512((const void *)(kr + t * stride + 32 * s)));
+                            if (PF && g == 0) ask_next(&pf);
+                        }
+                        acc[t] = a;
+                    }
+                    sc[g] = _mm512_mask_mov_ps(ninf, valid, _mm512_mul_ps(reduce16(acc), vscale));
+                }
             }
-            // NOTE: the softmax in short loops across the heads, not one long body per head: each head's steps
-            // form one dependent chain (max, exp, sum), and the CPU overlaps the chains only when they sit close.
+            // The running maxima of the G heads in one vector: one exp512 gives every head's rescale factor (G
+            // scalar expf calls measured 1.3x slower over the whole kernel); each head's sum stays a vector.
             float mx[MAX_G], alpha[MAX_G];
             for (int64_t g = 0; g < G; g++) mx[g] = fmaxf(mh[g], _mm512_reduce_max_ps(sc[g]));
-            for (int64_t g = 0; g < G; g++) alpha[g] = expf(mh[g] - mx[g]);  // exp(-inf) = 0 on the first slice
+            const __m512 mnew = _mm512_maskz_loadu_ps(gmask, mx);
+            // the first slice: exp512(-inf) clamps to exp(-87), times sums and outputs that are still zero
+            _mm512_mask_storeu_ps(alpha, gmask, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(gmask, mh), mnew)));
+            _mm512_mask_storeu_ps(mh, gmask, mnew);
             for (int64_t g = 0; g < G; g++) {
                 // exp512 clamps its input, so masked lanes are zeroed outright rather than left at exp(-87)
                 const __m512 p = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(sc[g], _mm512_set1_ps(mx[g]))));
-                lh[g] = lh[g] * alpha[g] + _mm512_reduce_add_ps(p);
-                mh[g] = mx[g];
+                lvh[g] = _mm512_fmadd_ps(lvh[g], _mm512_set1_ps(alpha[g]), p);
                 _mm256_storeu_si256((__m256i *)P[g], (__m256i)_mm512_cvtneps_pbh(p));
             }
             for (int64_t i = 0; i < pairs; i++) {  // V rows past n are zero: a zero weight times stale memory is NaN
@@ -167,33 +245,49 @@ static inline __attribute__((always_inline)) void task(int64_t b, int64_t k0, in
                 }
         }
     }
-    for (int64_t h = 0; h < NH; h++)
-        store_deinterleaved(out + (b * H + k0 * G + h) * D, o[h], steps,
-                            _mm512_set1_ps(l[h] > 0.0f ? 1.0f / l[h] : 0.0f));
+    for (int64_t h = 0; h < NH; h++) {
+        const float l = _mm512_reduce_add_ps(lv[h]);
+        store_deinterleaved(out + (b * H + k0 * G + h) * D, o[h], steps, _mm512_set1_ps(l > 0.0f ? 1.0f / l : 0.0f));
+    }
 }
 
-// q, out: [B][H][D] bf16; caches: [blocks][bs][KV][D] bf16; tables: [B][W] block ids; ctx_lens: [B].
-void decode_attn_dp_bf16(int64_t B, int64_t H, int64_t KV, int64_t D, const uint16_t *q, const uint16_t *kc,
-                         const uint16_t *vc, int64_t bs, const int64_t *tables, int64_t W, const int64_t *ctx_lens,
-                         float scale, uint16_t *out, int nthreads) {
-    // KV heads per task: as many as MAX_HT query heads hold, fewer while that leaves under two tasks per thread
+// KV heads per task: as many as MAX_HT query heads hold, fewer while that leaves under two tasks per thread
+static int64_t heads_per_task(int64_t B, int64_t H, int64_t KV, int nthreads) {
     int64_t per = MAX_HT / (H / KV);
     if (per > KV) per = KV;
     while (per > 1 && B * ((KV + per - 1) / per) < 2 * nthreads) per = (per + 1) / 2;
-    const int64_t groups = (KV + per - 1) / per;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
-    for (int64_t t = 0; t < B * groups; t++) {
-        const int64_t b = t / groups, k0 = (t % groups) * per, k1 = k0 + per < KV ? k0 + per : KV;
-#define TASK(steps) task(b, k0, k1, H, KV, D, q, kc, vc, bs, tables, W, ctx_lens[b], scale, out, steps)
-        // the common widths get their own compiled copies: a constant step count keeps the sums in registers
-        switch (D) {
-        case 64: TASK(2); break;
-        case 128: TASK(4); break;
-#if MAX_STEPS >= 18
-        case 576: TASK(18); break;  // MLA's latent rows (DeepSeek-V2/V3: 512 + 64)
-#endif
-        default: TASK(D / 32); break;
-        }
-#undef TASK
-    }
+    return per;
 }
+
+// q, out: [B][H][D] bf16; caches: [blocks][bs][KV][D] bf16; tables: [B][W] block ids; ctx_lens: [B].
+// WHY a macro: OpenMP outlines a parallel loop into its own function before constants propagate into it, so the
+// loop must sit in each entry point for TRANS and PF to be compile-time constants in its copy of task().
+// The common widths get their own compiled copies too: a constant step count keeps the sums in registers.
+#define TASK(steps, TRANS, PF) \
+    task(b, k0, k1, H, KV, D, q, kc, vc, bs, tables, W, ctx_lens[b], scale, out, steps, TRANS, PF)
+#if MAX_STEPS >= 18
+#define LATENT_CASE(TRANS, PF) \
+    case 576: TASK(18, TRANS, PF); break;  // MLA's latent rows (DeepSeek-V2/V3: 512 + 64)
+#else
+#define LATENT_CASE(TRANS, PF)
+#endif
+#define ENTRY(name, TRANS, PF)                                                                                        \
+    void name(int64_t B, int64_t H, int64_t KV, int64_t D, const uint16_t *q, const uint16_t *kc, const uint16_t *vc, \
+              int64_t bs, const int64_t *tables, int64_t W, const int64_t *ctx_lens, float scale, uint16_t *out,     \
+              int nthreads) {                                                                                         \
+        const int64_t per = heads_per_task(B, H, KV, nthreads), groups = (KV + per - 1) / per;                       \
+        _Pragma("omp parallel for schedule(dynamic, 1) num_threads(nthreads)")                                       \
+        for (int64_t t = 0; t < B * groups; t++) {                                                                    \
+            const int64_t b = t / groups, k0 = (t % groups) * per, k1 = k0 + per < KV ? k0 + per : KV;               \
+            switch (D) {                                                                                              \
+            case 64: TASK(2, TRANS, PF); break;                                                                       \
+            case 128: TASK(4, TRANS, PF); break;                                                                      \
+            LATENT_CASE(TRANS, PF)                                                                                    \
+            default: TASK(D / 32, TRANS, PF); break;                                                                  \
+            }                                                                                                         \
+        }                                                                                                             \
+    }
+ENTRY(decode_attn_dp_bf16, 0, 0)
+ENTRY(decode_attn_dp_bf16_pf, 0, 1)
+ENTRY(decode_attn_dp_bf16_t, 1, 0)
+ENTRY(decode_attn_dp_bf16_t_pf, 1, 1)

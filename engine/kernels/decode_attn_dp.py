@@ -24,19 +24,24 @@ SOURCE = Path(__file__).with_name("decode_attn_dp.c")
 LATENT_STEPS = 18  # 576 = 512 + 64: DeepSeek-V2/V3's latent + rope columns
 
 
+# the entry points of decode_attn_dp.c by name in the op choice: scores by reduction or over transposed keys,
+# with or without asking for the next slice's rows ahead (the file's header says which won where)
+VARIANTS = {"dp": "", "dp-prefetch": "_pf", "dp-t": "_t", "dp-t-prefetch": "_t_pf"}
+
+
 class DotDecodeAttention(DecodeAttention):
-    def __init__(self, lib: ctypes.CDLL, max_steps: int = 8) -> None:
+    def __init__(self, lib: ctypes.CDLL, max_steps: int = 8, variant: str = "") -> None:
         self.lib, self.max_steps = lib, max_steps  # head_dim <= 32 * max_steps (MAX_STEPS in decode_attn_dp.c)
-        self._bind({torch.bfloat16: lib.decode_attn_dp_bf16})
+        self._bind({torch.bfloat16: getattr(lib, f"decode_attn_dp_bf16{variant}")})
 
     @classmethod
-    def build(cls, flags: tuple[str, ...] = ("-march=native",)) -> DotDecodeAttention:
-        return cls(build(SOURCE, flags))
+    def build(cls, flags: tuple[str, ...] = ("-march=native",), variant: str = "") -> DotDecodeAttention:
+        return cls(build(SOURCE, flags), variant=variant)
 
     @classmethod
-    def build_latent(cls) -> DotDecodeAttention:
+    def build_latent(cls, variant: str = "") -> DotDecodeAttention:
         """The build for MLA's latent rows (MAX_STEPS 18: up to 576 wide)."""
-        return cls(build(SOURCE, ("-march=native", f"-DMAX_STEPS={LATENT_STEPS}")), LATENT_STEPS)
+        return cls(build(SOURCE, ("-march=native", f"-DMAX_STEPS={LATENT_STEPS}")), LATENT_STEPS, variant)
 
     def takes(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, block_size: int = 16) -> bool:
         """What decode_attn_dp.c needs: 16-token slices of a block, 32 of head_dim a bf16 vector."""
@@ -49,28 +54,23 @@ class DotDecodeAttention(DecodeAttention):
         return fits and width <= 32 * self.max_steps and num_heads <= 16 and self.max_steps == LATENT_STEPS
 
 
-_once = Once(
-    DotDecodeAttention.build, log, "decode attention will not use AVX512-BF16 dot products (the portable kernel "
-    "still may)", check=self_check_bf16,
-)  # fmt: skip
+def _variant(suffix: str) -> Once[DotDecodeAttention]:
+    return Once(
+        lambda: DotDecodeAttention.build(variant=suffix), log,
+        "decode attention will not use AVX512-BF16 dot products (the portable kernel still may)",
+        check=self_check_bf16,
+    )  # fmt: skip
 
 
-def kernel() -> DotDecodeAttention | None:
-    """The process-wide kernel for this CPU; None without AVX512-BF16, or (logged once) where it can't be built."""
-    return _once() if bf16mm.supported() else None
+_variants = {name: _variant(suffix) for name, suffix in VARIANTS.items()}
 
 
-# the same kernel asking for the next 16-token slice's rows ahead (PF_AHEAD in decode_attn_dp.c): faster on one CPU
-# measured, no faster on another, so engine.kernels.op_choice times it beside the plain build
-_once_prefetch = Once(
-    lambda: DotDecodeAttention.build(("-march=native", "-DPF_AHEAD=1")), log,
-    "decode attention is not timed with software prefetch", check=self_check_bf16,
-)  # fmt: skip
-
-
-def kernel_with_prefetch() -> DotDecodeAttention | None:
-    """The build with software prefetch, as kernel() otherwise."""
-    return _once_prefetch() if bf16mm.supported() else None
+def kernels() -> dict[str, DotDecodeAttention]:
+    """Every entry point of the kernel (VARIANTS), for the op choice to time; empty without AVX512-BF16. They
+    share one compiled library."""
+    if not bf16mm.supported():
+        return {}
+    return {name: k for name, once in _variants.items() if (k := once()) is not None}
 
 
 def check_latent(kernel: DecodeAttention) -> None:
@@ -78,12 +78,18 @@ def check_latent(kernel: DecodeAttention) -> None:
     check_against_reference(kernel, (torch.bfloat16,), ((16, 1, 576),), 16, (1, 17, 300))
 
 
-_latent = Once(
-    DotDecodeAttention.build_latent, log, "MLA decode will gather its latents and run SDPA (slower)",
-    check=check_latent,
-)  # fmt: skip
+def _latent_variant(suffix: str) -> Once[DotDecodeAttention]:
+    return Once(
+        lambda: DotDecodeAttention.build_latent(suffix), log,
+        "MLA decode will gather its latents and run SDPA (slower)", check=check_latent,
+    )  # fmt: skip
 
 
-def latent_kernel() -> DotDecodeAttention | None:
-    """The process-wide latent build (MLA decode); None without AVX512-BF16, or where it can't be built."""
-    return _latent() if bf16mm.supported() else None
+_latents = {name: _latent_variant(suffix) for name, suffix in VARIANTS.items()}
+
+
+def latent_kernels() -> dict[str, DotDecodeAttention]:
+    """Every entry point of the latent build (VARIANTS), for the op choice; empty without AVX512-BF16."""
+    if not bf16mm.supported():
+        return {}
+    return {name: k for name, once in _latents.items() if (k := once()) is not None}

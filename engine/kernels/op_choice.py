@@ -163,7 +163,7 @@ def latent_attention_kernels(attn: dict[str, DecodeAttention], dtype: torch.dtyp
     if dtype == torch.float32:
         found: tuple[tuple[str, DecodeAttention | None], ...] = (("latent-f32", decode_attn_latent.kernel()),)
     else:
-        found = (("amx", attn.get("amx")), ("dp", decode_attn_dp.latent_kernel()))
+        found = (("amx", attn.get("amx")), *decode_attn_dp.latent_kernels().items())
     return {name: k for name, k in found if k is not None}
 
 
@@ -342,8 +342,7 @@ def decode_attention_kernels() -> dict[str, DecodeAttention]:
     """Every decode attention kernel built for this CPU, by name; without a timer the first that fits is used."""
     found = (
         ("amx", decode_attn_amx.kernel()),
-        ("dp", decode_attn_dp.kernel()),
-        ("dp-prefetch", decode_attn_dp.kernel_with_prefetch()),
+        *decode_attn_dp.kernels().items(),
         ("portable", decode_attn.kernel()),
     )
     return {name: k for name, k in found if k is not None}

@@ -6,26 +6,35 @@ never sees it (the portable kernel's tests cover the rest)."""
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 
 from engine.kernels import bf16mm, decode_attn, decode_attn_dp
 from engine.kernels.decode_attn import check_against_reference
-from engine.kernels.decode_attn_dp import DotDecodeAttention
+from engine.kernels.decode_attn_dp import LATENT_STEPS, VARIANTS, DotDecodeAttention
 from tests.kernel_checks import assert_latent_rows_match
 
 pytestmark = pytest.mark.skipif(not bf16mm.supported(), reason="this CPU has no AVX512-BF16")
 
 
-@pytest.fixture(scope="module", params=[0, 1], ids=["plain", "prefetch"])
-def kernel(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> DotDecodeAttention:
-    """Both builds the op choice times: without and with the software prefetch of the next slice (PF_AHEAD)."""
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory: pytest.TempPathFactory) -> tuple[ctypes.CDLL, ctypes.CDLL]:
+    """The heads' build and the latent build, compiled once here: every entry point lives in each."""
     mp = pytest.MonkeyPatch()
     mp.setenv("TIANMEN_KERNEL_CACHE", str(tmp_path_factory.mktemp("kernels")))
     try:
-        return DotDecodeAttention.build(("-march=native", f"-DPF_AHEAD={request.param}"))
+        return DotDecodeAttention.build().lib, DotDecodeAttention.build_latent().lib
     finally:
         mp.undo()
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS.values()), ids=list(VARIANTS))
+def kernel(request: pytest.FixtureRequest, builds: tuple[ctypes.CDLL, ctypes.CDLL]) -> DotDecodeAttention:
+    """Every entry point the op choice times: scores by reduction or over transposed keys, without and with the
+    prefetch of the next slice's rows."""
+    return DotDecodeAttention(builds[0], variant=request.param)
 
 
 # G = 1, 3, 7, 8, 16 query heads per KV head; head_dim 32 to 256 (one to eight bf16 vectors); KV heads per task
@@ -60,14 +69,9 @@ def test_takes_only_the_shapes_its_vectors_fit(kernel: DotDecodeAttention) -> No
     assert not kernel.takes(34, 2, 64, torch.bfloat16, 16)  # G = 17 query heads per KV head
 
 
-@pytest.fixture(scope="module")
-def latent(tmp_path_factory: pytest.TempPathFactory) -> DotDecodeAttention:
-    mp = pytest.MonkeyPatch()
-    mp.setenv("TIANMEN_KERNEL_CACHE", str(tmp_path_factory.mktemp("latent")))
-    try:
-        return DotDecodeAttention.build_latent()
-    finally:
-        mp.undo()
+@pytest.fixture(scope="module", params=list(VARIANTS.values()), ids=list(VARIANTS))
+def latent(request: pytest.FixtureRequest, builds: tuple[ctypes.CDLL, ctypes.CDLL]) -> DotDecodeAttention:
+    return DotDecodeAttention(builds[1], LATENT_STEPS, request.param)
 
 
 # MLA (engine.layers.mla): all query heads over one latent row that is K and V at once; DeepSeek-V2's 512 + 64

@@ -300,7 +300,7 @@ MLA = (64, 4, None, 64, 32, 32, 32, False, 0.2, False)  # hidden, heads, q_lora,
 NARROW = (64, 4, None, 64, 16, 32, 16, False, 0.2, False)  # nope 16: K of W_UK not whole AMX tiles
 
 
-LATENT = {"amx": (amxmm, decode_attn_amx.kernel), "dp": (bf16mm, decode_attn_dp.latent_kernel)}
+LATENT = {"amx": (amxmm, decode_attn_amx.kernel), "dp": (bf16mm, lambda: decode_attn_dp.latent_kernels().get("dp"))}
 
 
 @pytest.mark.parametrize("name", list(LATENT))
