@@ -179,3 +179,10 @@ def self_check_bf16(kernel: DecodeAttention) -> None:
 
 # The process-wide kernel built for this CPU, or None (logged once) where it cannot be built.
 kernel = Once(DecodeAttention.build, log, "decode attention will gather K/V and run SDPA (slower)", check=self_check)
+
+# The same kernel asking for the next chunk's rows spread through its score loop (PF_SPREAD in decode_attn.c):
+# faster cold where it was measured, so engine.kernels.op_choice times it beside the plain build.
+kernel_with_prefetch = Once(
+    lambda: DecodeAttention.build(("-march=native", "-DPF_SPREAD=1")), log,
+    "decode attention is not timed with the spread prefetch", check=self_check,
+)  # fmt: skip

@@ -344,6 +344,7 @@ def decode_attention_kernels() -> dict[str, DecodeAttention]:
         ("amx", decode_attn_amx.kernel()),
         *decode_attn_dp.kernels().items(),
         ("portable", decode_attn.kernel()),
+        ("portable-prefetch", decode_attn.kernel_with_prefetch()),
     )
     return {name: k for name, k in found if k is not None}
 

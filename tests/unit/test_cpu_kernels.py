@@ -23,9 +23,10 @@ def pw() -> PointwiseKernels:
     return k
 
 
-@pytest.fixture(scope="module")
-def attn() -> DecodeAttention:
-    k = decode_attn.kernel()
+@pytest.fixture(scope="module", params=["plain", "prefetch"])
+def attn(request: pytest.FixtureRequest) -> DecodeAttention:
+    """Both builds the op choice times: without and with the next chunk's rows asked for ahead (PF_SPREAD)."""
+    k = decode_attn.kernel() if request.param == "plain" else decode_attn.kernel_with_prefetch()
     assert k is not None, "gcc is part of make setup's requirements: the kernels must build here"
     return k
 
