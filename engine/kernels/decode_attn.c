@@ -84,7 +84,7 @@ static inline void prefetch_rows(const char *cache, int64_t c, int64_t n, int64_
 
 // PF_SPREAD: rows [pos, pos + n) of the next chunk, K and V, asked for into L2 a few rows at a time, spread through
 // this chunk's score loop. WHY: asked for all at once at a chunk's start (prefetch_rows, the build without it),
-// the requests queue up together and stall the loads behind them. Measured on a 2-core Zen 4 (2026-12-03), 24
+// the same rows arrive later (presumably the requests queue up and stall the loads behind them). Measured on a 2-core Zen 4 (2026-12-03), 24
 // layers' caches cold, 32 sequences x 256 tokens: Qwen2-0.5B's heads in float32 1,162 -> 769 us a layer, in bf16
 // 957 -> 638; built for Zen 3 (-march=znver3) 1,321 -> 997. Built both ways; the op choice times both.
 #ifndef PF_SPREAD

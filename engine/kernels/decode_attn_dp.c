@@ -16,9 +16,9 @@
 //   - prefetch (_pf, _t_pf): the slice's reads ask for the next slice's rows, one line of K and V a read, into L2
 //     (struct Ahead). The blocks of a sequence lie anywhere in the pool, so the hardware prefetchers lose the
 //     stream at every block. Cold, 24 layers' caches of Qwen2-0.5B's heads, 32 sequences of 256 tokens, on a
-//     2-core Zen 4: 581 us a layer plain, 318 with both (with prefetch alone 436: without the transposition the
-//     requests sit in the inner loop of every head). Asking for a whole slice at once, as this kernel did before,
-//     measured no faster than no prefetch: the requests queue up together and stall the loads behind them.
+//     2-core Zen 4: 581 us a layer plain, 436 with the prefetch, 318 with both. Asking for a whole slice at once,
+//     as this kernel did before, measured no faster than no prefetch (presumably the requests queue up together
+//     and stall the loads behind them).
 //
 // Requires: bf16 cache, block_size % 16 == 0, head_dim % 32 == 0 and <= 32 * MAX_STEPS, G = H / KV <= 16.
 // Built twice (decode_attn_dp.py): for attention heads (MAX_STEPS 8: head_dim <= 256), and for MLA's latent rows
@@ -92,7 +92,7 @@ static inline void transpose16(const __m512i r[16], __m512i out[16]) {
 // The next slice's rows of a task's KV heads, asked for one 64-byte line of K and one of V at a time, in address
 // order: row by row, and within a row the task's heads side by side. WHY address order: asked for in the order of
 // the reads (one head's rows, 256 bytes apart) the same lines measured no faster than no prefetch at all; in order,
-// the hardware prefetcher appears to join in (390 -> 220 us a layer, the header's case).
+// they are 1.8x faster cold (the header's case; why is a guess: the hardware prefetcher may follow the requests).
 typedef struct {
     const uint16_t *k, *v;  // the next slice's first row of the task's first KV head, in each cache
     int64_t at, col, width, stride;  // the next line: row offset `at` + `col`; `width` columns of the task a row
