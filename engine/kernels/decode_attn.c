@@ -84,9 +84,10 @@ static inline void prefetch_rows(const char *cache, int64_t c, int64_t n, int64_
 
 // PF_SPREAD: rows [pos, pos + n) of the next chunk, K and V, asked for into L2 a few rows at a time, spread through
 // this chunk's score loop. WHY: asked for all at once at a chunk's start (prefetch_rows, the build without it),
-// the same rows arrive later (presumably the requests queue up and stall the loads behind them). Measured on a 2-core Zen 4 (2026-12-03), 24
-// layers' caches cold, 32 sequences x 256 tokens: Qwen2-0.5B's heads in float32 1,162 -> 769 us a layer, in bf16
-// 957 -> 638; built for Zen 3 (-march=znver3) 1,321 -> 997. Built both ways; the op choice times both.
+// the same rows arrive later (presumably the requests queue up and stall the loads behind them). Measured on a
+// 2-core Zen 4 (2026-12-03), 24 layers' caches cold, 32 sequences x 256 tokens: Qwen2-0.5B's heads in float32
+// 1,162 -> 769 us a layer, in bf16 957 -> 638; built for Zen 3 (-march=znver3) 1,321 -> 997. Built both ways;
+// the op choice times both.
 #ifndef PF_SPREAD
 #define PF_SPREAD 0
 #endif
@@ -184,7 +185,9 @@ static inline __attribute__((always_inline)) void decode(int64_t B, int64_t H, i
             for (int64_t g = 0; g < G; g++) {
                 for (int64_t h = 0; h < CHUNK; h += AL) {  // AL tokens' scores as one vector
 #if PF_SPREAD
-                    if (g == 0) prefetch_next(kc, vc, c + CHUNK + h, next_n - h < AL ? next_n - h : AL, b, kvh, tables, W, bs, KV, D, esz);
+                    if (g == 0)
+                        prefetch_next(kc, vc, c + CHUNK + h, next_n - h < AL ? next_n - h : AL, b, kvh, tables, W, bs,
+                                      KV, D, esz);
 #endif
                     vf acc[AL];
                     for (int t = 0; t < AL; t++) acc[t] = qv[g][0] * ROW(kp, h + t, 0);

@@ -189,8 +189,8 @@ static inline __attribute__((always_inline)) void task(int64_t b, int64_t k0, in
                     for (int t = 0; t < 16; t++) {
                         __m512 a = _mm512_setzero_ps();
                         for (int64_t s = 0; s < steps; s++) {
-                            a = _mm512_dpbf16_ps(a, (__m512bh)qh[g * MAX_STEPS + s],
-                                                 (__m512bh)_mm512_loadu_si512((const void *)(kr + t * stride + 32 * s)));
+                            const __m512i k = _mm512_loadu_si512((const void *)(kr + t * stride + 32 * s));
+                            a = _mm512_dpbf16_ps(a, (__m512bh)qh[g * MAX_STEPS + s], (__m512bh)k);
                             if (PF && g == 0) ask_next(&pf);
                         }
                         acc[t] = a;
