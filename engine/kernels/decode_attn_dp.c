@@ -100,7 +100,8 @@ typedef struct {
 
 static inline void ask_next(Ahead *a) {
     _mm_prefetch((const char *)(a->k + a->at + a->col), _MM_HINT_T1);
-    _mm_prefetch((const char *)(a->v + a->at + a->col), _MM_HINT_T1);
+    // MLA's latent rows are K and V at once (the same pointer): one request is enough
+    if (a->v != a->k) _mm_prefetch((const char *)(a->v + a->at + a->col), _MM_HINT_T1);
     a->col += 32;  // bf16 values a line
     if (a->col == a->width) a->col = 0, a->at += a->stride;
 }

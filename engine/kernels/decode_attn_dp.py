@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -34,15 +35,6 @@ class DotDecodeAttention(DecodeAttention):
         self.lib, self.max_steps = lib, max_steps  # head_dim <= 32 * max_steps (MAX_STEPS in decode_attn_dp.c)
         self._bind({torch.bfloat16: getattr(lib, f"decode_attn_dp_bf16{variant}")})
 
-    @classmethod
-    def build(cls, flags: tuple[str, ...] = ("-march=native",), variant: str = "") -> DotDecodeAttention:
-        return cls(build(SOURCE, flags), variant=variant)
-
-    @classmethod
-    def build_latent(cls, variant: str = "") -> DotDecodeAttention:
-        """The build for MLA's latent rows (MAX_STEPS 18: up to 576 wide)."""
-        return cls(build(SOURCE, ("-march=native", f"-DMAX_STEPS={LATENT_STEPS}")), LATENT_STEPS, variant)
-
     def takes(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, block_size: int = 16) -> bool:
         """What decode_attn_dp.c needs: 16-token slices of a block, 32 of head_dim a bf16 vector."""
         return bf16_slices_fit(num_heads, num_kv_heads, head_dim, dtype, block_size) and head_dim <= 32 * self.max_steps
@@ -54,23 +46,28 @@ class DotDecodeAttention(DecodeAttention):
         return fits and width <= 32 * self.max_steps and num_heads <= 16 and self.max_steps == LATENT_STEPS
 
 
-def _variant(suffix: str) -> Once[DotDecodeAttention]:
-    return Once(
-        lambda: DotDecodeAttention.build(variant=suffix), log,
-        "decode attention will not use AVX512-BF16 dot products (the portable kernel still may)",
-        check=self_check_bf16,
-    )  # fmt: skip
+def build_heads() -> ctypes.CDLL:
+    """The library for attention heads (MAX_STEPS 8: head_dim <= 256)."""
+    return build(SOURCE, ("-march=native",))
 
 
-_variants = {name: _variant(suffix) for name, suffix in VARIANTS.items()}
+def build_latent() -> ctypes.CDLL:
+    """The library for MLA's latent rows (MAX_STEPS 18: up to 576 wide)."""
+    return build(SOURCE, ("-march=native", f"-DMAX_STEPS={LATENT_STEPS}"))
 
 
-def kernels() -> dict[str, DotDecodeAttention]:
-    """Every entry point of the kernel (VARIANTS), for the op choice to time; empty without AVX512-BF16. They
-    share one compiled library."""
-    if not bf16mm.supported():
-        return {}
-    return {name: k for name, once in _variants.items() if (k := once()) is not None}
+def _every_variant(lib: ctypes.CDLL, max_steps: int) -> dict[str, DotDecodeAttention]:
+    return {name: DotDecodeAttention(lib, max_steps, suffix) for name, suffix in VARIANTS.items()}
+
+
+def _checked(check: Callable[[DecodeAttention], None]) -> Callable[[dict[str, DotDecodeAttention]], None]:
+    """Every entry point vetted; one that fails keeps the whole library out (they share all but their loops)."""
+
+    def run(found: dict[str, DotDecodeAttention]) -> None:
+        for kernel in found.values():
+            check(kernel)
+
+    return run
 
 
 def check_latent(kernel: DecodeAttention) -> None:
@@ -78,18 +75,23 @@ def check_latent(kernel: DecodeAttention) -> None:
     check_against_reference(kernel, (torch.bfloat16,), ((16, 1, 576),), 16, (1, 17, 300))
 
 
-def _latent_variant(suffix: str) -> Once[DotDecodeAttention]:
-    return Once(
-        lambda: DotDecodeAttention.build_latent(suffix), log,
-        "MLA decode will gather its latents and run SDPA (slower)", check=check_latent,
-    )  # fmt: skip
+# one compile (and one warning where it fails) per library: the heads' build and the latent build
+_heads = Once(
+    lambda: _every_variant(build_heads(), 8), log,
+    "decode attention will not use AVX512-BF16 dot products (the portable kernel still may)",
+    check=_checked(self_check_bf16),
+)  # fmt: skip
+_latents = Once(
+    lambda: _every_variant(build_latent(), LATENT_STEPS), log,
+    "MLA decode will gather its latents and run SDPA (slower)", check=_checked(check_latent),
+)  # fmt: skip
 
 
-_latents = {name: _latent_variant(suffix) for name, suffix in VARIANTS.items()}
+def kernels() -> dict[str, DotDecodeAttention]:
+    """Every entry point of the kernel (VARIANTS), for the op choice to time; empty without AVX512-BF16."""
+    return (_heads() or {}) if bf16mm.supported() else {}
 
 
 def latent_kernels() -> dict[str, DotDecodeAttention]:
     """Every entry point of the latent build (VARIANTS), for the op choice; empty without AVX512-BF16."""
-    if not bf16mm.supported():
-        return {}
-    return {name: k for name, once in _latents.items() if (k := once()) is not None}
+    return (_latents() or {}) if bf16mm.supported() else {}

@@ -25,7 +25,7 @@ def builds(tmp_path_factory: pytest.TempPathFactory) -> tuple[ctypes.CDLL, ctype
     mp = pytest.MonkeyPatch()
     mp.setenv("TIANMEN_KERNEL_CACHE", str(tmp_path_factory.mktemp("kernels")))
     try:
-        return DotDecodeAttention.build().lib, DotDecodeAttention.build_latent().lib
+        return decode_attn_dp.build_heads(), decode_attn_dp.build_latent()
     finally:
         mp.undo()
 
