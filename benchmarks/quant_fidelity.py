@@ -31,10 +31,11 @@ class Recipe:
     symmetric: bool = True
     smooth: float | None = None
     gptq: bool = False
+    rotate: bool = False
 
     @property
     def name(self) -> str:
-        parts = [self.scheme]
+        parts = [self.scheme, "rotated" if self.rotate else ""]
         if self.group_size:
             parts.append(f"g{self.group_size}" + ("" if self.symmetric else " asym"))
         parts.append(f"smooth {self.smooth}" if self.smooth is not None else "")
@@ -56,6 +57,13 @@ RECIPES = [
     Recipe("w4a16", 32, gptq=True),
     Recipe("w4a16", 32, symmetric=False),
     Recipe("w4a16", 32, symmetric=False, gptq=True),
+    Recipe("w8a8", rotate=True),
+    Recipe("w8a8", rotate=True, gptq=True),
+    Recipe("w8a8", smooth=0.5, rotate=True, gptq=True),
+    Recipe("w4a16", 32, symmetric=False, rotate=True),
+    Recipe("w4a16", 32, symmetric=False, rotate=True, gptq=True),
+    Recipe("w4a16", 64, symmetric=False, rotate=True, gptq=True),
+    Recipe("w4a16", 32, rotate=True, gptq=True),
 ]
 
 
@@ -81,18 +89,18 @@ def main() -> None:
         reference = score(src, ids)
         print(f"{src.name}: {args.positions} positions, float perplexity {reference.perplexity:.3f}")
         print(f"GPTQ: {settings.tokens} calibration tokens, {'sequential' if settings.sequential else 'one pass'}")
-        print(f"{'recipe':<28} {'top-1':>7} {'ppl':>8} {'change':>8} {'quantize':>9}")
+        print(f"{'recipe':<36} {'top-1':>7} {'ppl':>8} {'change':>8} {'quantize':>9}")
         for i, r in enumerate(RECIPES):
             if args.only and args.only not in r.name:
                 continue
             out = Path(tmp) / f"q{i}"
             start = time.perf_counter()
             quantize(src, out, r.scheme, r.group_size or 128, symmetric=r.symmetric, smooth=r.smooth,
-                     gptq=r.gptq, gptq_settings=settings)  # fmt: skip
+                     gptq=r.gptq, gptq_settings=settings, rotate=r.rotate)  # fmt: skip
             took = time.perf_counter() - start
             f = compare(reference, score(out, ids))
             change = f"{f.perplexity_change:+.2%}"
-            print(f"{r.name:<28} {f.top1_agreement:>7.2%} {f.perplexity_candidate:>8.3f} {change:>8} {took:>8.0f}s")
+            print(f"{r.name:<36} {f.top1_agreement:>7.2%} {f.perplexity_candidate:>8.3f} {change:>8} {took:>8.0f}s")
 
 
 if __name__ == "__main__":

@@ -154,6 +154,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         symmetric=not args.asymmetric,
         smooth=args.smooth,
         gptq=args.gptq,
+        rotate=args.rotate,
     )
     size = f"{r.bytes_in / 2**20:.1f} MiB -> {r.bytes_out / 2**20:.1f} MiB"
     print(f"wrote {args.dst}: {r.quantized} {r.scheme} layers, {size}")
@@ -235,6 +236,12 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--smooth", type=float, metavar="ALPHA", help="w8a8: SmoothQuant of strength ALPHA (e.g. 0.5)")
     p.add_argument("--gptq", action="store_true", help="GPTQ instead of round-to-nearest (calibrates on ~2k tokens)")
+    p.add_argument(
+        "--rotate",
+        action="store_true",
+        help="Llama family: rotate the float model first (QuaRot/SpinQuant R1 + R2, and down_proj's inputs online; "
+        "use with --gptq). The head becomes a float matrix of its own",
+    )
     p.set_defaults(func=cmd_quantize)
     return ap
 

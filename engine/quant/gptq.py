@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.errors import ModelLoadError
-from engine.quant.grid import INT4, INT8, channel_scale, from_grid, group_params, to_grid
+from engine.quant.grid import INT4, INT8, channel_scale, clipped_group_params, from_grid, group_params, to_grid
 
 BLOCK = 128  # columns per lazy batch update
 # of the mean diagonal, added to it: keeps the factorisation well conditioned. GPTQ's paper uses 1%; on the demo
@@ -27,6 +27,7 @@ class Grid:
     group_size: int | None
     symmetric: bool = True
     scale_dtype: torch.dtype = torch.float32
+    clip: bool = False  # 4-bit groups: search the range (grid.clipped_group_params) instead of min-max
 
     @property
     def bounds(self) -> tuple[int, int]:
@@ -79,6 +80,7 @@ def gptq(
     if g is not None:
         block = max(block // g, 1) * g  # whole groups per block: a group's scale sees its block's updates
     zero: torch.Tensor | None = None
+    params = clipped_group_params if grid.clip else group_params
     q_all = torch.empty(n, k, dtype=torch.int8)
     scales: list[torch.Tensor] = []
     zeros: list[torch.Tensor] = []
@@ -88,7 +90,7 @@ def gptq(
         err = torch.empty(n, i2 - i1)
         for i in range(i2 - i1):
             if g is not None and i % g == 0:
-                scale, zero = group_params(w1[:, i : i + g], grid.scale_dtype, grid.symmetric)
+                scale, zero = params(w1[:, i : i + g], grid.scale_dtype, grid.symmetric)
                 scales.append(scale)
                 if zero is not None:
                     zeros.append(zero)

@@ -8,7 +8,8 @@ what the quantized model feeds it; one Hessian lives at a time. Otherwise all He
 model first (Σ in_features² · 4 bytes: ~400 MB for SmolLM2-135M) and each layer quantized afterwards.
 
 With SmoothQuant factors s (engine.quant.smooth), a layer's weight is W·s and its inputs X/s: the Hessian is
-that of the smoothed model, which is the one stored."""
+that of the smoothed model, which is the one stored. A layer whose inputs are rotated online (engine.quant.
+transform) is quantized as W·H from inputs X·H, as it will run."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from engine.loader import DirectoryFiles
 from engine.quant.calibrate import CheckpointTensors, calibration_ids, float_core, prefill
 from engine.quant.gptq import BLOCK, DAMP, Grid, Hessian, gptq
 from engine.quant.grid import from_grid
+from engine.quant.transform import InputRotation, rotate_blocks
 from engine.quant.weights import quantize_tokens
 
 GPTQ_MODELS = ("llama", "qwen2", "mistral")
@@ -44,6 +46,9 @@ class GptqSettings:
     sequential: bool = True
     damp: float = DAMP
     block: int = BLOCK
+    # 4-bit groups' ranges searched for the least squared error (engine.quant.grid.clipped_group_params): on the
+    # demo model W4A16 group 32 asymmetric 82.5 → 83.6% top-1 unrotated, 88.9 → 89.3% rotated
+    clip: bool = True
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
@@ -66,6 +71,7 @@ class TakenLayer:
     grid: Grid
     settings: GptqSettings
     w8a8: bool
+    input_block: int | None = None  # its inputs are rotated online in blocks of this size
     hessian: Hessian | None = None
     result: Quantized | None = None
     calls: int = 0
@@ -90,6 +96,8 @@ class TakenLayer:
         flat = x.reshape(-1, x.shape[-1]).float()
         if self.smooth is not None:
             flat = flat / self.smooth
+        if self.input_block is not None:
+            flat = rotate_blocks(flat, self.input_block)
         assert self.hessian is not None
         self.hessian.add(flat)
         return flat
@@ -111,6 +119,7 @@ def _take_over(
     grid_for: GridFor,
     factors: dict[str, torch.Tensor],
     settings: GptqSettings,
+    rotation: InputRotation | None = None,
 ) -> list[TakenLayer]:
     """Every decoder linear layer of `model` now runs through a TakenLayer (and every gated MLP unfused, so its
     gate/up layer is called on its own)."""
@@ -137,7 +146,10 @@ def _take_over(
         if grid.group_size is not None and lin.in_features % grid.group_size:
             what, g = ", ".join(ckpt for ckpt, _, _ in rows), grid.group_size
             raise ModelLoadError(f"{what}: in_features {lin.in_features} is not a multiple of the group size {g}")
-        t = TakenLayer(rows, w, bias, smooth, grid, settings, grid.group_size is None)
+        block = rotation.block if rotation is not None and rotation.applies_to(rows[0][0]) else None
+        if block is not None:
+            w = rotate_blocks(w.double(), block).float()
+        t = TakenLayer(rows, w, bias, smooth, grid, settings, grid.group_size is None, block)
         lin.plan = t  # type: ignore[assignment]  # Linear.forward calls its plan
         taken.append(t)
     return taken
@@ -165,17 +177,19 @@ def gptq_model(
     factors: dict[str, torch.Tensor] | None = None,
     settings: GptqSettings | None = None,
     lm_head: bool = False,
+    rotation: InputRotation | None = None,
 ) -> dict[str, Quantized]:
     """Per checkpoint module (model.layers.0.self_attn.q_proj), its GPTQ values, scales and zero points.
     `grid_for(the checkpoint weight's dtype)`: the Grid to quantize onto; `factors`: SmoothQuant's, by tensor;
-    `lm_head`: the LM head too, where the checkpoint has one of its own (not tied to the embeddings)."""
+    `lm_head`: the LM head too, where the checkpoint has one of its own (not tied to the embeddings); `rotation`:
+    the layers whose inputs the quantized model rotates online."""
     if hf.get("model_type") not in GPTQ_MODELS:
         raise ModelLoadError(f"GPTQ supports {', '.join(GPTQ_MODELS)} models; got {hf.get('model_type')!r}")
     settings = settings or GptqSettings()
     ids = calibration_ids(DirectoryFiles(src), hf, settings.tokens)
     core = float_core(src, len(ids))
     tensors = CheckpointTensors(src)
-    taken = _take_over(core.runner.model, tensors, grid_for, factors or {}, settings)
+    taken = _take_over(core.runner.model, tensors, grid_for, factors or {}, settings, rotation)
     if lm_head and "lm_head.weight" in tensors:
         taken.append(_observe_head(core.runner.model, tensors, grid_for, settings))
     prefill(core, ids)

@@ -30,6 +30,34 @@ def group_params(
     return scale, torch.round((-8 - lo / scale.float()).clamp(-8, 7))
 
 
+CLIP_STEPS = tuple(1 - 0.025 * i for i in range(13))  # the range shrunk by 0% .. 30%
+
+
+def clipped_group_params(
+    g: torch.Tensor, scale_dtype: torch.dtype, symmetric: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """group_params with each group's range shrunk by whichever of CLIP_STEPS gives the least squared error
+    (llm-compressor's "mse" observer does the same search): the few largest values clip, the rest land on a finer
+    grid."""
+    best_scale, best_zero = group_params(g, scale_dtype, symmetric)
+    best_err = _group_error(g, best_scale, best_zero)
+    for f in CLIP_STEPS[1:]:
+        scale, zero = group_params(g * f, scale_dtype, symmetric)
+        err = _group_error(g, scale, zero)
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_scale = torch.where(better, scale, best_scale)
+        if zero is not None and best_zero is not None:
+            best_zero = torch.where(better, zero, best_zero)
+    return best_scale, best_zero
+
+
+def _group_error(g: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
+    z = None if zero is None else zero[..., None]
+    q = to_grid(g, scale[..., None], z, INT4)
+    return (from_grid(q, scale[..., None], z) - g.float()).pow(2).sum(dim=-1)
+
+
 def to_grid(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bounds: tuple[int, int]) -> torch.Tensor:
     """round(x / scale + zero), clamped to `bounds`: the integer values (as float32) x is stored as; `scale` and
     `zero` broadcast against x."""

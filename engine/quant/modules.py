@@ -14,6 +14,7 @@ from engine.layers.linear import Linear
 from engine.layers.parallel import Part
 from engine.quant.layouts import stored_tensors, to_weight
 from engine.quant.spec import QuantSpec
+from engine.quant.transform import rotate_blocks
 from engine.quant.weights import QuantWeight
 
 
@@ -25,9 +26,13 @@ class QuantLinear(Linear):
     bf16_storage = False
     scheme = ""
 
-    def __init__(self, lin: Linear, spec: QuantSpec) -> None:
+    def __init__(self, lin: Linear, spec: QuantSpec, input_block: int | None = None) -> None:
         nn.Module.__init__(self)
         self.in_features, self.out_features, self.spec = lin.in_features, lin.out_features, spec
+        # compressed-tensors' online Hadamard (engine.quant.transform): the stored weight is W·H, x·H goes in
+        self.input_block = input_block
+        if input_block is not None and lin.in_features % input_block:
+            raise ModelLoadError(f"{lin.in_features} inputs are not whole Hadamard blocks of {input_block}")
         self.packable = lin.packable
         self.shard_offsets: dict[str, tuple[int, int]] = dict(getattr(lin, "shard_offsets", {}))
         device = lin.weight.device
@@ -117,6 +122,8 @@ class QuantLinear(Linear):
         return self.quantized if self.quantized is not None else self.weight.data
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_block is not None:
+            x = rotate_blocks(x, self.input_block)
         if self.plan is not None:
             return self.plan(x)
         if self.quantized is None:
@@ -164,13 +171,17 @@ def quantize_modules(model: nn.Module, spec: QuantSpec) -> int:
         parent, _, leaf = name.rpartition(".")
         shards = getattr(lin, "shard_offsets", None)
         names = [f"{parent}.{shard_names.get((leaf, s), leaf)}" for s in shards] if shards else [name]
-        flags = {spec.quantizes(n) for n in names}
-        if len(flags) > 1:
-            raise ModelLoadError(f"the checkpoint quantizes only some of {', '.join(names)}, which run as one layer")
+        flags, blocks = {spec.quantizes(n) for n in names}, {spec.input_block(n) for n in names}
+        if len(flags) > 1 or len(blocks) > 1:
+            what = "quantizes" if len(flags) > 1 else "rotates the inputs of"
+            raise ModelLoadError(f"the checkpoint {what} only some of {', '.join(names)}, which run as one layer")
+        block = blocks.pop()
         if not flags.pop():
+            if block is not None:
+                raise ModelLoadError(f"{name}: an input rotation on a layer that is not quantized is not supported")
             return None
         try:
-            return cls(lin, spec)
+            return cls(lin, spec, block)
         except ModelLoadError as e:  # a tensor-parallel rank's share of a layer: say which layer
             raise ModelLoadError(f"{name}: {e}") from None
 

@@ -6,11 +6,11 @@ activations) and W4A16 (pack-quantized: 4-bit per-group weights, symmetric or wi
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine.errors import ModelLoadError
+from engine.quant.transform import InputRotation, input_rotations, matches
 
 SUPPORTED = (
     "compressed-tensors W8A8 (int-quantized, int8 per-channel symmetric weights, dynamic per-token activations), "
@@ -32,18 +32,17 @@ class QuantSpec:
     targets: list[str] = field(default_factory=lambda: ["Linear"])
     ignore: list[str] = field(default_factory=lambda: ["lm_head"])
     zero_offset: int = 0  # GPTQ v1 stores zero points minus one
+    rotations: list[InputRotation] = field(default_factory=list)  # compressed-tensors' online transforms
+
+    def input_block(self, name: str) -> int | None:
+        """The Hadamard block size the inputs of layer `name` are rotated in at run time (None: not rotated)."""
+        return next((r.block for r in self.rotations if r.applies_to(name)), None)
 
     def quantizes(self, name: str) -> bool:
         """Whether the checkpoint layer `name` (e.g. model.layers.0.self_attn.q_proj) is quantized."""
-        if any(_matches(p, name) for p in self.ignore):
+        if any(matches(p, name) for p in self.ignore):
             return False
-        return any(p == "Linear" or _matches(p, name) for p in self.targets)
-
-
-def _matches(pattern: str, name: str) -> bool:
-    if pattern.startswith("re:"):
-        return re.fullmatch(pattern[3:], name) is not None
-    return name == pattern or name.endswith("." + pattern)
+        return any(p == "Linear" or matches(p, name) for p in self.targets)
 
 
 def _refuse(what: str) -> ModelLoadError:
@@ -59,7 +58,7 @@ def quant_spec(hf_config: dict[str, Any]) -> QuantSpec | None:
         raise ModelLoadError("config.json's quantization_config must be an object")
     method = qc.get("quant_method")
     if method == "compressed-tensors":
-        return _compressed_tensors(qc)
+        return _compressed_tensors(qc, hf_config.get("model_type"))
     if method == "gptq":
         return _gptq(qc)
     if method == "awq":
@@ -67,12 +66,12 @@ def quant_spec(hf_config: dict[str, Any]) -> QuantSpec | None:
     raise _refuse(f"quant_method {method!r}")
 
 
-def _compressed_tensors(qc: dict[str, Any]) -> QuantSpec:
+def _compressed_tensors(qc: dict[str, Any], model_type: str | None) -> QuantSpec:
     groups = qc.get("config_groups")
     if not isinstance(groups, dict) or not groups:
         raise _refuse("compressed-tensors without config_groups")
-    if qc.get("sparsity_config") or qc.get("transform_config"):
-        raise _refuse("compressed-tensors with sparsity or transforms")
+    if qc.get("sparsity_config"):
+        raise _refuse("compressed-tensors with sparsity")
     if qc.get("kv_cache_scheme"):
         raise _refuse("compressed-tensors with a quantized KV cache (kv_cache_scheme)")
     if qc.get("quantization_status", "compressed") != "compressed":
@@ -87,6 +86,7 @@ def _compressed_tensors(qc: dict[str, Any]) -> QuantSpec:
     if any((s.scheme, s.group_size, s.symmetric) != (first.scheme, first.group_size, first.symmetric) for s in specs):
         raise _refuse("compressed-tensors with several different schemes (mixed precision)")
     first.targets, first.ignore = targets, list(qc.get("ignore") or [])
+    first.rotations = input_rotations(qc.get("transform_config"), model_type)
     return first
 
 

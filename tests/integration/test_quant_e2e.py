@@ -111,6 +111,38 @@ def test_a_tied_head_quantized_on_request_becomes_its_own_module_and_matches_tra
     assert _rel(want, hf_last_logits(root / "w4a16")) > 1e-4  # the head's quantization shows in the logits
 
 
+@pytest.mark.parametrize("scheme", ["w8a8", "w4a16"])
+def test_a_rotated_checkpoint_runs_as_compressed_tensors_defines_its_transform(root: Path, scheme: str) -> None:
+    """`tianmen quantize --rotate`: R1 and R2 are fused into the weights; down_proj's inputs are rotated online
+    by the transform_config. transformers 5.25 loads the weights but not that transform, so the reference is
+    transformers with compressed-tensors' own online Hadamard hooked onto the model it loaded."""
+    from compressed_tensors.quantization import QuantizationConfig
+    from compressed_tensors.transform import TransformConfig, apply_transform_config
+    from transformers import AutoModelForCausalLM
+
+    out = root / f"{scheme}-rotated"
+    cmd = [sys.executable, "-m", "gateway.cli", "quantize", str(root / "src"), str(out), "--scheme", scheme]
+    done = subprocess.run([*cmd, "--group-size", "32", "--rotate"], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    QuantizationConfig.model_validate(qc)
+    transforms = qc["transform_config"]
+    assert TransformConfig.model_validate(transforms).config_groups["R4"].head_dim == 64
+    report = json.loads((out / "tianmen-quant.json").read_text())
+    assert report["rotation"]["online"] == {"targets": ["re:.*mlp\\.down_proj$"], "block": 64}
+    assert not (out / ".rotated").exists()  # the float copy is gone
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    online = {k: {**g, "apply": [a for a in g["apply"] if a["location"] == "input"]}
+              for k, g in transforms["config_groups"].items()}  # fmt: skip
+    apply_transform_config(model, TransformConfig.model_validate({"config_groups": online}))  # hooks, no fusing
+    with torch.no_grad():
+        want = torch.stack([model(torch.tensor([p])).logits[0, -1] for p in PROMPTS.values()])
+    got, full = our_last_logits(out), hf_last_logits(root / "src")
+    assert _rel(got, want) <= (1e-4 if scheme == "w4a16" else 0.5 * _rel(want, full))
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    assert _rel(got, full) < 0.25  # still the model it came from
+
+
 def _library_checkpoint(src: Path, out: Path, preset: str, fmt: str) -> Path:
     """The tiny model quantized round-to-nearest by compressed-tensors itself (what llm-compressor drives)."""
     from compressed_tensors.compressors import ModelCompressor

@@ -3,9 +3,9 @@ with the best recipe measured for each scheme (benchmarks.quant_fidelity), score
 2,048 positions of Python's pydoc topics by engine.quant.fidelity.
 
 The issue's targets are top-1 ≥ 98% and perplexity ≤ +3% for W8A8, ≥ 90% and ≤ +15% for W4A16. Reached on a
-2-core AMD EPYC (2026-12-01): W8A8 (SmoothQuant 0.5, down_proj smoothed through up_proj, then round-to-nearest)
-95.1% / +0.7%; W4A16 (group 32, asymmetric, GPTQ) 82.5% / +12.8%. Both top-1 targets are missed, so those
-bounds are the levels reached, less a margin; see docs/PERFORMANCE.md."""
+2-core AMD EPYC Zen 4 (2026-12-03), both with the rotations (R1 + R2 fused, down_proj's inputs rotated online)
+and GPTQ: W8A8 97.7% / +0.3%; W4A16 (group 32, asymmetric, searched ranges) 89.3% / +5.7%. Both top-1 targets are
+missed by less than two points, so those bounds are the levels reached, less a margin; see docs/PERFORMANCE.md."""
 
 from __future__ import annotations
 
@@ -45,19 +45,22 @@ def _scored(demo: Path, ids: list[int], reference: Scores, out: Path, scheme: st
     return compare(reference, score(out, ids))
 
 
-def test_w8a8_smoothquant(demo: Path, ids: list[int], reference: Scores, tmp_path: Path) -> None:
-    f = _scored(demo, ids, reference, tmp_path / "w8a8", "w8a8", smooth=0.5)
-    print(f"w8a8 smooth 0.5: top-1 {f.top1_agreement:.2%}, perplexity {f.perplexity_change:+.2%}")
+def test_w8a8_rotated_gptq(demo: Path, ids: list[int], reference: Scores, tmp_path: Path) -> None:
+    f = _scored(demo, ids, reference, tmp_path / "w8a8", "w8a8", rotate=True, gptq=True)
+    print(f"w8a8 rotated gptq: top-1 {f.top1_agreement:.2%}, perplexity {f.perplexity_change:+.2%}")
     assert f.positions == POSITIONS
-    assert f.perplexity_change <= 0.02  # target +3%: met
-    assert f.top1_agreement >= 0.94  # target 98%: missed (95.1% measured)
+    assert f.perplexity_change <= 0.01  # target +3%: met (+0.3% measured)
+    assert f.top1_agreement >= 0.965  # target 98%: missed (97.7% measured; 95.1% before the rotations)
 
 
-def test_w4a16_gptq_beats_round_to_nearest(demo: Path, ids: list[int], reference: Scores, tmp_path: Path) -> None:
+def test_w4a16_rotated_gptq_beats_round_to_nearest(
+    demo: Path, ids: list[int], reference: Scores, tmp_path: Path
+) -> None:
     rtn = _scored(demo, ids, reference, tmp_path / "rtn", "w4a16", group_size=32, symmetric=False)
-    f = _scored(demo, ids, reference, tmp_path / "gptq", "w4a16", group_size=32, symmetric=False, gptq=True)
+    kw = {"group_size": 32, "symmetric": False, "gptq": True, "rotate": True}
+    f = _scored(demo, ids, reference, tmp_path / "gptq", "w4a16", **kw)
     print(f"w4a16 g32 asym: rtn {rtn.top1_agreement:.2%} {rtn.perplexity_change:+.2%}, "
-          f"gptq {f.top1_agreement:.2%} {f.perplexity_change:+.2%}")  # fmt: skip
-    assert f.top1_agreement >= rtn.top1_agreement + 0.02 and f.perplexity_change <= rtn.perplexity_change - 0.04
-    assert f.perplexity_change <= 0.15  # target +15%: met (+12.8% measured)
-    assert f.top1_agreement >= 0.80  # target 90%: missed (82.5% measured)
+          f"rotated gptq {f.top1_agreement:.2%} {f.perplexity_change:+.2%}")  # fmt: skip
+    assert f.top1_agreement >= rtn.top1_agreement + 0.1 and f.perplexity_change <= rtn.perplexity_change - 0.1
+    assert f.perplexity_change <= 0.08  # target +15%: met (+5.7% measured)
+    assert f.top1_agreement >= 0.88  # target 90%: missed (89.3% measured; 82.5% before the rotations)
