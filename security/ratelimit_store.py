@@ -185,7 +185,9 @@ class RedisStore:
         keys = [k for b in buckets for k in b.keys]
         try:
             return await script(keys=keys, args=args)
-        except (RedisError, OSError) as exc:
+        # RuntimeError: a connection whose socket the dying server closed under it, met mid-write by uvloop's
+        # transport ("unable to perform operation on <TCPTransport closed=True>"); redis-py drops that connection
+        except (RedisError, OSError, RuntimeError) as exc:
             raise RateLimitUnavailable(f"{self._where} is unreachable ({type(exc).__name__})") from exc
 
     async def aclose(self) -> None:

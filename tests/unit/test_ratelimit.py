@@ -386,3 +386,30 @@ async def test_in_process_store_is_atomic_under_concurrency() -> None:
     results = await asyncio.gather(*(rl.admit("acme", "alice", None, 0) for _ in range(200)))
     assert sum(a.allowed for a in results) == 30
     assert {a.limit for a in results if not a.allowed} == {"concurrency"}
+
+
+@pytest.mark.parametrize(
+    "fault",
+    [
+        ConnectionError("Connection refused"),
+        # uvloop's transport, when the dying server closed the socket under a write (seen killing redis-server
+        # under load: it surfaced as a 500 before)
+        RuntimeError("unable to perform operation on <TCPTransport closed=True>; the handler is closed"),
+    ],
+)
+async def test_a_redis_call_that_fails_in_any_transport_way_is_unavailable_not_a_crash(fault: Exception) -> None:
+    from redis.asyncio import Redis
+
+    from security.ratelimit_store import RedisStore
+
+    store = RedisStore(Redis(), where="127.0.0.1:6399")
+
+    async def broken(**_kw: object) -> None:
+        raise fault
+
+    store._admit = store._settle = broken  # type: ignore[method-assign]
+    bucket = Bucket("k", 1000.0, 10.0, 0)
+    with pytest.raises(RateLimitUnavailable, match=r"127\.0\.0\.1:6399 is unreachable"):
+        await store.settle([bucket], 5, "lease", True, 30.0)
+    with pytest.raises(RateLimitUnavailable, match=r"unreachable \(" + type(fault).__name__):
+        await store.admit([bucket], 5, "lease", 30.0)
