@@ -2,10 +2,11 @@
 
     python -m benchmarks.throughput [--shape qwen2-0.5b|deepseek-v2-tiny] [--num-prompts 32] [--prompt-len 128]
                                     [--output-len 128] [--vllm /path/to/vllm-venv/bin/python] [--onednn-row]
-                                    [--quantization w8a8|w4a16 [--group-size 128] [--quantize-lm-head]]
+                                    [--quantization w8a8|w4a16 [--group-size 128] [--quantize-lm-head] [--rotate]]
 
 With --quantization, the shape's checkpoint is also quantized with `tianmen quantize` (round-to-nearest; kept
-beside it for later runs) and a "tianmen <scheme>" row runs on it, beside the bf16 row and the peers.
+beside it for later runs) and a "tianmen <scheme>" row runs on it, beside the bf16 row and the peers; --rotate adds
+a row on a `--rotate` copy (its down_proj inputs rotated online: what that costs at run time).
 
 With --vllm, vLLM's CPU build runs twice: plain (both cores bound) and with tcmalloc + Intel OpenMP preloaded
 (its docs' advice, when both are installed); the better is reported as "vLLM". The machine bound (measured GEMM
@@ -146,6 +147,7 @@ def main() -> None:
     ap.add_argument("--quantization", choices=["w8a8", "w4a16"], help="also run tianmen on a quantized copy")
     ap.add_argument("--group-size", type=int, default=128, help="W4A16's group size")
     ap.add_argument("--quantize-lm-head", action="store_true", help="quantize the LM head too (tied: its own copy)")
+    ap.add_argument("--rotate", action="store_true", help="with --quantization: a row on a rotated copy too")
     args = ap.parse_args()
 
     path = str(checkpoint(args.shape))
@@ -163,6 +165,9 @@ def main() -> None:
         qpath = str(quantized(Path(path), args.quantization, args.group_size, args.quantize_lm_head))
         qname = f"tianmen {args.quantization}" + (" +head" if args.quantize_lm_head else "")
         work.append((qname, lambda: isolated(ours, qpath, chosen, args.output_len, dname)))
+        if args.rotate:
+            rpath = str(quantized(Path(path), args.quantization, args.group_size, args.quantize_lm_head, rotate=True))
+            work.append((f"{qname} rotated", lambda: isolated(ours, rpath, chosen, args.output_len, dname)))
     if not args.no_hf:
         hf_name = f"transformers {__import__('transformers').__version__}"
         work.append((hf_name, lambda: isolated(hf, path, chosen, args.output_len, dtype)))
@@ -207,16 +212,17 @@ def main() -> None:
         print(f"{'ratio vs ' + peer:<28} {ours_row[1] / tps:>11.2f}x {ms / ours_row[2]:>17.2f}x faster")
 
 
-def quantized(src: Path, scheme: str, group_size: int, lm_head: bool = False) -> Path:
+def quantized(src: Path, scheme: str, group_size: int, lm_head: bool = False, rotate: bool = False) -> Path:
     """`tianmen quantize`'s output for `src` (round-to-nearest), made once and kept beside it."""
     from engine.quant.quantize import quantize
 
     suffix = (f"-g{group_size}" if scheme == "w4a16" else "") + ("-head" if lm_head else "")
+    suffix += "-rot" if rotate else ""
     dst = src.with_name(f"{src.name}-{scheme}{suffix}")
     if not (dst / "tianmen-quant.json").exists():
         if dst.exists():
             shutil.rmtree(dst)  # an interrupted earlier run
-        quantize(src, dst, scheme, group_size=group_size, lm_head=lm_head)
+        quantize(src, dst, scheme, group_size=group_size, lm_head=lm_head, rotate=rotate)
     return dst
 
 
