@@ -99,7 +99,8 @@ def input_rotations(tc: Any, model_type: str | None) -> list[InputRotation]:
         targets = online.get("targets")
         if isinstance(targets, str):
             targets = [targets]
-        if not isinstance(targets, list) or not targets or targets != fused.get("targets") or "Linear" in targets:
+        names = isinstance(targets, list) and targets and all(isinstance(t, str) and t for t in targets)
+        if not names or targets != fused.get("targets") or "Linear" in targets:
             raise _refuse(f"group {name!r} with targets {targets!r}")
         block = scheme.get("head_dim")
         if not isinstance(block, int) or block < 2 or block & (block - 1):

@@ -100,6 +100,8 @@ def _mutated(change: object) -> dict:
         (_mutated(lambda s: s["apply"][1].update(location="weight_output")), "llama", "applies"),
         (_mutated(lambda s: s["apply"][0].update(targets=["Linear"])), "llama", "targets"),
         (_mutated(lambda s: s["apply"][0].update(targets=["q_proj"])), "llama", "targets"),
+        (_mutated(lambda s: [a.update(targets=[3]) for a in s["apply"]]), "llama", "targets"),
+        (_mutated(lambda s: [a.update(targets=[""]) for a in s["apply"]]), "llama", "targets"),
         (transform_config(InputRotation((DOWN_PROJ,), 64)), "deepseek_v2", "'deepseek_v2' model"),
         ({"config_groups": {}}, "llama", "no config_groups"),
         ({"transform_groups": {}}, "llama", "no config_groups"),
