@@ -253,7 +253,8 @@ def _convert_all(
                     report.bytes_in += t.nbytes
                     if key in factors:  # smoothing: norms shrink, the weights after them grow to match
                         t = (t.float() * factors[key]).to(t.dtype if key.endswith("norm.weight") else torch.float32)
-                    if rotation is not None and key.endswith(".weight") and rotation.applies_to(key[:-7]):
+                    module = key.removesuffix(".weight")
+                    if rotation is not None and module not in done and rotation.applies_to(module):
                         t = rotate_blocks(t.double(), rotation.block).float()  # W·H: its inputs come in as x·H
                     out = _convert(key, t, scheme, group_size, lm_head, report, done)
                     if report.untied_head and key.endswith("embed_tokens.weight"):  # the head's own copy
