@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
@@ -131,6 +132,14 @@ def read_json(files: ModelFiles, name: str, required: bool = True) -> dict[str, 
     if not isinstance(value, dict):
         raise ModelLoadError(f"{name} must hold a JSON object")
     return value
+
+
+def copy_side_files(src: Path, dst: Path) -> None:
+    """Copy what a rewritten checkpoint keeps as it was (tokenizer, chat template, generation config): every
+    file of `src` but the weights, their index and config.json, which the writer produces itself."""
+    for p in src.iterdir():
+        if p.is_file() and not p.name.endswith(".safetensors") and p.name not in (INDEX, "config.json"):
+            shutil.copy2(p, dst / p.name)
 
 
 def eos_token_ids(files: ModelFiles, hf_config: dict[str, Any]) -> frozenset[int]:

@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from engine.errors import ModelLoadError
-from engine.loader import INDEX, DirectoryFiles, read_json, weight_files
+from engine.loader import INDEX, DirectoryFiles, copy_side_files, read_json, weight_files
 from engine.quant.grid import rtn_int4, rtn_int8
 from engine.quant.transform import InputRotation, rotate_blocks, transform_config
 from engine.quant.weights import pack_nibbles
@@ -317,9 +317,7 @@ def _convert(
 def _write(
     src: Path, out: Path, hf: dict, parts: list[tuple[Path, list[str]]], qc: dict, report: QuantizeReport
 ) -> None:
-    for p in src.iterdir():
-        if p.is_file() and not p.name.endswith(".safetensors") and p.name not in (INDEX, "config.json"):
-            shutil.copy2(p, out / p.name)
+    copy_side_files(src, out)
     if len(parts) == 1:
         parts[0][0].rename(out / "model.safetensors")
     else:

@@ -16,7 +16,6 @@ R1 + R2 (docs/PERFORMANCE.md has the rest)."""
 from __future__ import annotations
 
 import json
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ import torch
 from safetensors.torch import save_file
 
 from engine.errors import ModelLoadError
-from engine.loader import INDEX, DirectoryFiles, read_json
+from engine.loader import DirectoryFiles, copy_side_files, read_json
 from engine.quant.calibrate import CheckpointTensors
 from engine.quant.transform import ROTATABLE, hadamard
 
@@ -58,6 +57,9 @@ def rotate_checkpoint(src: Path, dst: Path, seed: int = SEED) -> Rotation:
     hf: dict[str, Any] = read_json(files, "config.json")
     if hf.get("model_type") not in ROTATABLE:
         raise ModelLoadError(f"rotation supports {', '.join(ROTATABLE)} models; got {hf.get('model_type')!r}")
+    missing_keys = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads") if k not in hf]
+    if missing_keys:
+        raise ModelLoadError(f"config.json has no {missing_keys[0]}; rotation needs it to know the model's shape")
     d, layers = int(hf["hidden_size"]), int(hf["num_hidden_layers"])
     head = int(hf.get("head_dim") or d // int(hf["num_attention_heads"]))
     r2 = hadamard(head) if head & (head - 1) == 0 else None
@@ -103,9 +105,7 @@ def rotate_checkpoint(src: Path, dst: Path, seed: int = SEED) -> Rotation:
     if missing:
         raise ModelLoadError(f"rotation does not know what to do with {missing[0]} (and {len(missing) - 1} more)")
     dst.mkdir(parents=True)
-    for p in files.path.iterdir():
-        if p.is_file() and not p.name.endswith(".safetensors") and p.name not in (INDEX, "config.json"):
-            shutil.copy2(p, dst / p.name)
+    copy_side_files(files.path, dst)
     save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
     (dst / "config.json").write_text(json.dumps({**hf, "tie_word_embeddings": False}))
     return Rotation(seed, d, head if r2 is not None else None)

@@ -70,6 +70,15 @@ def test_rotation_refuses_models_it_does_not_know(tmp_path: Path) -> None:
         rotate_checkpoint(src, tmp_path / "rot")
 
 
+def test_rotation_names_a_missing_shape_key(tmp_path: Path) -> None:
+    src = build_tiny_chat_model(tmp_path / "src")
+    cfg = json.loads((src / "config.json").read_text())
+    del cfg["num_hidden_layers"]
+    (src / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match=r"config\.json has no num_hidden_layers"):
+        rotate_checkpoint(src, tmp_path / "rot")
+
+
 def test_our_transform_config_is_compressed_tensors_own() -> None:
     tc = transform_config(InputRotation((DOWN_PROJ,), 64))
     parsed = TransformConfig.model_validate(tc)  # the library's schema
