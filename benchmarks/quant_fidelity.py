@@ -1,6 +1,6 @@
 """How far each quantization recipe moves the demo model (or --model) from its float self.
 
-    python -m benchmarks.quant_fidelity [--positions 2048] [--only w4a16] [--model DIR] [--gptq-tokens 2048]
+    python -m benchmarks.quant_fidelity [--positions 2048] [--only w4a16] [--model DIR] [--gptq-tokens N]
 
 Each recipe quantizes the float model with `tianmen quantize`'s own function, then engine.quant.fidelity scores
 it against the float model over the start of Python's pydoc topics (GPTQ and SmoothQuant calibrate on its end):
@@ -81,14 +81,16 @@ def main() -> None:
     ap.add_argument("--only", help="run the recipes whose name contains this")
     ap.add_argument("--gptq-tokens", type=int, default=GptqSettings().tokens)
     ap.add_argument("--one-pass", action="store_true", help="GPTQ: every Hessian from the float model")
+    ap.add_argument("--no-float-target", action="store_true", help="GPTQ w4a16: layers aim at W·X̃, not W·X")
     args = ap.parse_args()
-    settings = GptqSettings(tokens=args.gptq_tokens, sequential=not args.one_pass)
+    settings = GptqSettings(args.gptq_tokens, sequential=not args.one_pass, float_target=not args.no_float_target)
     with tempfile.TemporaryDirectory(prefix="tianmen-fidelity-") as tmp:
         src = args.model or demo_model(Path(tmp))
         ids = fidelity_ids(src, args.positions)
         reference = score(src, ids)
         print(f"{src.name}: {args.positions} positions, float perplexity {reference.perplexity:.3f}")
-        print(f"GPTQ: {settings.tokens} calibration tokens, {'sequential' if settings.sequential else 'one pass'}")
+        how = f"{'sequential' if settings.sequential else 'one pass'}, {'float' if settings.float_target else 'own'}"
+        print(f"GPTQ: {settings.tokens} calibration tokens, {how} target for 4-bit layers")
         print(f"{'recipe':<36} {'top-1':>7} {'ppl':>8} {'change':>8} {'quantize':>9}")
         for i, r in enumerate(RECIPES):
             if args.only and args.only not in r.name:

@@ -145,6 +145,13 @@ def cmd_import_gguf(args: argparse.Namespace) -> int:
 def cmd_quantize(args: argparse.Namespace) -> int:
     from engine.quant.quantize import quantize
 
+    settings = None
+    if args.gptq_tokens is not None or not args.gptq_float_target:
+        if not args.gptq:
+            raise SettingsError("--gptq-tokens and --no-gptq-float-target set how --gptq calibrates: add --gptq")
+        from engine.quant.gptq_model import GPTQ_TOKENS, GptqSettings
+
+        settings = GptqSettings(args.gptq_tokens or GPTQ_TOKENS, float_target=args.gptq_float_target)
     r = quantize(
         args.src,
         args.dst,
@@ -154,6 +161,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         symmetric=not args.asymmetric,
         smooth=args.smooth,
         gptq=args.gptq,
+        gptq_settings=settings,
         rotate=args.rotate,
     )
     size = f"{r.bytes_in / 2**20:.1f} MiB -> {r.bytes_out / 2**20:.1f} MiB"
@@ -235,7 +243,14 @@ def parser() -> argparse.ArgumentParser:
         help="quantize the LM head too (default: kept; a head tied to the embeddings gets its own copy)",
     )
     p.add_argument("--smooth", type=float, metavar="ALPHA", help="w8a8: SmoothQuant of strength ALPHA (e.g. 0.5)")
-    p.add_argument("--gptq", action="store_true", help="GPTQ instead of round-to-nearest (calibrates on ~2k tokens)")
+    p.add_argument("--gptq", action="store_true", help="GPTQ instead of round-to-nearest (calibrates on a text)")
+    p.add_argument("--gptq-tokens", type=int, metavar="N", help="GPTQ's calibration tokens (default 2048)")
+    p.add_argument(
+        "--no-gptq-float-target",
+        dest="gptq_float_target",
+        action="store_false",
+        help="GPTQ w4a16: skip the float run whose inputs 4-bit layers aim at (saves T x sum(in_features) x 4 bytes)",
+    )
     p.add_argument(
         "--rotate",
         action="store_true",

@@ -2,10 +2,12 @@
 with the best recipe measured for each scheme (benchmarks.quant_fidelity), scored against its float self over
 2,048 positions of Python's pydoc topics by engine.quant.fidelity.
 
-The issue's targets are top-1 ≥ 98% and perplexity ≤ +3% for W8A8, ≥ 90% and ≤ +15% for W4A16. Reached on a
-2-core AMD EPYC Zen 4 (2026-12-03), both with the rotations (R1 + R2 fused, down_proj's inputs rotated online)
-and GPTQ: W8A8 97.7% / +0.3%; W4A16 (group 32, asymmetric, searched ranges) 89.3% / +5.7%. Both top-1 targets are
-missed by less than two points, so those bounds are the levels reached, less a margin; see docs/PERFORMANCE.md."""
+The issue's targets are top-1 ≥ 98% and perplexity ≤ +3% for W8A8, ≥ 90% and ≤ +15% for W4A16. Reached with
+the rotations (R1 + R2 fused, down_proj's inputs rotated online) and GPTQ: W8A8 97.7% / +0.3% (a 2-core AMD EPYC
+Zen 4, 2026-12-03); W4A16 (group 32, asymmetric, searched ranges, 4-bit layers aiming at the float model's
+outputs) 90.4% / +4.2% there and 90.5% / +5.4% on a Zen 3 (2026-12-04). W8A8's top-1 target is missed by 0.3
+points, and top-1 moves by about a point between CPUs (their float32 kernels round differently, and GPTQ's
+choices follow), so the bounds are the levels reached, less a margin; see docs/PERFORMANCE.md."""
 
 from __future__ import annotations
 
@@ -62,5 +64,5 @@ def test_w4a16_rotated_gptq_beats_round_to_nearest(
     print(f"w4a16 g32 asym: rtn {rtn.top1_agreement:.2%} {rtn.perplexity_change:+.2%}, "
           f"rotated gptq {f.top1_agreement:.2%} {f.perplexity_change:+.2%}")  # fmt: skip
     assert f.top1_agreement >= rtn.top1_agreement + 0.1 and f.perplexity_change <= rtn.perplexity_change - 0.1
-    assert f.perplexity_change <= 0.08  # target +15%: met (+5.7% measured)
-    assert f.top1_agreement >= 0.88  # target 90%: missed (89.3% measured; 82.5% before the rotations)
+    assert f.perplexity_change <= 0.07  # target +15%: met (+4.2 / +5.4% measured)
+    assert f.top1_agreement >= 0.89  # target 90%: met on the CPUs measured (90.4 / 90.5%; 89.3% aiming at W·X̃)

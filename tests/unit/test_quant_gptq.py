@@ -15,7 +15,7 @@ from engine.layers.linear import Linear
 from engine.loader import DirectoryFiles
 from engine.quant.calibrate import calibration_ids, float_core, prefill
 from engine.quant.gptq import Grid, Hessian, gptq
-from engine.quant.gptq_model import GptqSettings, dequantize, gptq_model
+from engine.quant.gptq_model import GPTQ_TOKENS, GptqSettings, TakenLayer, dequantize, gptq_model
 from engine.quant.grid import rtn_int4, rtn_int8
 from engine.quant.layouts import unpack_int32
 from engine.quant.quantize import quantize
@@ -61,6 +61,30 @@ def test_gptq_lowers_the_output_error_of_correlated_inputs(grid: Grid) -> None:
     err_gptq = (x @ (w - dequantize(*gptq(w, h.h, grid))).T).norm()
     err_rtn = (x @ (w - dequantize(*_rtn(w, grid))).T).norm()
     assert err_gptq < 0.8 * err_rtn
+
+
+def test_the_float_target_brings_a_layer_on_drifted_inputs_closer_to_the_float_layer() -> None:
+    """A 4-bit layer whose inputs X̃ drifted from the float model's X (the quantized layers before it): aiming at
+    W·X rather than W·X̃ lowers ‖W X − Ŵ X̃‖, the error the rest of the model sees."""
+    gen = torch.Generator().manual_seed(3)
+    mix = torch.randn(256, 256, generator=gen) / 16
+    w, x = torch.randn(64, 256, generator=gen), torch.randn(1024, 256, generator=gen) @ mix
+    drifted = x @ (torch.eye(256) + 0.1 * torch.randn(256, 256, generator=gen) / 16)  # a systematic drift
+    grid, rows = Grid(32, symmetric=False), [("layer", 0, 64)]
+    recorder = TakenLayer(rows, w, None, None, grid, GptqSettings(), False, recording=True)
+    assert torch.equal(recorder(x), x @ w.T) and recorder.hessian is None  # the float run computes in float
+    assert recorder.reference is not None and torch.equal(recorder.reference, x)
+    errors = []
+    for reference in (recorder.reference, None):
+        t = TakenLayer(rows, w, None, None, grid, GptqSettings(), False)
+        t.reference = reference
+        t(drifted)
+        assert t.reference is None and t.cross is None and t.hessian is None  # nothing [T, K] outlives its layer
+        errors.append(float((x @ w.T - drifted @ t.used.T).norm()))
+    assert errors[0] < 0.7 * errors[1]
+    int8 = TakenLayer(rows, w, None, None, Grid(None), GptqSettings(), True, recording=True)
+    int8(x)
+    assert int8.reference is None  # W8A8 layers keep the plain target: nothing recorded
 
 
 def test_inputs_that_never_fire_get_zero_weights() -> None:
@@ -110,6 +134,7 @@ def test_w4a16_gptq_checkpoint_loads_with_values_on_the_grid(src: Path, tmp_path
                 "--quantize-lm-head", *flags]) == 0  # fmt: skip
     report = json.loads((tmp_path / "q" / "tianmen-quant.json").read_text())
     assert report["method"] == "gptq" and report["gptq"]["sequential"] and report["quantized"] == 15
+    assert report["gptq"]["float_target"] and report["gptq"]["tokens"] == GPTQ_TOKENS
     state, rtn_state = load_file(str(tmp_path / "q" / "model.safetensors")), load_file(str(src / "model.safetensors"))
     moved, edge = 0, []
     for module in [m.removesuffix(".weight_packed") for m in state if m.endswith(".weight_packed")]:
@@ -163,3 +188,12 @@ def test_what_gptq_cannot_do_is_refused(src: Path, tmp_path: Path) -> None:
         ModelLoadError, match=r"self_attn\.v_proj: in_features 64 is not a multiple of the group size 48"
     ):
         quantize(src, tmp_path / "b", "w4a16", 48, gptq=True)
+
+
+def test_the_cli_sets_how_gptq_calibrates(src: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["quantize", str(src), str(tmp_path / "q"), "--scheme", "w4a16", "--group-size", "32"]
+    assert cli([*base, "--gptq-tokens", "64"]) == 2
+    assert "add --gptq" in capsys.readouterr().err
+    assert cli([*base, "--gptq", "--gptq-tokens", "64", "--no-gptq-float-target"]) == 0
+    report = json.loads((tmp_path / "q" / "tianmen-quant.json").read_text())
+    assert report["gptq"]["tokens"] == 64 and not report["gptq"]["float_target"]
