@@ -5,7 +5,8 @@ W8A8: activations quantized per token, then int8 x int8 → int32 products by on
 CPU has them), torch._int_mm, or on AVX512-VNNI CPUs engine.kernels.i8mm (the whole layer in one call). W4A16:
 torch's CPU int4 GEMM (weights unpacked in registers, float math) and, on AVX512-BF16 CPUs,
 engine.kernels.w4mm's two entry points (nibbles widened in registers; a group at a time through bf16mm's
-tiles). The reference path (dequantize, then matmul) runs anywhere and is the correctness definition."""
+tiles), or where the engine computes in float32, engine.kernels.w4f32's two (the same two ideas in float32
+FMAs). The reference path (dequantize, then matmul) runs anywhere and is the correctness definition."""
 
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ from collections.abc import Callable
 
 import torch
 
-from engine.kernels import i8mm, w4mm
+from engine.kernels import i8mm, w4f32, w4mm
 from engine.kernels.gemm import Act, GemmPath, Run
 from engine.kernels.i8mm import I8MM
+from engine.kernels.w4f32 import W4F32, PackedInt4F32
 from engine.kernels.w4mm import W4MM, PackedInt4
 from engine.quant.weights import Int4Weight, Int8Weight, quantize_tokens
 
@@ -235,13 +237,46 @@ class W4MMPath:
         return _then(lambda x: fn(x, packed, b), act)
 
 
+_w4f32_packed: dict[int, PackedInt4F32] = {}  # as _w4mm_packed, for W4F32Path
+
+
+class W4F32Path:
+    """engine.kernels.w4f32 for float32 math: `direct` (nibbles widened in registers) or `panel` (a group at a
+    time widened into a buffer for every row)."""
+
+    def __init__(self, kernel: W4F32, entry: str) -> None:
+        self.kernel, self.entry = kernel, entry
+        self.name = "w4f32" if entry == "direct" else f"w4f32-{entry}"
+        self.available = True
+
+    def accepts(self, weight: object, act: Act | None) -> bool:
+        return isinstance(weight, Int4Weight) and W4F32.accepts(*weight.shape, weight.group_size)
+
+    def prepare(self, weight: Int4Weight, bias: torch.Tensor | None, act: Act | None) -> Run:  # type: ignore[override]
+        key = id(weight.packed)
+        packed = _w4f32_packed.get(key)
+        if packed is None:
+            packed = W4F32.pack(weight.packed, weight.scale, weight.zero, weight.group_size)
+            _w4f32_packed[key] = packed
+            weakref.finalize(weight.packed, _w4f32_packed.pop, key, None)
+        fn = getattr(self.kernel, self.entry)
+        b = bias.float() if bias is not None else None
+        return _then(lambda x: fn(x, packed, b).to(x.dtype), act)
+
+
 def quant_paths(dtype: torch.dtype) -> list[GemmPath]:
     """The quantized candidates on this machine: the fast ones that work here, then the reference."""
-    fast: list[_W8A8Path | Int4PackPath | W4MMPath | I8MMPath] = [OneDNNInt8Path(), IntMMPath(), Int4PackPath(dtype)]
+    fast: list[_W8A8Path | Int4PackPath | W4MMPath | W4F32Path | I8MMPath] = [
+        OneDNNInt8Path(),
+        IntMMPath(),
+        Int4PackPath(dtype),
+    ]
     if (k8 := i8mm.kernel()) is not None:
         fast.append(I8MMPath(k8))
         if (plain := i8mm.kernel_without_prefetch()) is not None:  # whether prefetching pays is measured
             fast.append(I8MMPath(plain, "i8mm-noprefetch"))
     if dtype == torch.bfloat16 and (k4 := w4mm.kernel()) is not None:
         fast += [W4MMPath(k4, "direct"), W4MMPath(k4, "panel")]
+    if dtype == torch.float32 and (k4f := w4f32.kernel()) is not None:
+        fast += [W4F32Path(k4f, "direct"), W4F32Path(k4f, "panel")]
     return [*(p for p in fast if p.available), QuantReferencePath()]  # type: ignore[list-item]

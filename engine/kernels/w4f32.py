@@ -1,0 +1,122 @@
+"""W4A16 linear layers for CPUs that compute in float32 (engine/kernels/w4f32.c): unsigned 4-bit weights with a
+float scale and zero point per output channel and group of inputs, float32 activations.
+
+Where the engine computes in float32 (no AVX512-BF16 or AMX: AVX2, AVX-512 without bf16, other ISAs through the
+portable C), torch's int4 GEMM was the only fast-path candidate, and on a Zen 3 it ran scalar code (5 ms for one
+row of a 4864 x 896 layer). Two entry points over one packed weight: `direct` widens the nibbles in registers,
+one or two rows at a time (decode's small batches); `panel` widens one group of a 32-column block at a time into
+a buffer and runs FMA tiles over every row (batches, prefill). The engine times both, with torch's int4 GEMM and
+the reference, per shape and batch class (engine.quant.paths).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.kernels.cbuild import Once, SelfCheckError, build
+from engine.quant.weights import Int4Weight, pack_nibbles
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("w4f32.c")
+BLOCK = 32  # output columns per packed block (NB in w4f32.c)
+
+_i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+
+
+@dataclass(slots=True)
+class PackedInt4F32:
+    """A weight in the kernel's layout: nibbles [N/32, K/2, 32] uint8, scales [N/32, K/G, 2, 32] float32 (s,
+    then s * z)."""
+
+    nibbles: torch.Tensor
+    scales: torch.Tensor
+    n: int
+    k: int
+    group_size: int
+
+
+class W4F32:
+    """The compiled kernel: pack an int4 weight once, then run float32 linear layers over it."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib
+        for f in (lib.w4f32_linear, lib.w4f32_linear_panel):
+            f.argtypes = [_i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _int]
+            f.restype = _int
+
+    @classmethod
+    def build(cls, flags: tuple[str, ...] = ("-march=native",)) -> W4F32:
+        return cls(build(SOURCE, flags))
+
+    @staticmethod
+    def accepts(n: int, k: int, group_size: int) -> bool:
+        return k % group_size == 0 and group_size % 2 == 0
+
+    @staticmethod
+    def pack(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int) -> PackedInt4F32:
+        """Int4Weight's nibbles [N, K/2] (even k low) and its scale, zero [N, K/G] → the kernel's layout, columns
+        padded to whole blocks with zero weights."""
+        n, k = packed.shape[0], packed.shape[1] * 2
+        assert W4F32.accepts(n, k, group_size)
+        blocks = -(-n // BLOCK)
+        pad = blocks * BLOCK - n
+        # Int4Weight's byte (n, p) already holds k = 2p low and 2p + 1 high: only the order changes
+        p = torch.nn.functional.pad(packed.to(torch.uint8), (0, 0, 0, pad))
+        nibbles = p.view(blocks, BLOCK, k // 2).transpose(1, 2).contiguous()  # [block, p, column]
+        s = torch.nn.functional.pad(scale.float(), (0, 0, 0, pad))
+        sz = s * torch.nn.functional.pad(zero.float(), (0, 0, 0, pad))
+        scales = torch.stack((s, sz), dim=0).view(2, blocks, BLOCK, -1).permute(1, 3, 0, 2).contiguous()
+        return PackedInt4F32(nibbles.view(-1), scales.view(-1), n, k, group_size)
+
+    def direct(self, x: torch.Tensor, w: PackedInt4F32, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [..., K] → x W^T + b, [..., N] float32, the nibbles widened in registers."""
+        return self._run(self.lib.w4f32_linear, x, w, bias)
+
+    def panel(self, x: torch.Tensor, w: PackedInt4F32, bias: torch.Tensor | None) -> torch.Tensor:
+        """The same, each group widened once into a buffer for all the rows."""
+        return self._run(self.lib.w4f32_linear_panel, x, w, bias)
+
+    @staticmethod
+    def _run(fn: ctypes._CFuncPtr, x: torch.Tensor, w: PackedInt4F32, bias: torch.Tensor | None) -> torch.Tensor:
+        x2 = x.reshape(-1, w.k).float().contiguous()
+        y = torch.empty(x2.shape[0], w.n, dtype=torch.float32)
+        b = bias.float().contiguous() if bias is not None else None  # held until the call returns
+        rc = fn(
+            x2.shape[0], w.n, w.k, w.group_size, x2.data_ptr(), w.nibbles.data_ptr(), w.scales.data_ptr(),
+            b.data_ptr() if b is not None else None, y.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        if rc != 0:
+            raise MemoryError("w4f32: no memory for the kernel's buffers")
+        return y.view(*x.shape[:-1], w.n)
+
+
+def self_check(kernel: W4F32) -> None:
+    """Column tails, several groups, more rows than a tile or a pass, asymmetric zero points, both entry points."""
+    g = torch.Generator().manual_seed(0)
+    for m, n, k, gs in ((1, 70, 64, 32), (3, 130, 256, 128), (200, 64, 96, 32), (4, 16, 128, 64), (2, 33, 16, 16)):
+        values = torch.randint(0, 16, (n, k), generator=g)
+        scale = torch.rand(n, k // gs, generator=g) * 0.1 + 0.01
+        zero = torch.randint(0, 16, (n, k // gs), generator=g)
+        x, bias = torch.randn(m, k, generator=g), torch.randn(n, generator=g)
+        weight = Int4Weight(pack_nibbles(values), scale, zero, gs)
+        want = weight.reference(x, bias)
+        packed = W4F32.pack(weight.packed, scale, zero, gs)
+        for name, fn in (("direct", kernel.direct), ("panel", kernel.panel)):
+            got = fn(x, packed, bias)
+            if not torch.allclose(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item()):
+                err = (got - want).abs().max().item()
+                raise SelfCheckError(f"w4f32 {name} self-check failed at {m}x{n}x{k} g{gs}: max error {err:.3g}")
+
+
+_once = Once(W4F32.build, log, "float32 W4A16 layers will use torch's int4 GEMM (slower)", check=self_check)
+
+
+def kernel() -> W4F32 | None:
+    """The process-wide kernel; None (logged once) where it can't be built or fails its self-check."""
+    return _once()
