@@ -2,7 +2,8 @@
 a dense tensor); the engine times them per shape and batch class with the dense ones (engine.kernels.select).
 
 W8A8: activations quantized per token, then int8 x int8 → int32 products by oneDNN (AMX-INT8 / VNNI where the
-CPU has them), torch._int_mm, or on AVX512-VNNI CPUs engine.kernels.i8mm (the whole layer in one call). W4A16:
+CPU has them), torch._int_mm, or on AVX512-VNNI CPUs engine.kernels.i8mm (the whole layer in one call), on
+AVX2 CPUs that compute in float32 engine.kernels.i8avx2 (the same, by VPMADDUBSW). W4A16:
 torch's CPU int4 GEMM (weights unpacked in registers, float math) and, on AVX512-BF16 CPUs,
 engine.kernels.w4mm's two entry points (nibbles widened in registers; a group at a time through bf16mm's
 tiles), or where the engine computes in float32, engine.kernels.w4f32's two (the same two ideas in float32
@@ -18,8 +19,9 @@ from collections.abc import Callable
 
 import torch
 
-from engine.kernels import i8mm, w4f32, w4mm
+from engine.kernels import i8avx2, i8mm, w4f32, w4mm
 from engine.kernels.gemm import Act, GemmPath, Run
+from engine.kernels.i8avx2 import I8AVX2
 from engine.kernels.i8mm import I8MM
 from engine.kernels.w4f32 import W4F32, PackedInt4F32
 from engine.kernels.w4mm import W4MM, PackedInt4
@@ -173,6 +175,23 @@ class I8MMPath:
         return _then(lambda x: kernel.linear(x, packed), act)
 
 
+class I8AVX2Path:
+    """engine.kernels.i8avx2: per-token quantization, VPMADDUBSW int32 sums and both scales in one call, float32
+    in and out; not for a weight holding -128 (its pair sums could saturate)."""
+
+    name = "i8avx2"
+
+    def __init__(self, kernel: I8AVX2) -> None:
+        self.kernel, self.available = kernel, True
+
+    def accepts(self, weight: object, act: Act | None) -> bool:
+        return isinstance(weight, Int8Weight) and I8AVX2.accepts(weight.q)
+
+    def prepare(self, weight: Int8Weight, bias: torch.Tensor | None, act: Act | None) -> Run:  # type: ignore[override]
+        packed, kernel = I8AVX2.pack(weight.q, weight.scale, bias), self.kernel
+        return _then(lambda x: kernel.linear(x, packed).to(x.dtype), act)
+
+
 class Int4PackPath:
     """torch's CPU int4 GEMM (_weight_int4pack_mm_for_cpu): w = (q - 8) · scale + zero per group, so our zero
     point z becomes the float offset (8 - z) · scale."""
@@ -266,7 +285,7 @@ class W4F32Path:
 
 def quant_paths(dtype: torch.dtype) -> list[GemmPath]:
     """The quantized candidates on this machine: the fast ones that work here, then the reference."""
-    fast: list[_W8A8Path | Int4PackPath | W4MMPath | W4F32Path | I8MMPath] = [
+    fast: list[_W8A8Path | Int4PackPath | W4MMPath | W4F32Path | I8MMPath | I8AVX2Path] = [
         OneDNNInt8Path(),
         IntMMPath(),
         Int4PackPath(dtype),
@@ -277,6 +296,8 @@ def quant_paths(dtype: torch.dtype) -> list[GemmPath]:
             fast.append(I8MMPath(plain, "i8mm-noprefetch"))
     if dtype == torch.bfloat16 and (k4 := w4mm.kernel()) is not None:
         fast += [W4MMPath(k4, "direct"), W4MMPath(k4, "panel")]
+    if dtype == torch.float32 and (k8a := i8avx2.kernel()) is not None:
+        fast.append(I8AVX2Path(k8a))
     if dtype == torch.float32 and (k4f := w4f32.kernel()) is not None:
         fast += [W4F32Path(k4f, "direct"), W4F32Path(k4f, "panel")]
     return [*(p for p in fast if p.available), QuantReferencePath()]  # type: ignore[list-item]

@@ -1,0 +1,117 @@
+"""W8A8 linear layers for CPUs with AVX2 but no VNNI (engine/kernels/i8avx2.c): int8 weights with a float scale
+per output channel, float32 activations quantized to int8 per row inside the call exactly as compressed-tensors
+defines it (engine.quant.weights.quantize_tokens), exact int32 sums by VPMADDUBSW / VPMADDWD.
+
+Without VNNI, oneDNN's int8 GEMM saturates on this kind of CPU and torch._int_mm was 4x slower than the float
+model (a Zen 3, 2026-12-04). The engine times this kernel against them per shape and batch class
+(engine.quant.paths).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from engine.kernels.cbuild import Once, SelfCheckError, build
+from engine.quant.weights import Int8Weight
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("i8avx2.c")
+NC, KC = 4, 32  # columns a tile, inputs a step (NC in i8avx2.c; K is padded to whole steps)
+
+_i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+
+
+@dataclass(slots=True)
+class PackedInt8Rows:
+    """A weight in the kernel's layout ([N4, K32] int8, zero-padded) with its scales and bias (float32 [N4];
+    None without)."""
+
+    packed: torch.Tensor
+    scale: torch.Tensor
+    bias: torch.Tensor | None
+    n: int
+    k: int
+
+
+class I8AVX2:
+    """The compiled kernel: pack an int8 weight once, then run W8A8 linear layers over it (float32)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib
+        lib.i8avx2_linear.argtypes = [_i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _int]
+        lib.i8avx2_linear.restype = _int
+
+    @classmethod
+    def build(cls, flags: tuple[str, ...] = ("-march=native",)) -> I8AVX2:
+        return cls(build(SOURCE, flags))
+
+    @staticmethod
+    def accepts(q: torch.Tensor) -> bool:
+        """No weight of -128: its product with an activation of -128 would saturate VPMADDUBSW's pair sums."""
+        return bool(q.min() > -128)
+
+    @staticmethod
+    def pack(q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> PackedInt8Rows:
+        """q: int8 [N, K] (no -128); scale: float [N]; bias: [N] or None → the kernel's layout."""
+        n, k = q.shape
+        pn, pk = -(-n // NC) * NC - n, -(-k // KC) * KC - k
+        packed = F.pad(q, (0, pk, 0, pn)).contiguous()  # zero weights
+        b = F.pad(bias.float(), (0, pn)).contiguous() if bias is not None else None
+        return PackedInt8Rows(packed, F.pad(scale.float(), (0, pn)).contiguous(), b, n, k)
+
+    def linear(self, x: torch.Tensor, w: PackedInt8Rows) -> torch.Tensor:
+        """x [..., K] → x W^T + b, [..., N] float32."""
+        x2 = x.reshape(-1, w.k).float().contiguous()
+        y = torch.empty(x2.shape[0], w.n, dtype=torch.float32)
+        rc = self.lib.i8avx2_linear(
+            x2.shape[0], w.n, w.k, x2.data_ptr(), w.packed.data_ptr(), w.scale.data_ptr(),
+            w.bias.data_ptr() if w.bias is not None else None, y.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        if rc != 0:
+            raise MemoryError("i8avx2: no memory for the quantized rows")
+        return y.view(*x.shape[:-1], w.n)
+
+
+def self_check(kernel: I8AVX2) -> None:
+    """Column and K tails, several rows, the products at their extremes (|x| 128 against |w| 127)."""
+    g = torch.Generator().manual_seed(0)
+    for m, n, k in ((1, 70, 33), (7, 130, 64), (33, 64, 9), (3, 16, 256)):
+        q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+        q[:, : k // 2] = 127
+        q[::2, : k // 2] = -127
+        scale = torch.rand(n, generator=g) * 0.02 + 1e-3
+        bias = torch.randn(n, generator=g)
+        x = torch.randn(m, k, generator=g)
+        x[:, : k // 2] = -1.0  # every row's largest magnitude is negative: it quantizes to -128
+        want = Int8Weight(q, scale).reference(x, bias)
+        got = kernel.linear(x, I8AVX2.pack(q, scale, bias))
+        if not torch.allclose(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item()):
+            err = (got - want).abs().max().item()
+            raise SelfCheckError(f"i8avx2 self-check failed at {m}x{n}x{k}: max error {err:.3g}")
+
+
+@functools.cache
+def supported() -> bool:
+    """AVX2 (VPMADDUBSW, VPSIGNB on 256 bits)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    line = next((ln for ln in flags.splitlines() if ln.startswith("flags")), "")
+    return "avx2" in line.split()
+
+
+_once = Once(I8AVX2.build, log, "W8A8 layers will use torch._int_mm (slower)", check=self_check)
+
+
+def kernel() -> I8AVX2 | None:
+    """The process-wide kernel; None without AVX2, or (logged once) where it can't be built."""
+    return _once() if supported() else None

@@ -1,0 +1,107 @@
+"""The AVX2 W8A8 kernel (engine.kernels.i8avx2), compiled here with gcc: its activations are quantized exactly as
+compressed-tensors defines it, its int32 sums are exact at the int8 extremes it accepts (VPMADDUBSW's 16-bit pair
+sums never saturate), a weight holding -128 is not taken, and its answer equals the reference
+(engine.quant.weights.Int8Weight) within float rounding. Needs AVX2 (every x86 CPU these tests have run on)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.kernels import i8avx2
+from engine.kernels.i8avx2 import I8AVX2
+from engine.kernels.select import GemmSelector, _matches_reference
+from engine.quant.paths import I8AVX2Path, quant_paths
+from engine.quant.weights import Int4Weight, Int8Weight, quantize_tokens
+
+pytestmark = pytest.mark.skipif(not i8avx2.supported(), reason="this CPU has no AVX2")
+
+
+@pytest.fixture(scope="module")
+def kernel() -> I8AVX2:
+    k = i8avx2.kernel()
+    assert k is not None, "the AVX2 W8A8 kernel did not build or failed its self-check (see the warning)"
+    return k
+
+
+def _weight(n: int, k: int, seed: int = 0) -> Int8Weight:
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    return Int8Weight(q, torch.rand(n, generator=g) * 0.02 + 1e-3)
+
+
+@pytest.mark.parametrize(("n", "k"), [(96, 256), (130, 96), (5, 33), (64, 4864)])
+def test_it_equals_the_reference(kernel: I8AVX2, n: int, k: int) -> None:
+    w, bias = _weight(n, k), torch.randn(n, generator=torch.Generator().manual_seed(1))
+    packed = I8AVX2.pack(w.q, w.scale, bias)
+    for rows in (1, 2, 5, 33):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+        want, got = w.reference(x, bias), kernel.linear(x, packed)
+        assert got.shape == (rows, n) and (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+def test_products_at_the_int8_extremes_are_exact(kernel: I8AVX2) -> None:
+    """|x| 128 against |w| 127, in both sign pairings, fill every pair: 2 x 128 x 127 fits int16."""
+    q = torch.full((32, 64), -127, dtype=torch.int8)
+    q[:, 1::2] = 127
+    w = Int8Weight(q, torch.ones(32))
+    x = torch.tensor([[127.0, -127.0] * 32, [-128.0, 127.0] * 32, [-128.0, -128.0] * 32, [1.0] * 64])
+    got = kernel.linear(x, I8AVX2.pack(w.q, w.scale)).double()
+    xq, xs = quantize_tokens(x)
+    assert int(xq.min()) == -128  # the case a saturating pair would get wrong
+    exact = (xq.long() @ w.q.long().t()).double() * xs.double()  # integer sums, then the scales
+    assert torch.allclose(got, exact, rtol=1e-6, atol=0)
+
+
+def test_a_weight_holding_minus_128_is_not_taken(kernel: I8AVX2) -> None:
+    q = torch.zeros(8, 32, dtype=torch.int8)
+    assert I8AVX2Path(kernel).accepts(Int8Weight(q, torch.ones(8)), None)
+    q[3, 7] = -128
+    assert not I8AVX2.accepts(q) and not I8AVX2Path(kernel).accepts(Int8Weight(q, torch.ones(8)), None)
+
+
+def test_no_rows_give_no_rows(kernel: I8AVX2) -> None:
+    w = _weight(64, 128)
+    assert kernel.linear(torch.empty(0, 128), I8AVX2.pack(w.q, w.scale)).shape == (0, 64)
+
+
+def test_an_all_zero_row_gives_zero_and_leaves_its_neighbours_alone(kernel: I8AVX2) -> None:
+    w = _weight(64, 128)
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(2))
+    x[1] = 0
+    got = kernel.linear(x, I8AVX2.pack(w.q, w.scale))
+    want = w.reference(x[[0, 2]], None)
+    assert bool((got[1] == 0).all()) and (got[[0, 2]] - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+def test_its_path_is_a_float32_candidate_and_the_selection_keeps_it_when_fastest(kernel: I8AVX2) -> None:
+    assert "i8avx2" in [p.name for p in quant_paths(torch.float32)]
+    assert "i8avx2" not in [p.name for p in quant_paths(torch.bfloat16)]  # float32 in and out
+    path = I8AVX2Path(kernel)
+    w = _weight(96, 256)
+    int4 = Int4Weight(torch.zeros(96, 128, dtype=torch.uint8), torch.ones(96, 2), torch.ones(96, 2), 128)
+    assert path.accepts(w, None) and not path.accepts(int4, None)
+    bias = torch.randn(96)
+    run = path.prepare(w, bias, None)
+    for rows in (1, 8, 33):
+        assert _matches_reference(run, torch.randn(rows, 256), w, bias, None)
+    calls: list[int] = []
+    original = kernel.linear
+
+    class Spy(I8AVX2):
+        def __init__(self) -> None:
+            self.lib = kernel.lib
+
+        def linear(self, *args):  # type: ignore[no-untyped-def]
+            calls.append(1)
+            return original(*args)
+
+    others = [p for p in quant_paths(torch.float32) if p.name != "i8avx2"]
+
+    def fast(fn) -> float:  # type: ignore[no-untyped-def]
+        calls.clear()
+        fn()
+        return 1e-6 if calls else 1e-3
+
+    sel = GemmSelector([*others, I8AVX2Path(Spy())], torch.float32, timer=fast)
+    assert sel.choose("w8a8 test", [(w, None)], None).per_class == ["i8avx2"] * 5  # type: ignore[list-item]
