@@ -1,6 +1,6 @@
 """W8A8 linear layers for CPUs with AVX2 but no VNNI (engine/kernels/i8avx2.c): int8 weights with a float scale
 per output channel, float32 activations quantized to int8 per row inside the call exactly as compressed-tensors
-defines it (engine.quant.weights.quantize_tokens), exact int32 sums by VPMADDUBSW / VPMADDWD.
+defines it (engine.quant.weights.quantize_tokens), exact int32 sums by VPMADDWD over int16-widened bytes.
 
 Without VNNI, oneDNN's int8 GEMM saturates on this kind of CPU and torch._int_mm was 4x slower than the float
 model (a Zen 3, 2026-12-04). The engine times this kernel against them per shape and batch class
@@ -54,13 +54,8 @@ class I8AVX2:
         return cls(build(SOURCE, flags))
 
     @staticmethod
-    def accepts(q: torch.Tensor) -> bool:
-        """No weight of -128: its product with an activation of -128 would saturate VPMADDUBSW's pair sums."""
-        return bool(q.min() > -128)
-
-    @staticmethod
     def pack(q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> PackedInt8Rows:
-        """q: int8 [N, K] (no -128); scale: float [N]; bias: [N] or None → the kernel's layout."""
+        """q: int8 [N, K]; scale: float [N]; bias: [N] or None → the kernel's layout."""
         n, k = q.shape
         pn, pk = -(-n // NC) * NC - n, -(-k // KC) * KC - k
         packed = F.pad(q, (0, pk, 0, pn)).contiguous()  # zero weights
@@ -81,12 +76,12 @@ class I8AVX2:
 
 
 def self_check(kernel: I8AVX2) -> None:
-    """Column and K tails, several rows, the products at their extremes (|x| 128 against |w| 127)."""
+    """Column and K tails, several rows, the products at their extremes (-128 against -128)."""
     g = torch.Generator().manual_seed(0)
     for m, n, k in ((1, 70, 33), (7, 130, 64), (33, 64, 9), (3, 16, 256)):
-        q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+        q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
         q[:, : k // 2] = 127
-        q[::2, : k // 2] = -127
+        q[::2, : k // 2] = -128
         scale = torch.rand(n, generator=g) * 0.02 + 1e-3
         bias = torch.randn(n, generator=g)
         x = torch.randn(m, k, generator=g)
@@ -100,7 +95,7 @@ def self_check(kernel: I8AVX2) -> None:
 
 @functools.cache
 def supported() -> bool:
-    """AVX2 (VPMADDUBSW, VPSIGNB on 256 bits)."""
+    """AVX2 (VPMADDWD and VPMOVSXBW on 256 bits)."""
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:

@@ -3,7 +3,7 @@ a dense tensor); the engine times them per shape and batch class with the dense 
 
 W8A8: activations quantized per token, then int8 x int8 → int32 products by oneDNN (AMX-INT8 / VNNI where the
 CPU has them), torch._int_mm, or on AVX512-VNNI CPUs engine.kernels.i8mm (the whole layer in one call), on
-AVX2 CPUs that compute in float32 engine.kernels.i8avx2 (the same, by VPMADDUBSW). W4A16:
+AVX2 CPUs that compute in float32 engine.kernels.i8avx2 (the same, by VPMADDWD). W4A16:
 torch's CPU int4 GEMM (weights unpacked in registers, float math) and, on AVX512-BF16 CPUs,
 engine.kernels.w4mm's two entry points (nibbles widened in registers; a group at a time through bf16mm's
 tiles), or where the engine computes in float32, engine.kernels.w4f32's two (the same two ideas in float32
@@ -176,8 +176,8 @@ class I8MMPath:
 
 
 class I8AVX2Path:
-    """engine.kernels.i8avx2: per-token quantization, VPMADDUBSW int32 sums and both scales in one call, float32
-    in and out; not for a weight holding -128 (its pair sums could saturate)."""
+    """engine.kernels.i8avx2: per-token quantization, VPMADDWD int32 sums and both scales in one call, float32
+    in and out."""
 
     name = "i8avx2"
 
@@ -185,7 +185,7 @@ class I8AVX2Path:
         self.kernel, self.available = kernel, True
 
     def accepts(self, weight: object, act: Act | None) -> bool:
-        return isinstance(weight, Int8Weight) and I8AVX2.accepts(weight.q)
+        return isinstance(weight, Int8Weight)
 
     def prepare(self, weight: Int8Weight, bias: torch.Tensor | None, act: Act | None) -> Run:  # type: ignore[override]
         packed, kernel = I8AVX2.pack(weight.q, weight.scale, bias), self.kernel
