@@ -23,6 +23,9 @@
 #include <immintrin.h>
 
 #define NC 4  // columns a tile
+#ifndef PF_TILES
+#define PF_TILES 2  // software prefetch this many tiles ahead (a tile's rows are too short for the hardware's)
+#endif
 
 // One row of x → its quantized values as int16 (K32, zero-padded) and scale.
 static void quantize_row(int64_t K, int64_t K32, const float *x, int16_t *xq, float *xs) {
@@ -42,7 +45,10 @@ static void quantize_row(int64_t K, int64_t K32, const float *x, int16_t *xq, fl
 static inline __attribute__((always_inline)) __m128i dot4(int64_t K32, const int16_t *xq, const int8_t *w) {
     __m256i acc[NC];
     for (int c = 0; c < NC; c++) acc[c] = _mm256_setzero_si256();
+    const char *ahead = (const char *)(w + PF_TILES * NC * K32);  // the tile PF_TILES on, at the same pace
     for (int64_t k = 0; k < K32; k += 32) {
+        _mm_prefetch(ahead + k * NC, _MM_HINT_T0);
+        _mm_prefetch(ahead + k * NC + 64, _MM_HINT_T0);
         const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + k));
         const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + k + 16));
         for (int c = 0; c < NC; c++) {

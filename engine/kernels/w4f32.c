@@ -23,6 +23,9 @@
 #define NB 32  // columns per packed block
 #define MR 6   // rows per panel tile
 #define MC 96  // rows per panel pass: their partial sums [MC][NB] stay in L1/L2 while the groups go by
+#ifndef PF_BYTES
+#define PF_BYTES 2048  // the direct tiles ask for the nibbles this far ahead (past a block: the next one's)
+#endif
 
 // The calling thread's buffer for the rows' group sums, grown to the largest call seen (a fresh malloc of a
 // prefill's sums is an mmap whose pages fault in on every call); NULL without memory.
@@ -76,6 +79,7 @@ static void dtile1(int64_t K, int64_t G, const float *x, const uint8_t *wq, cons
         __m256 ae[4], ao[4];
         for (int c = 0; c < 4; c++) ae[c] = ao[c] = _mm256_setzero_ps();
         for (int64_t p = g * G / 2; p < (g + 1) * G / 2; p++) {
+            _mm_prefetch((const char *)(wq + p * NB + PF_BYTES), _MM_HINT_T0);
             const __m256 xe = _mm256_broadcast_ss(x + 2 * p), xo = _mm256_broadcast_ss(x + 2 * p + 1);
             for (int c = 0; c < 4; c++) {
                 __m256 we, wo;
@@ -104,6 +108,7 @@ static void dtile2(int64_t K, int64_t G, const float *x, const uint8_t *wq, cons
         for (int r = 0; r < 2; r++)
             for (int c = 0; c < 4; c++) acc[r][c] = _mm256_setzero_ps();
         for (int64_t p = g * G / 2; p < (g + 1) * G / 2; p++) {
+            _mm_prefetch((const char *)(wq + p * NB + PF_BYTES), _MM_HINT_T0);
             const __m256 x0e = _mm256_broadcast_ss(x + 2 * p), x0o = _mm256_broadcast_ss(x + 2 * p + 1);
             const __m256 x1e = _mm256_broadcast_ss(x + K + 2 * p), x1o = _mm256_broadcast_ss(x + K + 2 * p + 1);
             for (int c = 0; c < 4; c++) {
