@@ -8,6 +8,7 @@ their plain-torch path and the engine says once why it is slower.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -90,6 +91,18 @@ def cpu_signature() -> str:
         lines = []
     keep = [ln for ln in lines if ln.split(":")[0].strip() in ("model name", "flags", "Features", "CPU part")]
     return platform.machine() + "\n" + "\n".join(sorted(set(keep)))
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them (x86's `flags`, aarch64's `Features`); empty where
+    it cannot be read."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return frozenset()
+    line = next((ln for ln in lines if ln.split(":")[0].strip() in ("flags", "Features")), "")
+    return frozenset(line.partition(":")[2].split())
 
 
 def cache_dir() -> Path:

@@ -10,7 +10,6 @@ model (a Zen 3, 2026-12-04). The engine times this kernel against them per shape
 from __future__ import annotations
 
 import ctypes
-import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from engine.kernels.cbuild import Once, SelfCheckError, build
+from engine.kernels.cbuild import Once, SelfCheckError, build, cpu_flags
 from engine.quant.weights import Int8Weight
 
 log = logging.getLogger(__name__)
@@ -93,15 +92,9 @@ def self_check(kernel: I8AVX2) -> None:
             raise SelfCheckError(f"i8avx2 self-check failed at {m}x{n}x{k}: max error {err:.3g}")
 
 
-@functools.cache
 def supported() -> bool:
     """AVX2 (VPMADDWD and VPMOVSXBW on 256 bits)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    line = next((ln for ln in flags.splitlines() if ln.startswith("flags")), "")
-    return "avx2" in line.split()
+    return "avx2" in cpu_flags()
 
 
 _once = Once(I8AVX2.build, log, "W8A8 layers will use torch._int_mm (slower)", check=self_check)

@@ -7,7 +7,6 @@ and torch._int_mm per shape and batch class (engine.quant.paths).
 from __future__ import annotations
 
 import ctypes
-import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from engine.kernels.cbuild import Once, SelfCheckError, build
+from engine.kernels.cbuild import Once, SelfCheckError, build, cpu_flags
 from engine.quant.weights import Int8Weight
 
 log = logging.getLogger(__name__)
@@ -98,15 +97,9 @@ def self_check(kernel: I8MM) -> None:
                 raise SelfCheckError(f"i8mm self-check failed at {m}x{n}x{k} {dtype}: max error {err:.3g}")
 
 
-@functools.cache
 def supported() -> bool:
     """AVX512-VNNI with AVX512-BW: the instructions the kernel is made of."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    line = next((ln for ln in flags.splitlines() if ln.startswith("flags")), "")
-    return {"avx512_vnni", "avx512bw"} <= set(line.split())
+    return {"avx512_vnni", "avx512bw"} <= cpu_flags()
 
 
 _once = Once(I8MM.build, log, "W8A8 layers will use oneDNN's int8 GEMM or torch._int_mm", check=self_check)

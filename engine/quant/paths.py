@@ -224,63 +224,75 @@ class Int4PackPath:
         return _then(run, act)
 
 
-# one packed copy per weight, whichever of W4MMPath's entry points run it (a weight may hold both: select.py);
-# keyed by the id of the weight's nibbles while they live (a tensor cannot key a WeakKeyDictionary: its == is
-# elementwise)
-_w4mm_packed: dict[int, PackedInt4] = {}
+class _Int4KernelPath:
+    """One entry point (`direct` or `panel`) of an int4 kernel of ours. A weight gets one packed copy, whichever
+    entry points run it (a weight may hold both: select.py), kept while its nibbles live; keyed by their id (a
+    tensor cannot key a WeakKeyDictionary: its == is elementwise)."""
+
+    prefix = ""
+    bias_dtype = torch.float32
+
+    def __init__(self, kernel: W4MM | W4F32, entry: str) -> None:
+        self.kernel, self.entry = kernel, entry
+        self.name = self.prefix if entry == "direct" else f"{self.prefix}-{entry}"
+        self.available = True
+        self._packed: dict[int, object] = _PACKED.setdefault(self.prefix, {})
+
+    @staticmethod
+    def fits(weight: Int4Weight) -> bool:
+        raise NotImplementedError
+
+    @staticmethod
+    def pack(weight: Int4Weight) -> object:
+        raise NotImplementedError
+
+    def accepts(self, weight: object, act: Act | None) -> bool:
+        return isinstance(weight, Int4Weight) and self.fits(weight)
+
+    def prepare(self, weight: Int4Weight, bias: torch.Tensor | None, act: Act | None) -> Run:  # type: ignore[override]
+        key = id(weight.packed)
+        packed = self._packed.get(key)
+        if packed is None:
+            packed = self._packed[key] = self.pack(weight)
+            weakref.finalize(weight.packed, self._packed.pop, key, None)
+        fn = getattr(self.kernel, self.entry)
+        b = bias.to(self.bias_dtype) if bias is not None else None
+        return _then(lambda x: fn(x, packed, b).to(x.dtype), act)
 
 
-class W4MMPath:
+_PACKED: dict[str, dict[int, object]] = {}  # per kernel: weight nibbles' id → its packed copy
+
+
+class W4MMPath(_Int4KernelPath):
     """engine.kernels.w4mm for bf16 math: `direct` (nibbles widened in registers) or `panel` (a group at a time
     widened into a buffer and run through bf16mm's tiles)."""
 
-    def __init__(self, kernel: W4MM, entry: str) -> None:
-        self.kernel, self.entry = kernel, entry
-        self.name = "w4mm" if entry == "direct" else f"w4mm-{entry}"
-        self.available = True
+    prefix, bias_dtype = "w4mm", torch.bfloat16
 
-    def accepts(self, weight: object, act: Act | None) -> bool:
-        return isinstance(weight, Int4Weight) and W4MM.accepts(*weight.shape, weight.group_size)
+    @staticmethod
+    def fits(weight: Int4Weight) -> bool:
+        return W4MM.accepts(*weight.shape, weight.group_size)
 
-    def prepare(self, weight: Int4Weight, bias: torch.Tensor | None, act: Act | None) -> Run:  # type: ignore[override]
-        key = id(weight.packed)
-        packed = _w4mm_packed.get(key)
-        if packed is None:
-            p = weight.packed  # its nibbles as uint8 (values() is int32: 4 bytes a weight, gigabytes for a big head)
-            values = torch.stack((p & 15, p >> 4), dim=-1).flatten(-2)
-            packed = W4MM.pack(values, weight.scale, weight.zero, weight.group_size)
-            _w4mm_packed[key] = packed
-            weakref.finalize(weight.packed, _w4mm_packed.pop, key, None)
-        fn = getattr(self.kernel, self.entry)
-        b = bias.to(torch.bfloat16) if bias is not None else None
-        return _then(lambda x: fn(x, packed, b), act)
+    @staticmethod
+    def pack(weight: Int4Weight) -> PackedInt4:
+        p = weight.packed  # its nibbles as uint8 (values() is int32: 4 bytes a weight, gigabytes for a big head)
+        values = torch.stack((p & 15, p >> 4), dim=-1).flatten(-2)
+        return W4MM.pack(values, weight.scale, weight.zero, weight.group_size)
 
 
-_w4f32_packed: dict[int, PackedInt4F32] = {}  # as _w4mm_packed, for W4F32Path
-
-
-class W4F32Path:
+class W4F32Path(_Int4KernelPath):
     """engine.kernels.w4f32 for float32 math: `direct` (nibbles widened in registers) or `panel` (a group at a
     time widened into a buffer for every row)."""
 
-    def __init__(self, kernel: W4F32, entry: str) -> None:
-        self.kernel, self.entry = kernel, entry
-        self.name = "w4f32" if entry == "direct" else f"w4f32-{entry}"
-        self.available = True
+    prefix = "w4f32"
 
-    def accepts(self, weight: object, act: Act | None) -> bool:
-        return isinstance(weight, Int4Weight) and W4F32.accepts(*weight.shape, weight.group_size)
+    @staticmethod
+    def fits(weight: Int4Weight) -> bool:
+        return W4F32.accepts(*weight.shape, weight.group_size)
 
-    def prepare(self, weight: Int4Weight, bias: torch.Tensor | None, act: Act | None) -> Run:  # type: ignore[override]
-        key = id(weight.packed)
-        packed = _w4f32_packed.get(key)
-        if packed is None:
-            packed = W4F32.pack(weight.packed, weight.scale, weight.zero, weight.group_size)
-            _w4f32_packed[key] = packed
-            weakref.finalize(weight.packed, _w4f32_packed.pop, key, None)
-        fn = getattr(self.kernel, self.entry)
-        b = bias.float() if bias is not None else None
-        return _then(lambda x: fn(x, packed, b).to(x.dtype), act)
+    @staticmethod
+    def pack(weight: Int4Weight) -> PackedInt4F32:
+        return W4F32.pack(weight.packed, weight.scale, weight.zero, weight.group_size)
 
 
 def quant_paths(dtype: torch.dtype) -> list[GemmPath]:
