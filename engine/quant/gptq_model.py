@@ -219,7 +219,8 @@ def gptq_model(
     ids = calibration_ids(DirectoryFiles(src), hf, settings.tokens)
     tensors = CheckpointTensors(src)
     references: list[torch.Tensor | None] = []
-    if settings.float_target and settings.sequential:
+    four_bit = grid_for(torch.float32).group_size is not None  # a W8A8 model has no layer to record for
+    if settings.float_target and settings.sequential and four_bit:
         core = float_core(src, len(ids))
         recorded = _take_over(core.runner.model, tensors, grid_for, factors or {}, settings, rotation, True)
         prefill(core, ids)
