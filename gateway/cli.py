@@ -151,7 +151,8 @@ def cmd_quantize(args: argparse.Namespace) -> int:
             raise SettingsError("--gptq-tokens and --no-gptq-float-target set how --gptq calibrates: add --gptq")
         from engine.quant.gptq_model import GPTQ_TOKENS, GptqSettings
 
-        settings = GptqSettings(args.gptq_tokens or GPTQ_TOKENS, float_target=args.gptq_float_target)
+        tokens = GPTQ_TOKENS if args.gptq_tokens is None else args.gptq_tokens  # 0 is refused, not the default
+        settings = GptqSettings(tokens, float_target=args.gptq_float_target)
     r = quantize(
         args.src,
         args.dst,

@@ -194,6 +194,9 @@ def test_the_cli_sets_how_gptq_calibrates(src: Path, tmp_path: Path, capsys: pyt
     base = ["quantize", str(src), str(tmp_path / "q"), "--scheme", "w4a16", "--group-size", "32"]
     assert cli([*base, "--gptq-tokens", "64"]) == 2
     assert "add --gptq" in capsys.readouterr().err
+    for bad in ("0", "-5"):
+        assert cli([*base, "--gptq", "--gptq-tokens", bad]) != 0
+        assert "calibration needs at least 16 tokens" in capsys.readouterr().err
     assert cli([*base, "--gptq", "--gptq-tokens", "64", "--no-gptq-float-target"]) == 0
     report = json.loads((tmp_path / "q" / "tianmen-quant.json").read_text())
     assert report["gptq"]["tokens"] == 64 and not report["gptq"]["float_target"]
