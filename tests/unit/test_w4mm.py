@@ -9,11 +9,12 @@ import pytest
 import torch
 
 from engine.kernels import bf16mm, w4mm
-from engine.kernels.select import GemmSelector, _matches_reference
+from engine.kernels.select import _matches_reference
 from engine.kernels.w4mm import W4MM
 from engine.layers.activation import ActAndMul
 from engine.quant.paths import W4MMPath, quant_paths
-from engine.quant.weights import Int4Weight, Int8Weight, pack_nibbles
+from engine.quant.weights import Int8Weight
+from tests.int4_kernels import assert_the_selection_keeps_the_fastest_entry, int4_weight
 
 pytestmark = pytest.mark.skipif(not bf16mm.supported(), reason="this CPU has no AVX512-BF16")
 
@@ -25,16 +26,8 @@ def kernel() -> W4MM:
     return k
 
 
-def _weight(n: int, k: int, g: int, symmetric: bool, seed: int = 0) -> Int4Weight:
-    gen = torch.Generator().manual_seed(seed)
-    values = torch.randint(0, 16, (n, k), generator=gen)
-    zero = torch.full((n, k // g), 8) if symmetric else torch.randint(0, 16, (n, k // g), generator=gen)
-    scale = torch.rand(n, k // g, generator=gen) * 0.05 + 1e-3
-    return Int4Weight(pack_nibbles(values), scale, zero.to(torch.uint8), g)
-
-
 def test_the_packed_layout_holds_each_nibble_and_scale_where_the_kernel_reads_it() -> None:
-    w = _weight(70, 64, 32, symmetric=False)
+    w = int4_weight(70, 64, 32, symmetric=False)
     p = W4MM.pack(w.values(), w.scale, w.zero, 32)
     blocks = 2  # 70 columns: one whole block and a padded one
     nib = p.nibbles.view(blocks, 64 // 4, 4, 32)
@@ -57,7 +50,7 @@ def test_the_packed_layout_holds_each_nibble_and_scale_where_the_kernel_reads_it
 def test_both_entry_points_equal_the_reference(
     kernel: W4MM, entry: str, n: int, k: int, g: int, symmetric: bool
 ) -> None:
-    w = _weight(n, k, g, symmetric)
+    w = int4_weight(n, k, g, symmetric)
     bias = torch.randn(n, generator=torch.Generator().manual_seed(1)).bfloat16()
     packed = W4MM.pack(w.values(), w.scale, w.zero, g)
     for rows in (1, 2, 3, 4, 7, 33, 200):  # tiles of 3 (direct) and 6 (panel), and more than 192 (one pass)
@@ -71,7 +64,7 @@ def test_both_entry_points_equal_the_reference(
 @pytest.mark.parametrize("entry", ["direct", "panel"])
 def test_the_paths_match_the_reference_as_the_selector_checks_it(kernel: W4MM, entry: str) -> None:
     path = W4MMPath(kernel, entry)
-    w = _weight(96, 256, 64, symmetric=False)
+    w = int4_weight(96, 256, 64, symmetric=False)
     assert path.accepts(w, None)
     assert not path.accepts(Int8Weight(torch.zeros(96, 256, dtype=torch.int8), torch.ones(96)), None)
     assert not path.accepts(torch.zeros(96, 256), None)
@@ -88,7 +81,7 @@ def test_the_paths_match_the_reference_as_the_selector_checks_it(kernel: W4MM, e
 
 @pytest.mark.parametrize("entry", ["direct", "panel"])
 def test_no_rows_give_no_rows(kernel: W4MM, entry: str) -> None:
-    w = _weight(64, 64, 32, symmetric=True)
+    w = int4_weight(64, 64, 32, symmetric=True)
     packed = W4MM.pack(w.values(), w.scale, w.zero, 32)
     assert getattr(kernel, entry)(torch.empty(0, 64, dtype=torch.bfloat16), packed, None).shape == (0, 64)
 
@@ -99,7 +92,7 @@ def test_a_group_size_that_does_not_divide_the_inputs_is_refused(kernel: W4MM) -
 
 
 def test_both_entry_points_share_one_packed_copy(kernel: W4MM) -> None:
-    w = _weight(64, 128, 32, symmetric=True)
+    w = int4_weight(64, 128, 32, symmetric=True)
     runs = [W4MMPath(kernel, e).prepare(w, None, None) for e in ("direct", "panel")]
     cells = [
         {id(c.cell_contents) for c in r.__closure__ or () if isinstance(c.cell_contents, w4mm.PackedInt4)} for r in runs
@@ -107,38 +100,8 @@ def test_both_entry_points_share_one_packed_copy(kernel: W4MM) -> None:
     assert cells[0] and cells[0] == cells[1]
 
 
-class _Spy:
-    """A kernel whose entry points say when they ran."""
-
-    def __init__(self, kernel: W4MM) -> None:
-        self.kernel, self.calls = kernel, []
-
-    def direct(self, *args):  # type: ignore[no-untyped-def]
-        self.calls.append("direct")
-        return self.kernel.direct(*args)
-
-    def panel(self, *args):  # type: ignore[no-untyped-def]
-        self.calls.append("panel")
-        return self.kernel.panel(*args)
-
-
 def test_the_selection_times_them_among_the_bf16_candidates_and_keeps_the_fastest(kernel: W4MM) -> None:
     names = [p.name for p in quant_paths(torch.bfloat16)]
     assert "w4mm" in names and "w4mm-panel" in names and names[-1] == "torch-dequant"
     assert "w4mm" not in [p.name for p in quant_paths(torch.float32)]  # bf16 math only
-    spy = _Spy(kernel)
-    paths = [p for p in quant_paths(torch.bfloat16) if not p.name.startswith("w4mm")]
-    paths += [W4MMPath(spy, "direct"), W4MMPath(spy, "panel")]  # type: ignore[arg-type]
-
-    def fast(entry: str):  # type: ignore[no-untyped-def]
-        def timer(fn) -> float:  # type: ignore[no-untyped-def]
-            spy.calls.clear()
-            fn()
-            return 1e-6 if spy.calls == [entry] else 1e-3
-
-        return timer
-
-    w = _weight(96, 256, 64, symmetric=False)
-    for entry, name in (("direct", "w4mm"), ("panel", "w4mm-panel")):
-        choice = GemmSelector(paths, torch.bfloat16, timer=fast(entry)).choose(entry, [(w, None)], None)  # type: ignore[list-item]
-        assert choice.per_class == [name] * 5
+    assert_the_selection_keeps_the_fastest_entry(kernel, W4MMPath, torch.bfloat16)
