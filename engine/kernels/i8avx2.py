@@ -57,7 +57,8 @@ class I8AVX2:
         """q: int8 [N, K]; scale: float [N]; bias: [N] or None → the kernel's layout."""
         n, k = q.shape
         pn, pk = -(-n // NC) * NC - n, -(-k // KC) * KC - k
-        packed = F.pad(q, (0, pk, 0, pn)).contiguous()  # zero weights
+        # zero weights where padded; an aligned weight is read where it lies (no second copy of the model)
+        packed = F.pad(q, (0, pk, 0, pn)) if pk or pn else q.contiguous()
         b = F.pad(bias.float(), (0, pn)).contiguous() if bias is not None else None
         return PackedInt8Rows(packed, F.pad(scale.float(), (0, pn)).contiguous(), b, n, k)
 

@@ -98,3 +98,12 @@ def test_its_path_is_a_float32_candidate_and_the_selection_keeps_it_when_fastest
 
     sel = GemmSelector([*others, I8AVX2Path(Spy())], torch.float32, timer=fast)
     assert sel.choose("w8a8 test", [(w, None)], None).per_class == ["i8avx2"] * 5  # type: ignore[list-item]
+
+
+def test_an_aligned_weight_is_read_where_it_lies_and_a_ragged_one_padded() -> None:
+    q = torch.ones(64, 128, dtype=torch.int8)
+    assert I8AVX2.pack(q, torch.ones(64)).packed.data_ptr() == q.data_ptr()  # no second copy of the model
+    ragged = I8AVX2.pack(torch.ones(5, 33, dtype=torch.int8), torch.ones(5))
+    assert (
+        ragged.packed.shape == (8, 64) and int(ragged.packed[5:].abs().sum() + ragged.packed[:, 33:].abs().sum()) == 0
+    )
