@@ -99,8 +99,20 @@ def supported() -> bool:
 
 
 _once = Once(I8AVX2.build, log, "W8A8 layers will use torch._int_mm (slower)", check=self_check)
+# the same kernel without its software prefetch (PF_TILES was set on one Zen 3): timed beside it, never forced
+_once_plain = Once(
+    lambda: I8AVX2.build(("-march=native", "-DPF_TILES=0")),
+    log,
+    "W8A8 layers are not timed without software prefetch",
+    check=self_check,
+)
 
 
 def kernel() -> I8AVX2 | None:
     """The process-wide kernel; None without AVX2, or (logged once) where it can't be built."""
     return _once() if supported() else None
+
+
+def kernel_without_prefetch() -> I8AVX2 | None:
+    """The kernel built with no prefetch ahead (PF_TILES=0: it asks for the tile it reads), as kernel() otherwise."""
+    return _once_plain() if supported() else None

@@ -179,10 +179,8 @@ class I8AVX2Path:
     """engine.kernels.i8avx2: per-token quantization, VPMADDWD int32 sums and both scales in one call, float32
     in and out."""
 
-    name = "i8avx2"
-
-    def __init__(self, kernel: I8AVX2) -> None:
-        self.kernel, self.available = kernel, True
+    def __init__(self, kernel: I8AVX2, name: str = "i8avx2") -> None:
+        self.kernel, self.name, self.available = kernel, name, True
 
     def accepts(self, weight: object, act: Act | None) -> bool:
         return isinstance(weight, Int8Weight)
@@ -310,6 +308,8 @@ def quant_paths(dtype: torch.dtype) -> list[GemmPath]:
         fast += [W4MMPath(k4, "direct"), W4MMPath(k4, "panel")]
     if dtype == torch.float32 and (k8a := i8avx2.kernel()) is not None:
         fast.append(I8AVX2Path(k8a))
+        if (plain8 := i8avx2.kernel_without_prefetch()) is not None:  # its prefetch distance was set on one CPU
+            fast.append(I8AVX2Path(plain8, "i8avx2-noprefetch"))
     if dtype == torch.float32 and (k4f := w4f32.kernel()) is not None:
         fast += [W4F32Path(k4f, "direct"), W4F32Path(k4f, "panel")]
     return [*(p for p in fast if p.available), QuantReferencePath()]  # type: ignore[list-item]

@@ -68,7 +68,10 @@ def test_an_all_zero_row_gives_zero_and_leaves_its_neighbours_alone(kernel: I8AV
 
 
 def test_its_path_is_a_float32_candidate_and_the_selection_keeps_it_when_fastest(kernel: I8AVX2) -> None:
-    assert "i8avx2" in [p.name for p in quant_paths(torch.float32)]
+    names = [p.name for p in quant_paths(torch.float32)]
+    assert "i8avx2" in names and "i8avx2-noprefetch" in names  # whether the prefetch pays is measured
+    plain = i8avx2.kernel_without_prefetch()
+    assert plain is not None and plain.lib is not kernel.lib
     assert "i8avx2" not in [p.name for p in quant_paths(torch.bfloat16)]  # float32 in and out
     path = I8AVX2Path(kernel)
     w = _weight(96, 256)
@@ -89,7 +92,7 @@ def test_its_path_is_a_float32_candidate_and_the_selection_keeps_it_when_fastest
             calls.append(1)
             return original(*args)
 
-    others = [p for p in quant_paths(torch.float32) if p.name != "i8avx2"]
+    others = [p for p in quant_paths(torch.float32) if not p.name.startswith("i8avx2")]
 
     def fast(fn) -> float:  # type: ignore[no-untyped-def]
         calls.clear()
