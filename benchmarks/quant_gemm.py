@@ -6,8 +6,8 @@ All the linear layers of --layers Qwen2-0.5B layers (QKV, O, gate/up, down: rand
 nearest), each path running every layer once per step as the model does, so a layer's weights come from memory
 rather than cache (24 layers: ~720 MB in bf16, ~360 in int8, ~200 in int4). Prints milliseconds per step, best of
 --repeat, for each path (engine.quant.paths.quant_paths: the ones that work on this CPU, the reference left
-out) and for the bf16 GEMM the engine would otherwise run (bf16mm where the CPU has AVX512-BF16, else oneDNN),
-with the bytes each streams. The engine chooses among the same paths by timing them per shape (see README).
+out) and for the dense GEMMs the engine would otherwise choose among (oneDNN; bf16mm and amxmm where the CPU
+runs them), with the bytes each streams. The engine chooses among the same paths by timing them per shape (see README).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 
 from benchmarks.timing import best_seconds
-from engine.kernels import bf16mm
+from engine.kernels import amxmm, bf16mm
 from engine.kernels.gemm import GemmPath, KernelPath, OneDNNPath
 from engine.quant.grid import rtn_int4, rtn_int8
 from engine.quant.paths import quant_paths
@@ -62,9 +62,13 @@ def main() -> None:
     for p in quant_paths(dtype):
         if p.name != "torch-dequant" and all(p.accepts(w, None) for w in quant):
             paths[p.name] = (p, quant)
-    k = bf16mm.kernel() if dtype == torch.bfloat16 else None
-    base: GemmPath = KernelPath("bf16mm", k, dtype) if k is not None else OneDNNPath(dtype, 32)
-    paths[f"{base.name} (bf16)"] = (base, dense_bf16)
+    # the dense GEMMs the engine would otherwise choose among: oneDNN, and our kernels where the CPU runs them
+    dense_paths: list[GemmPath] = [OneDNNPath(dtype, 32)]
+    if dtype == torch.bfloat16:
+        dense_paths += [KernelPath(n, k, dtype) for n, k in (("bf16mm", bf16mm.kernel()), ("amxmm", amxmm.kernel()))
+                        if k is not None]  # fmt: skip
+    for base in dense_paths:
+        paths[f"{base.name} ({str(dtype).removeprefix('torch.')})"] = (base, dense_bf16)
     nbytes = {name: sum(_bytes(w) for w in ws) for name, (_, ws) in paths.items()}
     prepared = {name: [p.prepare(w, None, None) for w in ws] for name, (p, ws) in paths.items()}
 
@@ -72,13 +76,13 @@ def main() -> None:
           f"Qwen2-0.5B's linear shapes, {dtype}; {platform.processor() or platform.machine()}, "
           f"{torch.get_num_threads()} threads")  # fmt: skip
     rows = [int(r) for r in args.rows.split(",")]
-    print(f"{'path':<24} {'MB':>6} " + " ".join(f"{f'{r} rows ms':>12}" for r in rows))
+    print(f"{'path':<28} {'MB':>6} " + " ".join(f"{f'{r} rows ms':>12}" for r in rows))
     for name, runs in prepared.items():
         cells = []
         for r in rows:
             xs = [torch.randn(r, w.shape[1], generator=g).to(dtype) for w in paths[name][1]]
             cells.append(best_seconds(step(runs, xs), args.repeat) * 1e3)
-        print(f"{name:<24} {nbytes[name] / 1e6:>6.0f} " + " ".join(f"{c:>12.2f}" for c in cells))
+        print(f"{name:<28} {nbytes[name] / 1e6:>6.0f} " + " ".join(f"{c:>12.2f}" for c in cells))
 
 
 def _bytes(w: torch.Tensor | QuantWeight) -> int:

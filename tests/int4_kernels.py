@@ -26,32 +26,32 @@ class _Spy:
     def __init__(self, kernel: Any) -> None:
         self.kernel, self.calls = kernel, []
 
-    def direct(self, *args):  # type: ignore[no-untyped-def]
-        self.calls.append("direct")
-        return self.kernel.direct(*args)
+    def __getattr__(self, method: str) -> Any:
+        def call(*args):  # type: ignore[no-untyped-def]
+            self.calls.append(method)
+            return getattr(self.kernel, method)(*args)
 
-    def panel(self, *args):  # type: ignore[no-untyped-def]
-        self.calls.append("panel")
-        return self.kernel.panel(*args)
+        return call
 
 
-def assert_the_selection_keeps_the_fastest_entry(kernel: Any, path_class: type, dtype: torch.dtype) -> None:
+def assert_the_selection_keeps_the_fastest_entry(
+    kernel: Any, path_class: type, dtype: torch.dtype, entries: tuple[str, ...] = ("direct", "panel")
+) -> None:
     """Among the other quantized candidates for `dtype`, a timer that makes one entry point fast gets it chosen
     for every batch class."""
-    prefix = path_class.prefix
     spy = _Spy(kernel)
-    paths = [p for p in quant_paths(dtype) if not p.name.startswith(prefix)]
-    paths += [path_class(spy, "direct"), path_class(spy, "panel")]
+    ours = [path_class(spy, e) for e in entries]
+    paths = [p for p in quant_paths(dtype) if not p.name.startswith(path_class.prefix)] + ours
 
     def fast(entry: str):  # type: ignore[no-untyped-def]
         def timer(fn) -> float:  # type: ignore[no-untyped-def]
             spy.calls.clear()
             fn()
-            return 1e-6 if spy.calls == [entry] else 1e-3
+            return 1e-6 if spy.calls == [entry.replace("-", "_")] else 1e-3
 
         return timer
 
     w = int4_weight(96, 256, 64, symmetric=False)
-    for entry, name in (("direct", prefix), ("panel", f"{prefix}-panel")):
+    for entry, path in zip(entries, ours, strict=True):
         choice = GemmSelector(paths, dtype, timer=fast(entry)).choose(entry, [(w, None)], None)  # type: ignore[list-item]
-        assert choice.per_class == [name] * 5
+        assert choice.per_class == [path.name] * 5

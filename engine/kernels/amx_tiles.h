@@ -2,7 +2,9 @@
 // tile state. cbuild.py hashes this header with every source that includes it.
 #ifndef TIANMEN_AMX_TILES_H
 #define TIANMEN_AMX_TILES_H
+#include <immintrin.h>
 #include <stdint.h>
+#include <string.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -20,6 +22,21 @@ typedef struct {
 // Linux hands out AMX state only to a process that asks for it (once; torch's oneDNN asks too). 0: granted.
 static inline int request_tile_state(void) {
     return (int)syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA);
+}
+
+// The GEMM kernels' tiles (amxmm.c, w4amx.c): 0-3 accumulate a 32 x 32 fp32 block (rows 0-15 / 16-31 x columns
+// 0-15 / 16-31), 4-5 hold the two 16-row slices of x (32 bf16 k each), 6-7 two 16-column slices of the weight in
+// AMX's pair layout. rows_lo / rows_hi: the rows in x's first and second slice (0 when the slice is empty).
+static inline void amx_configure(int rows_lo, int rows_hi) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    const int rows[8] = {rows_lo, rows_lo, rows_hi, rows_hi, rows_lo, rows_hi, 16, 16};
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = (uint8_t)(rows[t] ? rows[t] : 1);
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
 }
 
 #endif

@@ -37,19 +37,6 @@
 
 int amxmm_init(void) { return request_tile_state(); }
 
-// rows_lo / rows_hi: rows of x in the block's first and second 16-row slice (0 when the slice is empty).
-static void configure(int rows_lo, int rows_hi) {
-    tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette_id = 1;
-    const int rows[8] = {rows_lo, rows_lo, rows_hi, rows_hi, rows_lo, rows_hi, 16, 16};
-    for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = (uint8_t)(rows[t] ? rows[t] : 1);
-        cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
-}
-
 static inline uint16_t to_bf16(float f) {  // round to nearest even, as VCVTNEPS2BF16 does
     uint32_t u;
     memcpy(&u, &f, 4);
@@ -170,7 +157,7 @@ static void run(int64_t G, const group_t *groups, int64_t N, int64_t K, const ui
                 const int mr = mb < full ? 32 : (int)tail;
                 if (mr == 0) break;
                 if (configured != mr) {
-                    configure(mr < 16 ? mr : 16, mr > 16 ? mr - 16 : 0);
+                    amx_configure(mr < 16 ? mr : 16, mr > 16 ? mr - 16 : 0);
                     configured = mr;
                 }
                 block_rows(mb * 32, mr, K, g->x, wb, c[0]);

@@ -39,30 +39,15 @@ from engine.quant.weights import Int4Weight, QuantWeight
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [
-    Path(__file__).with_name(n)
-    for n in (
-        "gemm.py",
-        "select.py",
-        "op_choice.py",
-        "bf16mm.c",
-        "bf16mm_block.h",
-        "w4mm.c",
-        "w4mm.py",
-        "i8mm.c",
-        "i8mm.py",
-        "wbf16.c",
-        "amxmm.c",
-        "avx512_math.h",
-        "amx_tiles.h",
-        "pointwise.c",
-        "vec16.h",
-        "decode_attn.c",
-        "decode_attn_amx.c",
-        "decode_attn_dp.c",
-        "decode_attn_latent.c",
-    )
-] + [Path(__file__).parents[1] / "quant" / n for n in ("paths.py", "weights.py")]
+# What the cached timings depend on: every kernel source (a kernel added or changed must be timed again) and the
+# Python that chooses and runs them.
+_HERE = Path(__file__).parent
+_SOURCES = sorted(
+    [*_HERE.glob("*.c"), *_HERE.glob("*.h")]
+    + [_HERE / n for n in ("gemm.py", "select.py", "op_choice.py", "w4mm.py", "w4amx.py", "w4f32.py")]
+    + [_HERE / n for n in ("i8mm.py", "i8avx2.py")]
+    + [_HERE.parent / "quant" / n for n in ("paths.py", "weights.py")]
+)
 
 
 @dataclass(slots=True)

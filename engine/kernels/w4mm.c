@@ -23,17 +23,9 @@
 #include <string.h>
 
 #include "bf16mm_block.h"
+#include "w4mm_common.h"
 
 #define QR 3  // rows per tile of the direct kernel: 2 x 4 accumulators a row, the rest of the 32 registers spare
-
-// One 32-byte load: 16 columns x 4 k as two bf16 operands (k pairs 0 and 1), each value as 128 + q: a nibble
-// under bf16's exponent of 128 (0x4300) is that number exactly (8 significant bits), so widening is two ORs.
-static inline __attribute__((always_inline)) void widen(const uint8_t *p, __m512bh *a, __m512bh *b) {
-    const __m512i wide = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));
-    const __m512i e128 = _mm512_set1_epi16(0x4300);
-    *a = (__m512bh)_mm512_or_si512(_mm512_and_si512(wide, _mm512_set1_epi16(15)), e128);
-    *b = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(wide, 4), e128);
-}
 
 // mr rows of x (row stride K) against one block's nibbles wq and scales sc; xs: the rows' sums per group
 // [mr][K/G]; out [mr][64] float, before the bias.
@@ -49,6 +41,7 @@ static inline __attribute__((always_inline)) void qtile(const int mr, int64_t K,
             for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_ps();
         for (int64_t kq = g * G / 4; kq < (g + 1) * G / 4; kq++) {
             const uint8_t *wk = wq + kq * 128;
+            prefetch_nibbles(wk);
             int32_t p0[QR], p1[QR];
             for (int r = 0; r < mr; r++) {
                 memcpy(&p0[r], x + r * K + 4 * kq, 4);
@@ -85,49 +78,6 @@ static void qtile_any(int mr, int64_t K, int64_t G, const uint16_t *x, const uin
     }
 }
 
-static inline float bf16_to_f32(uint16_t h) {
-    const uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-// The calling thread's buffer for the rows' group sums, grown to the largest call seen (a fresh malloc of a
-// prefill's sums is an mmap whose pages fault in on every call); NULL without memory.
-static __thread float *sums_buf;
-static __thread int64_t sums_cap;
-
-static float *sums_for(int64_t n) {
-    if (sums_cap < n) {
-        free(sums_buf);
-        sums_buf = malloc(sizeof(float) * (size_t)n);
-        sums_cap = sums_buf ? n : 0;
-    }
-    return sums_buf;
-}
-
-// The sums of x's rows over each group of G inputs, in float: [M][K/G].
-static void group_sums(int64_t M, int64_t K, int64_t G, const uint16_t *x, float *xs, int nthreads) {
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (M * K > 65536)
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t g = 0; g < K / G; g++) {
-            float s = 0;
-            for (int64_t k = g * G; k < (g + 1) * G; k++) s += bf16_to_f32(x[m * K + k]);
-            xs[m * (K / G) + g] = s;
-        }
-}
-
-static void store_row(const float *o, const float *bias, uint16_t *yr, int64_t nn) {
-    if (nn < NB) {
-        for (int64_t j = 0; j < nn; j++) yr[j] = to_bf16(o[j] + bias[j]);
-        return;
-    }
-    __m512 v[4];
-    for (int c = 0; c < 4; c++) v[c] = _mm512_add_ps(_mm512_loadu_ps(o + 16 * c), _mm512_loadu_ps(bias + 16 * c));
-    _mm512_storeu_si512((void *)yr, (__m512i)_mm512_cvtne2ps_pbh(v[1], v[0]));
-    _mm512_storeu_si512((void *)(yr + 32), (__m512i)_mm512_cvtne2ps_pbh(v[3], v[2]));
-}
-
 // Returns 0, or -1 where the rows' group sums could not be had (y untouched).
 int w4mm_linear(int64_t M, int64_t N, int64_t K, int64_t G, const uint16_t *x, const uint8_t *wq, const float *sc,
                 const uint16_t *b, uint16_t *y, int nthreads) {
@@ -139,9 +89,8 @@ int w4mm_linear(int64_t M, int64_t N, int64_t K, int64_t G, const uint16_t *x, c
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t nb = 0; nb < nblocks; nb++) {
         const int64_t n0 = nb * NB, nn = N - n0 < NB ? N - n0 : NB;
-        float out[QR * NB], bias[NB] = {0};
-        if (b)
-            for (int64_t j = 0; j < nn; j++) bias[j] = bf16_to_f32(b[n0 + j]);
+        float out[QR * NB], bias[NB];
+        load_bias(b, n0, nn, bias);
         for (int64_t r0 = 0; r0 < M; r0 += QR) {
             const int mr = M - r0 < QR ? (int)(M - r0) : QR;
             qtile_any(mr, K, G, x + r0 * K, wq + nb * K * 32, sc + nb * groups * 128, xs + r0 * groups, out);
@@ -153,13 +102,15 @@ int w4mm_linear(int64_t M, int64_t N, int64_t K, int64_t G, const uint16_t *x, c
 
 // One group's nibbles of a 64-column block widened to bf16 (128 + q, exact) in bf16mm's layout [G/2][64][2].
 static void widen_group(int64_t G, const uint8_t *wq, uint16_t *wg) {
-    for (int64_t kq = 0; kq < G / 4; kq++)
+    for (int64_t kq = 0; kq < G / 4; kq++) {
+        prefetch_nibbles(wq + kq * 128);
         for (int c = 0; c < 4; c++) {
             __m512bh a, b;
             widen(wq + kq * 128 + 32 * c, &a, &b);
             _mm512_storeu_si512((void *)(wg + ((2 * kq) * NB + 16 * c) * 2), (__m512i)a);
             _mm512_storeu_si512((void *)(wg + ((2 * kq + 1) * NB + 16 * c) * 2), (__m512i)b);
         }
+    }
 }
 
 // mr rows of x (row stride ldx, at the group's first input) against a widened group wg: the sums of x * q in
@@ -198,9 +149,6 @@ static void gtile_any(int mr, int64_t ldx, int64_t G, const uint16_t *x, const u
     }
 }
 
-static __thread uint16_t *group_buf;  // per thread, grown to the largest group seen
-static __thread int64_t group_cap;
-
 // Returns 0, or -1 where a buffer could not be had (y is then incomplete).
 int w4mm_linear_panel(int64_t M, int64_t N, int64_t K, int64_t G, const uint16_t *x, const uint8_t *wq,
                       const float *sc, const uint16_t *b, uint16_t *y, int nthreads) {
@@ -212,21 +160,15 @@ int w4mm_linear_panel(int64_t M, int64_t N, int64_t K, int64_t G, const uint16_t
     int failed = 0;
 #pragma omp parallel num_threads(nthreads) reduction(| : failed)
     {
-        if (group_cap < G * NB) {
-            free(group_buf);
-            group_buf = malloc((size_t)(G * NB) * sizeof(uint16_t));
-            group_cap = group_buf ? G * NB : 0;
-        }
-        uint16_t *wg = group_buf;
+        uint16_t *wg = bf16_buffer(G * NB);
         failed = wg == NULL;
         float out[MC * NB];
 #pragma omp for schedule(static)
         for (int64_t nb = 0; nb < nblocks; nb++) {
             if (!wg) continue;
             const int64_t n0 = nb * NB, nn = N - n0 < NB ? N - n0 : NB;
-            float bias[NB] = {0};
-            if (b)
-                for (int64_t j = 0; j < nn; j++) bias[j] = bf16_to_f32(b[n0 + j]);
+            float bias[NB];
+            load_bias(b, n0, nn, bias);
             const uint8_t *wb = wq + nb * K * 32;
             const float *sb = sc + nb * groups * 128;
             // rows a pass at most MC, so they stay in L2 while the block's groups go past them

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,14 +78,18 @@ class W4MM:
 
     def direct(self, x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., K] → x W^T + b, [..., N] bf16, the nibbles widened in registers."""
-        return self._run(self.lib.w4mm_linear, x, w, bias)
+        return self.run(self.lib.w4mm_linear, x, w, bias, "w4mm")
 
     def panel(self, x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None) -> torch.Tensor:
         """The same, each group widened once into a buffer for all the rows and run through bf16mm's tiles."""
-        return self._run(self.lib.w4mm_linear_panel, x, w, bias)
+        return self.run(self.lib.w4mm_linear_panel, x, w, bias, "w4mm")
 
     @staticmethod
-    def _run(fn: ctypes._CFuncPtr, x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None) -> torch.Tensor:
+    def run(
+        fn: ctypes._CFuncPtr, x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None, name: str
+    ) -> torch.Tensor:  # fmt: skip
+        """Calls an entry point over this layout (w4mm's, w4amx's): fn(M, N, K, G, x, nibbles, scales, b, y,
+        threads) → 0, or -1 without memory for its buffers."""
         x2 = x.reshape(-1, w.k).to(torch.bfloat16).contiguous()
         y = torch.empty(x2.shape[0], w.n, dtype=torch.bfloat16)
         b = bias.to(torch.bfloat16).contiguous() if bias is not None else None  # held until the call returns
@@ -93,14 +98,17 @@ class W4MM:
             b.data_ptr() if b is not None else None, y.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         if rc != 0:
-            raise MemoryError("w4mm: no memory for the kernel's buffers")
+            raise MemoryError(f"{name}: no memory for the kernel's buffers")
         return y.view(*x.shape[:-1], w.n)
 
 
-def self_check(kernel: W4MM) -> None:
-    """Column tails, several groups, more rows than a tile, asymmetric zero points, through both entry points."""
+def check_int4_kernel(
+    name: str, entries: dict[str, Callable[..., torch.Tensor]], shapes: tuple[tuple[int, int, int, int], ...]
+) -> None:  # fmt: skip
+    """Each entry point over w4mm's layout (entry(x, packed, bias)) against the reference at (M, N, K, G) shapes,
+    asymmetric zero points and a bias; raises SelfCheckError naming the first that differs."""
     g = torch.Generator().manual_seed(0)
-    for m, n, k, gs in ((1, 70, 64, 32), (7, 130, 256, 128), (200, 64, 96, 32), (4, 16, 128, 64)):
+    for m, n, k, gs in shapes:
         values = torch.randint(0, 16, (n, k), generator=g)
         scale = torch.rand(n, k // gs, generator=g) * 0.1 + 0.01
         zero = torch.randint(0, 16, (n, k // gs), generator=g)
@@ -108,16 +116,34 @@ def self_check(kernel: W4MM) -> None:
         bias = torch.randn(n, generator=g).bfloat16()
         want = Int4Weight(pack_nibbles(values), scale, zero, gs).reference(x, bias.float())
         packed = W4MM.pack(values, scale, zero, gs)
-        for name, fn in (("direct", kernel.direct), ("panel", kernel.panel)):
+        for entry, fn in entries.items():
             got = fn(x, packed, bias).float()
             if not torch.allclose(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item()):
                 err = (got - want).abs().max().item()
-                raise SelfCheckError(f"w4mm {name} self-check failed at {m}x{n}x{k} g{gs}: max error {err:.3g}")
+                raise SelfCheckError(f"{name} {entry} self-check failed at {m}x{n}x{k} g{gs}: max error {err:.3g}")
+
+
+def self_check(kernel: W4MM) -> None:
+    """Column tails, several groups, more rows than a tile, asymmetric zero points, through both entry points."""
+    entries = {"direct": kernel.direct, "panel": kernel.panel}
+    check_int4_kernel("w4mm", entries, ((1, 70, 64, 32), (7, 130, 256, 128), (200, 64, 96, 32), (4, 16, 128, 64)))
 
 
 _once = Once(W4MM.build, log, "W4A16 layers will use torch's int4 GEMM (slower)", check=self_check)
+# the same kernel without its software prefetch of the nibbles ahead (PF_BYTES, set on one CPU): timed beside it
+_once_plain = Once(
+    lambda: W4MM.build(("-march=native", "-DPF_BYTES=0")),
+    log,
+    "W4A16 layers are not timed without software prefetch",
+    check=self_check,
+)
 
 
 def kernel() -> W4MM | None:
     """The process-wide kernel; None without AVX512-BF16, or (logged once) where it can't be built."""
     return _once() if bf16mm.supported() else None
+
+
+def kernel_without_prefetch() -> W4MM | None:
+    """The kernel built with no software prefetch (PF_BYTES=0), as kernel() otherwise."""
+    return _once_plain() if bf16mm.supported() else None

@@ -6,6 +6,7 @@ CPU has them), torch._int_mm, or on AVX512-VNNI CPUs engine.kernels.i8mm (the wh
 AVX2 CPUs that compute in float32 engine.kernels.i8avx2 (the same, by VPMADDWD). W4A16:
 torch's CPU int4 GEMM (weights unpacked in registers, float math) and, on AVX512-BF16 CPUs,
 engine.kernels.w4mm's two entry points (nibbles widened in registers; a group at a time through bf16mm's
+tiles), on AMX CPUs engine.kernels.w4amx's two (a group, or a whole column block dequantized, through AMX
 tiles), or where the engine computes in float32, engine.kernels.w4f32's two (the same two ideas in float32
 FMAs). The reference path (dequantize, then matmul) runs anywhere and is the correctness definition."""
 
@@ -19,10 +20,11 @@ from collections.abc import Callable
 
 import torch
 
-from engine.kernels import i8avx2, i8mm, w4f32, w4mm
+from engine.kernels import i8avx2, i8mm, w4amx, w4f32, w4mm
 from engine.kernels.gemm import Act, GemmPath, Run
 from engine.kernels.i8avx2 import I8AVX2
 from engine.kernels.i8mm import I8MM
+from engine.kernels.w4amx import W4AMX
 from engine.kernels.w4f32 import W4F32, PackedInt4F32
 from engine.kernels.w4mm import W4MM, PackedInt4
 from engine.quant.weights import Int4Weight, Int8Weight, quantize_tokens
@@ -223,16 +225,18 @@ class Int4PackPath:
 
 
 class _Int4KernelPath:
-    """One entry point (`direct` or `panel`) of an int4 kernel of ours. A weight gets one packed copy, whichever
-    entry points run it (a weight may hold both: select.py), kept while its nibbles live; keyed by their id (a
-    tensor cannot key a WeakKeyDictionary: its == is elementwise)."""
+    """One entry point of an int4 kernel of ours (`direct`, `panel`, `amx-dequant`: the kernel's method, a dash
+    for its underscore). A weight gets one packed copy, whichever entry points run it (a weight may hold several:
+    select.py), kept while its nibbles live; keyed by their id (a tensor cannot key a WeakKeyDictionary: its == is
+    elementwise)."""
 
     prefix = ""
     bias_dtype = torch.float32
 
-    def __init__(self, kernel: W4MM | W4F32, entry: str) -> None:
+    def __init__(self, kernel: W4MM | W4AMX | W4F32, entry: str, variant: str = "") -> None:
+        """variant: a suffix naming a build of the kernel ("-noprefetch": timed beside the default build)."""
         self.kernel, self.entry = kernel, entry
-        self.name = self.prefix if entry == "direct" else f"{self.prefix}-{entry}"
+        self.name = (self.prefix if entry == "direct" else f"{self.prefix}-{entry}") + variant
         self.available = True
         self._packed: dict[int, object] = _PACKED.setdefault(self.prefix, {})
 
@@ -253,7 +257,7 @@ class _Int4KernelPath:
         if packed is None:
             packed = self._packed[key] = self.pack(weight)
             weakref.finalize(weight.packed, self._packed.pop, key, None)
-        fn = getattr(self.kernel, self.entry)
+        fn = getattr(self.kernel, self.entry.replace("-", "_"))
         b = bias.to(self.bias_dtype) if bias is not None else None
         return _then(lambda x: fn(x, packed, b).to(x.dtype), act)
 
@@ -276,6 +280,16 @@ class W4MMPath(_Int4KernelPath):
         p = weight.packed  # its nibbles as uint8 (values() is int32: 4 bytes a weight, gigabytes for a big head)
         values = torch.stack((p & 15, p >> 4), dim=-1).flatten(-2)
         return W4MM.pack(values, weight.scale, weight.zero, weight.group_size)
+
+
+class W4AMXPath(W4MMPath):
+    """engine.kernels.w4amx over w4mm's packed weight (the same copy): entry `amx` (a group at a time widened into
+    tiles, its sums scaled) or `amx-dequant` (a block dequantized to bf16 whole), AMX's bf16 products for every
+    row."""
+
+    @staticmethod
+    def fits(weight: Int4Weight) -> bool:
+        return W4AMX.accepts(*weight.shape, weight.group_size)
 
 
 class W4F32Path(_Int4KernelPath):
@@ -306,6 +320,12 @@ def quant_paths(dtype: torch.dtype) -> list[GemmPath]:
             fast.append(I8MMPath(plain, "i8mm-noprefetch"))
     if dtype == torch.bfloat16 and (k4 := w4mm.kernel()) is not None:
         fast += [W4MMPath(k4, "direct"), W4MMPath(k4, "panel")]
+        if (plain4 := w4mm.kernel_without_prefetch()) is not None:  # its prefetch distance was set on one CPU
+            fast += [W4MMPath(plain4, "direct", "-noprefetch"), W4MMPath(plain4, "panel", "-noprefetch")]
+    if dtype == torch.bfloat16 and (k4a := w4amx.kernel()) is not None:
+        fast += [W4AMXPath(k4a, "amx"), W4AMXPath(k4a, "amx-dequant")]
+        if (plain4a := w4amx.kernel_without_prefetch()) is not None:
+            fast += [W4AMXPath(plain4a, "amx", "-noprefetch"), W4AMXPath(plain4a, "amx-dequant", "-noprefetch")]
     if dtype == torch.float32 and (k8a := i8avx2.kernel()) is not None:
         fast.append(I8AVX2Path(k8a))
         if (plain8 := i8avx2.kernel_without_prefetch()) is not None:  # its prefetch distance was set on one CPU

@@ -103,5 +103,6 @@ def test_both_entry_points_share_one_packed_copy(kernel: W4MM) -> None:
 def test_the_selection_times_them_among_the_bf16_candidates_and_keeps_the_fastest(kernel: W4MM) -> None:
     names = [p.name for p in quant_paths(torch.bfloat16)]
     assert "w4mm" in names and "w4mm-panel" in names and names[-1] == "torch-dequant"
+    assert "w4mm-noprefetch" in names and "w4mm-panel-noprefetch" in names  # the prefetch distance is timed too
     assert "w4mm" not in [p.name for p in quant_paths(torch.float32)]  # bf16 math only
     assert_the_selection_keeps_the_fastest_entry(kernel, W4MMPath, torch.bfloat16)

@@ -1,0 +1,224 @@
+// W4A16 linear layers on Intel AMX tiles: y[M][N] = x[M][K] . W^T (+ b), x, b and y bf16, W unsigned 4-bit with a
+// float scale s and zero point z per output channel and group of G inputs (w = (q - z) * s), in w4mm's packed
+// layout (w4mm.c; one packed copy serves both kernels).
+//
+// WHY: on an AMX CPU the bf16 model's batches run on AMX tiles (amxmm.c, oneDNN), which do several times the
+// work per cycle of w4mm's VDPBF16PS loops, so a W4A16 model whose batches went through w4mm ran them slower
+// than the bf16 model it was meant to beat. Two entry points, which the engine times per shape and batch class:
+// - w4amx_linear: a thread widens one group of a 64-column block at a time (as 128 + q, exact in bf16:
+//   w4mm_common.h) into tiles in an L1 buffer, every row of x goes through TDPBF16PS against it, and at the group's
+//   end out += s * sum - s * (128 + z) * (sum x), as in w4mm (exact). Its cost past the products grows with
+//   rows x groups: the tiles drain and are scaled every G inputs.
+// - w4amx_linear_dequant: a thread dequantizes a whole 64-column block, all of K, into bf16 tiles (w rounded to
+//   bf16 once: the precision of the bf16 model's own weights) and runs the rows through them as amxmm does,
+//   summing over all of K in the tiles: a fixed cost per weight, none per row and group. 24 Qwen2-0.5B layers
+//   streamed on a 2-core AMX Xeon (model 167): group 128 at 1-32 rows 12-28 ms against 23-28, at 128 rows 76
+//   against 63; group 32 at 128 rows 117 against 69.
+// The weights stream at a quarter of bf16's bytes, read by ordinary loads (which the hardware prefetcher follows,
+// and PF_BYTES asks ahead of; AMX tile loads of the weights would draw neither).
+//
+// Tile buffers: [k/32][4][16][32] bf16 for k inputs (a group, or all of K): for each 32-k step and each 16
+// columns of the block, one tile whose row r holds k = 2r, 2r+1 of the 16 columns side by side (AMX's pair
+// layout, which w4mm's nibble order widens to directly). K and G are multiples of 32 (w4amx.py checks).
+#if !defined(__AMX_TILE__) || !defined(__AMX_BF16__) || !defined(__AVX512BF16__)
+#error "this kernel needs AMX-BF16 and AVX512-BF16 (-march=native on a CPU without them: w4mm is used instead)"
+#endif
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "amx_tiles.h"
+#include "bf16mm_block.h"
+#include "w4mm_common.h"
+
+#define TILE_ELEMS 512  // 16 rows x 32 bf16
+
+int w4amx_init(void) { return request_tile_state(); }
+
+// One group of a block's nibbles wq (G/4 steps of 128 bytes) widened into the tile buffer wg.
+static void widen_group_tiles(int64_t G, const uint8_t *wq, uint16_t *wg) {
+    for (int64_t kq = 0; kq < G / 4; kq++) {
+        prefetch_nibbles(wq + kq * 128);
+        for (int c = 0; c < 4; c++) {
+            __m512bh a, b;
+            widen(wq + kq * 128 + 32 * c, &a, &b);
+            uint16_t *t = wg + ((kq / 8) * 4 + c) * TILE_ELEMS + (kq % 8) * 64;
+            _mm512_storeu_si512((void *)t, (__m512i)a);
+            _mm512_storeu_si512((void *)(t + 32), (__m512i)b);
+        }
+    }
+}
+
+// A block's nibbles wq (K/4 steps of 128 bytes) and scales sc ([K/G][2][64]: s, then s * (128 + z)) → bf16
+// weights in the tile buffer wb. The nibbles widen to bf16 128 + q (exact; w4mm_common.h); each 32-bit lane then
+// holds one column's two k, taken apart to floats by a shift and a mask, w = (128 + q) * s - s * (128 + z) in one
+// rounding, back to bf16 pairs (VCVTNE2PS2BF16 puts the 16 even k before the 16 odd; VPERMW interleaves them).
+static void dequantize_block(int64_t K, int64_t G, const uint8_t *wq, const float *sc, uint16_t *wb) {
+    const __m512i hi_half = _mm512_set1_epi32((int)0xFFFF0000u);
+    __m512i pairs;  // [e0, o0, e1, o1, ...] from [e0..e15, o0..o15]
+    {
+        uint16_t idx[32];
+        for (int j = 0; j < 16; j++) {
+            idx[2 * j] = (uint16_t)j;
+            idx[2 * j + 1] = (uint16_t)(16 + j);
+        }
+        pairs = _mm512_loadu_si512((const void *)idx);
+    }
+    for (int64_t g = 0; g < K / G; g++) {
+        __m512 s[4], sz[4];
+        for (int c = 0; c < 4; c++) {
+            s[c] = _mm512_loadu_ps(sc + g * 128 + 16 * c);
+            sz[c] = _mm512_loadu_ps(sc + g * 128 + 64 + 16 * c);
+        }
+        for (int64_t kq = g * G / 4; kq < (g + 1) * G / 4; kq++) {
+            prefetch_nibbles(wq + kq * 128);
+            for (int c = 0; c < 4; c++) {
+                __m512bh v[2];
+                widen(wq + kq * 128 + 32 * c, &v[0], &v[1]);
+                uint16_t *t = wb + ((kq / 8) * 4 + c) * TILE_ELEMS + (kq % 8) * 64;
+                for (int i = 0; i < 2; i++) {
+                    const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32((__m512i)v[i], 16));
+                    const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512((__m512i)v[i], hi_half));
+                    const __m512bh w = _mm512_cvtne2ps_pbh(_mm512_fmsub_ps(odd, s[c], sz[c]),
+                                                           _mm512_fmsub_ps(even, s[c], sz[c]));
+                    _mm512_storeu_si512((void *)(t + 32 * i), _mm512_permutexvar_epi16(pairs, (__m512i)w));
+                }
+            }
+        }
+    }
+}
+
+// mr (<= 32) rows of x (row stride K) against ksteps 32-k steps of widened tiles w: the 32 x 64 sums into out
+// (rows 64 wide), one 32-column half at a time, summed over the steps in the tiles (configured for mr rows).
+static void tile_rows(int mr, int64_t K, int64_t ksteps, const uint16_t *x, const uint16_t *w, float *out) {
+    const int64_t stride = K * 2;
+    for (int h = 0; h < 2; h++) {
+        _tile_zero(0);
+        _tile_zero(1);
+        if (mr > 16) {
+            _tile_zero(2);
+            _tile_zero(3);
+        }
+        for (int64_t ks = 0; ks < ksteps; ks++) {
+            const uint16_t *wk = w + (ks * 4 + 2 * h) * TILE_ELEMS;
+            _tile_loadd(4, x + ks * 32, stride);
+            _tile_loadd(6, wk, 64);
+            _tile_loadd(7, wk + TILE_ELEMS, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            if (mr > 16) {
+                _tile_loadd(5, x + 16 * K + ks * 32, stride);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
+            }
+        }
+        _tile_stored(0, out + 32 * h, NB * 4);
+        _tile_stored(1, out + 32 * h + 16, NB * 4);
+        if (mr > 16) {
+            _tile_stored(2, out + 16 * NB + 32 * h, NB * 4);
+            _tile_stored(3, out + 16 * NB + 32 * h + 16, NB * 4);
+        }
+    }
+}
+
+// out[r] (64 floats a row) += s * c[r] - s * (128 + z) * xs[r * groups], for mr rows of sums c ([32][64]); sc:
+// the group's [2][64].
+static void scale_into(int mr, const float *restrict c, const float *restrict sc, const float *restrict xs,
+                       int64_t groups, float *restrict out) {
+    __m512 s[4], sz[4];  // loaded once for all the rows
+    for (int v = 0; v < 4; v++) {
+        s[v] = _mm512_loadu_ps(sc + 16 * v);
+        sz[v] = _mm512_loadu_ps(sc + 64 + 16 * v);
+    }
+    for (int r = 0; r < mr; r++) {
+        const __m512 sum = _mm512_set1_ps(xs[r * groups]);
+        for (int v = 0; v < 4; v++) {
+            __m512 o = _mm512_loadu_ps(out + r * NB + 16 * v);
+            o = _mm512_fmadd_ps(_mm512_loadu_ps(c + r * NB + 16 * v), s[v], o);
+            _mm512_storeu_ps(out + r * NB + 16 * v, _mm512_fnmadd_ps(sum, sz[v], o));
+        }
+    }
+}
+
+// Returns 0, or -1 where a buffer could not be had (y is then incomplete).
+int w4amx_linear(int64_t M, int64_t N, int64_t K, int64_t G, const uint16_t *x, const uint8_t *wq, const float *sc,
+                 const uint16_t *b, uint16_t *y, int nthreads) {
+    const int64_t nblocks = (N + NB - 1) / NB, groups = K / G;
+    if (M <= 0) return 0;
+    float *xs = sums_for(M * groups);
+    if (!xs) return -1;
+    group_sums(M, K, G, x, xs, nthreads);
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads) reduction(| : failed)
+    {
+        uint16_t *wg = bf16_buffer(G * NB);
+        failed = wg == NULL;
+        float out[MC * NB], bias[NB];
+        float c[32 * NB] __attribute__((aligned(64)));
+        int configured = -1;  // a row tail's configuration differs from a full 32 rows'
+        // Dealt dynamically, as amxmm's blocks: a thread the event loop preempts leaves its blocks to the other.
+#pragma omp for schedule(dynamic, 2)
+        for (int64_t nb = 0; nb < nblocks; nb++) {
+            if (!wg) continue;
+            const int64_t n0 = nb * NB, nn = N - n0 < NB ? N - n0 : NB;
+            load_bias(b, n0, nn, bias);
+            const uint8_t *wb = wq + nb * K * 32;
+            const float *sb = sc + nb * groups * 128;
+            // rows a pass at most MC, so they stay in L2 while the block's groups go past them
+            for (int64_t m0 = 0; m0 < M; m0 += MC) {
+                const int64_t mc = M - m0 < MC ? M - m0 : MC;
+                memset(out, 0, sizeof(float) * (size_t)(mc * NB));
+                for (int64_t g = 0; g < groups; g++) {
+                    widen_group_tiles(G, wb + g * G * 32, wg);
+                    for (int64_t r = 0; r < mc; r += 32) {
+                        const int mr = mc - r < 32 ? (int)(mc - r) : 32;
+                        if (configured != mr) {
+                            amx_configure(mr < 16 ? mr : 16, mr > 16 ? mr - 16 : 0);
+                            configured = mr;
+                        }
+                        tile_rows(mr, K, G / 32, x + (m0 + r) * K + g * G, wg, c);
+                        scale_into(mr, c, sb + g * 128, xs + (m0 + r) * groups + g, groups, out + r * NB);
+                    }
+                }
+                for (int64_t r = 0; r < mc; r++) store_row(out + r * NB, bias, y + (m0 + r) * N + n0, nn);
+            }
+        }
+        if (configured != -1) _tile_release();
+    }
+    return failed ? -1 : 0;
+}
+
+// Returns 0, or -1 where a buffer could not be had (y is then incomplete).
+int w4amx_linear_dequant(int64_t M, int64_t N, int64_t K, int64_t G, const uint16_t *x, const uint8_t *wq,
+                         const float *sc, const uint16_t *b, uint16_t *y, int nthreads) {
+    const int64_t nblocks = (N + NB - 1) / NB, groups = K / G;
+    if (M <= 0) return 0;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads) reduction(| : failed)
+    {
+        uint16_t *wb = bf16_buffer(K * NB);
+        failed = wb == NULL;
+        float out[32 * NB] __attribute__((aligned(64))), bias[NB];
+        int configured = -1;  // a row tail's configuration differs from a full 32 rows'
+        // Dealt dynamically, as amxmm's blocks: a thread the event loop preempts leaves its blocks to the other.
+#pragma omp for schedule(dynamic, 2)
+        for (int64_t nb = 0; nb < nblocks; nb++) {
+            if (!wb) continue;
+            const int64_t n0 = nb * NB, nn = N - n0 < NB ? N - n0 : NB;
+            load_bias(b, n0, nn, bias);
+            dequantize_block(K, G, wq + nb * K * 32, sc + nb * groups * 128, wb);
+            for (int64_t m0 = 0; m0 < M; m0 += 32) {
+                const int mr = M - m0 < 32 ? (int)(M - m0) : 32;
+                if (configured != mr) {
+                    amx_configure(mr < 16 ? mr : 16, mr > 16 ? mr - 16 : 0);
+                    configured = mr;
+                }
+                tile_rows(mr, K, K / 32, x + m0 * K, wb, out);
+                for (int r = 0; r < mr; r++) store_row(out + r * NB, bias, y + (m0 + r) * N + n0, nn);
+            }
+        }
+        if (configured != -1) _tile_release();
+    }
+    return failed ? -1 : 0;
+}

@@ -1,0 +1,77 @@
+"""W4A16 linear layers on Intel AMX tiles (engine/kernels/w4amx.c), over w4mm's packed weight, for batches and
+prefill on AMX CPUs, where w4mm's VDPBF16PS loops trail the tiles the bf16 model runs on. Two entry points:
+`amx` widens one group of a 64-column block at a time exactly and scales the tiles' sums per group (fewer
+instructions per weight: small batches); `amx_dequant` dequantizes a whole block to bf16 and sums over all of K
+in the tiles (nothing per row and group: prefill, small groups). The engine times both with w4mm's entry points
+and torch's int4 GEMM per shape and batch class (engine.quant.paths).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from pathlib import Path
+
+import torch
+
+from engine.kernels import amxmm
+from engine.kernels.cbuild import BuildError, Once, build
+from engine.kernels.w4mm import W4MM, PackedInt4, check_int4_kernel
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("w4amx.c")
+KB = 32  # K and the group size are whole 32-input tile steps
+
+_i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+
+
+class W4AMX:
+    """The compiled kernel: bf16 linear layers over a weight W4MM.pack made."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib
+        for f in (lib.w4amx_linear, lib.w4amx_linear_dequant):
+            f.argtypes = [_i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _int]
+            f.restype = _int
+        lib.w4amx_init.restype = _int
+        if lib.w4amx_init() != 0:
+            raise BuildError("the kernel cannot use AMX: Linux refused the tile state (arch_prctl)")
+
+    @classmethod
+    def build(cls, extra: tuple[str, ...] = ()) -> W4AMX:
+        return cls(build(SOURCE, ("-march=native", "-mamx-tile", "-mamx-bf16", *extra)))
+
+    @staticmethod
+    def accepts(n: int, k: int, group_size: int) -> bool:
+        return W4MM.accepts(n, k, group_size) and group_size % KB == 0
+
+    def amx(self, x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [..., K] → x W^T + b, [..., N] bf16; a group at a time widened exactly, its tile sums scaled."""
+        return W4MM.run(self.lib.w4amx_linear, x, w, bias, "w4amx")
+
+    def amx_dequant(self, x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None) -> torch.Tensor:
+        """The same, each 64-column block dequantized to bf16 whole and summed over all of K in the tiles."""
+        return W4MM.run(self.lib.w4amx_linear_dequant, x, w, bias, "w4amx")
+
+
+def self_check(kernel: W4AMX) -> None:
+    """Row tails under 16, 16-32 and past a 32-row step and a pass of rows, column tails, several groups."""
+    entries = {"amx": kernel.amx, "amx-dequant": kernel.amx_dequant}
+    check_int4_kernel("w4amx", entries, ((1, 70, 64, 32), (17, 130, 256, 128), (200, 64, 96, 32), (40, 16, 128, 64)))
+
+
+_once = Once(W4AMX.build, log, "W4A16 layers will not run on AMX tiles (w4mm still can)", check=self_check)
+_once_plain = Once(
+    lambda: W4AMX.build(("-DPF_BYTES=0",)), log, "w4amx is not timed without software prefetch", check=self_check
+)
+
+
+def kernel() -> W4AMX | None:
+    """The process-wide kernel; None without AMX, or (logged once) where it can't be built."""
+    return _once() if amxmm.supported() else None
+
+
+def kernel_without_prefetch() -> W4AMX | None:
+    """The kernel built with no software prefetch of the nibbles (PF_BYTES=0), as kernel() otherwise."""
+    return _once_plain() if amxmm.supported() else None
