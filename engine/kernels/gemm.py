@@ -39,7 +39,9 @@ class GemmKernel(Protocol):
 class GemmPath(Protocol):
     """One way to compute a linear layer: `prepare` packs the weight once and returns the function to call.
 
-    With `act` (a gated MLP's merged [gate | up] projection) the function returns act(x W^T + b)."""
+    With `act` (a gated MLP's merged [gate | up] projection) the function returns act(x W^T + b). Paths that
+    share one packed copy of a weight may say so by a common `layout` attribute (the selection then counts them
+    as one layout held in memory); without it a path is its own layout."""
 
     name: str
 

@@ -247,7 +247,8 @@ class GemmSelector:
         return us
 
     def _decide(self, us: dict[str, list[float]]) -> ShapeChoice:
-        """Per class the fastest path; then hold at most `max_layouts` of them, never one slower than the baseline."""
+        """Per class the fastest path; then hold paths over at most `max_layouts` packed copies of the weight, never
+        one slower than the baseline."""
         base = us.get(self.baseline)
         n = len(ROWS)
 
@@ -269,8 +270,11 @@ class GemmSelector:
         fallback = self.baseline if self.baseline in finite else min(finite, key=lambda p: sum(us[p]))
         held = [fallback]
         for p in sorted({w for w in winners if w is not None}, key=lambda p: -winners.count(p)):
-            if p not in held and len(held) < self.max_layouts:
+            layouts = {self._layout(h) for h in held}
+            if p not in held and (self._layout(p) in layouts or len(layouts) < self.max_layouts):
                 held.append(p)
+        layouts = {self._layout(h) for h in held}  # a path over a layout already held costs no memory
+        held += [p for p in us if p not in held and self._layout(p) in layouts]
         if self.max_layouts == 1 and all(w == winners[0] for w in winners) and winners[0] is not None:
             held = [winners[0]]  # one layout: a path that wins every class may replace the baseline
         per_class = [best(i, held) or fallback for i in range(n)]
@@ -278,6 +282,11 @@ class GemmSelector:
             if not any(math.isfinite(v[i]) for v in us.values()):
                 per_class[i] = per_class[i - 1]  # not timed: no call has that many rows
         return ShapeChoice(per_class, us)
+
+
+    def _layout(self, name: str) -> str:
+        """The packed copy a path runs on: paths over one copy (w4mm's entry points) share it."""
+        return getattr(self.paths.get(name), "layout", name)
 
 
 def _close(us: dict[str, list[float]], steps: dict[str, Callable[[], None]], i: int) -> bool:

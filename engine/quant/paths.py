@@ -237,6 +237,7 @@ class _Int4KernelPath:
         """variant: a suffix naming a build of the kernel ("-noprefetch": timed beside the default build)."""
         self.kernel, self.entry = kernel, entry
         self.name = (self.prefix if entry == "direct" else f"{self.prefix}-{entry}") + variant
+        self.layout = self.prefix  # every entry point and build runs on the one packed copy (GemmPath)
         self.available = True
         self._packed: dict[int, object] = _PACKED.setdefault(self.prefix, {})
 

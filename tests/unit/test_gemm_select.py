@@ -99,6 +99,24 @@ def test_never_a_path_slower_than_the_baseline_and_at_most_max_layouts() -> None
     assert three.per_class == ["a", "b", "b", "onednn", "onednn"]
 
 
+def test_paths_over_one_packed_copy_count_as_one_layout() -> None:
+    """w4mm's entry points (direct, panel, AMX) run on one packed weight: holding all of them costs one layout, so
+    a class won by one of them is not handed to a slower one for want of room (a 2-core AMX Xeon ran its W4A16
+    batch-1 layers 1.2x slower so)."""
+    clock = FakeClock()
+    base = FakePath("onednn", clock, lambda r: 10.0)
+    a = FakePath("w4-direct", clock, lambda r: 1.0 if r == 1 else 20.0)
+    b = FakePath("w4-amx", clock, lambda r: 2.0 if r in (8, 32) else 30.0)
+    c = FakePath("w4-dequant", clock, lambda r: 3.0 if r > 32 else 40.0)
+    for path in (a, b, c):
+        path.layout = "w4"  # type: ignore[attr-defined]
+    two = _selector(base, a, b, c, clock=clock, max_layouts=2).choose("s", _samples(), None)
+    assert two.per_class == ["w4-direct", "w4-amx", "w4-amx", "w4-dequant", "w4-dequant"]
+    other = FakePath("other", clock, lambda r: 0.5 if r == 1 else 50.0)  # its own layout: no room left for it
+    three = _selector(base, a, b, c, other, clock=clock, max_layouts=2).choose("s", _samples(), None)
+    assert three.per_class == two.per_class  # class 1 falls to w4-direct: on the copy held anyway
+
+
 def test_a_win_within_noise_of_the_baseline_keeps_the_baseline() -> None:
     clock = FakeClock()
     choice = _selector(
