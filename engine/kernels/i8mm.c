@@ -24,47 +24,14 @@
 #define NB 64
 #define MR 6
 #define MC 192  // rows a pass, so their quantized values stay in L2 while the column blocks stream past
+
+#include "i8_rows.h"
+
 // Row tiles a block may have for its tiles to prefetch the next block (see i8mm_linear): bf16mm's figure, from a
 // Zen 4. i8mm.py also builds the kernel with -DPF_TILES=1 (no software prefetch); the selection times both.
 #ifndef PF_TILES
 #define PF_TILES 8
 #endif
-
-static inline float bf16_to_f32(uint16_t h) {
-    const uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t to_bf16(float f) {  // round to nearest even, as VCVTNEPS2BF16 does
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40);
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1)) >> 16);
-}
-
-static inline float x_at(const void *x, int bf16, int64_t i) {
-    return bf16 ? bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
-}
-
-// Row m of x → xq[m][K4] (q + 128, the padding 128: q = 0) and its scale.
-static void quantize_row(int64_t K, int64_t K4, const void *x, int bf16, int64_t m, uint8_t *xq, float *xs) {
-    float amax = 0;
-    for (int64_t k = 0; k < K; k++) {
-        const float v = x_at(x, bf16, m * K + k);
-        amax = fabsf(v) > amax ? fabsf(v) : amax;
-    }
-    float scale = amax / 127.5f;
-    if (scale < FLT_MIN) scale = FLT_MIN;  // torch.finfo(float32).tiny: an all-zero row stays zero
-    for (int64_t k = 0; k < K; k++) {
-        float q = nearbyintf(x_at(x, bf16, m * K + k) / scale);  // the default rounding: half to even
-        q = q < -128.f ? -128.f : (q > 127.f ? 127.f : q);
-        xq[m * K4 + k] = (uint8_t)((int)q + 128);
-    }
-    for (int64_t k = K; k < K4; k++) xq[m * K4 + k] = 128;
-    xs[m] = scale;
-}
 
 // pf, pf_end, pf_step: the part of the next column block this tile asks for, spread over its k steps (run()).
 static inline __attribute__((always_inline)) void tile(const int mr, int64_t K4, const uint8_t *xq,
@@ -90,35 +57,11 @@ static inline __attribute__((always_inline)) void tile(const int mr, int64_t K4,
     }
 }
 
-// acc of mr rows → y rows: (acc - 128 * colsum) * xscale * wscale + b.
+// acc of mr rows → y rows (i8_rows.h).
 static inline __attribute__((always_inline)) void store(const int mr, __m512i acc[MR][4], const int32_t *colsum,
                                                         const float *ws, const float *bias, const float *xs,
                                                         void *y, int bf16, int64_t N, int64_t n0, int64_t nn) {
-    for (int r = 0; r < mr; r++) {
-        float o[NB];
-        for (int j = 0; j < 4; j++) {
-            const __m512i c = _mm512_slli_epi32(_mm512_loadu_si512((const void *)(colsum + 16 * j)), 7);
-            const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][j], c));
-            const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(ws + 16 * j), _mm512_set1_ps(xs[r]));
-            _mm512_storeu_ps(o + 16 * j, _mm512_fmadd_ps(v, s, _mm512_loadu_ps(bias + 16 * j)));
-        }
-#ifdef __AVX512BF16__
-        if (bf16 && nn == NB) {
-            uint16_t *yr = (uint16_t *)y + r * N + n0;
-            for (int j = 0; j < 4; j += 2) {
-                const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(o + 16 * j + 16), _mm512_loadu_ps(o + 16 * j));
-                _mm512_storeu_si512((void *)(yr + 16 * j), (__m512i)v);
-            }
-            continue;
-        }
-#endif
-        if (bf16) {
-            uint16_t *yr = (uint16_t *)y + r * N + n0;
-            for (int64_t j = 0; j < nn; j++) yr[j] = to_bf16(o[j]);
-        } else {
-            memcpy((float *)y + r * N + n0, o, sizeof(float) * (size_t)nn);
-        }
-    }
+    for (int r = 0; r < mr; r++) store_row(acc[r], colsum, ws, bias, xs[r], y, bf16, r * N + n0, nn);
 }
 
 typedef struct {  // a tile's share of the next block's prefetch
@@ -148,26 +91,15 @@ static void row_tile_any(int mr, int64_t K4, const uint8_t *xq, const uint8_t *w
     }
 }
 
-// Per thread, grown to the largest call seen: the quantized rows and their scales.
-static __thread uint8_t *xq_buf;
-static __thread int64_t xq_cap;
-
 // x [M][K] (bf16 when bf16, else float32) → y [M][N] of the same type. w: the packed weight; colsum, ws, b:
 // int32 / float [ceil(N/64) * 64] (b may be NULL). Returns 0, or -1 without memory for the quantized rows.
 int i8mm_linear(int64_t M, int64_t N, int64_t K, const void *x, int bf16, const uint8_t *w, const int32_t *colsum,
                 const float *ws, const float *b, void *y, int nthreads) {
-    const int64_t K4 = (K + 3) / 4 * 4, nblocks = (N + NB - 1) / NB, need = M * K4 + 4 * M;
+    const int64_t K4 = (K + 3) / 4 * 4, nblocks = (N + NB - 1) / NB;
     if (M <= 0) return 0;
-    if (xq_cap < need) {
-        free(xq_buf);
-        xq_buf = malloc((size_t)need);
-        xq_cap = xq_buf ? need : 0;
-        if (!xq_buf) return -1;
-    }
-    uint8_t *xq = xq_buf;
-    float *xs = (float *)(xq_buf + M * K4 + (4 - (M * K4) % 4) % 4);
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (M * K > 65536)
-    for (int64_t m = 0; m < M; m++) quantize_row(K, K4, x, bf16, m, xq, xs);
+    float *xs;
+    const uint8_t *xq = quantize_rows(M, K, K4, x, bf16, nthreads, &xs);
+    if (!xq) return -1;
     static const float zeros[NB];
 #pragma omp parallel num_threads(nthreads)
     for (int64_t mc0 = 0; mc0 < M; mc0 += MC) {

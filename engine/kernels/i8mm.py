@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,24 +64,38 @@ class I8MM:
 
     def linear(self, x: torch.Tensor, w: PackedInt8) -> torch.Tensor:
         """x [..., K] (bf16 or float32) → x W^T + b, [..., N] of x's dtype."""
+        return self.run(self.lib.i8mm_linear, x, w, "i8mm")
+
+    @staticmethod
+    def run(fn: ctypes._CFuncPtr, x: torch.Tensor, w: PackedInt8, name: str) -> torch.Tensor:
+        """Calls an entry point over this layout (i8mm's, i8amx's): fn(M, N, K, x, bf16, packed, colsum, scale, b,
+        y, threads) → 0, or -1 without memory for the quantized rows."""
         dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float32) else torch.float32
         x2 = x.reshape(-1, w.k).to(dtype).contiguous()
         y = torch.empty(x2.shape[0], w.n, dtype=dtype)
-        rc = self.lib.i8mm_linear(
+        rc = fn(
             x2.shape[0], w.n, w.k, x2.data_ptr(), int(dtype == torch.bfloat16), w.packed.data_ptr(),
             w.colsum.data_ptr(), w.scale.data_ptr(), w.bias.data_ptr() if w.bias is not None else None,
             y.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         if rc != 0:
-            raise MemoryError("i8mm: no memory for the quantized rows")
+            raise MemoryError(f"{name}: no memory for the quantized rows")
         return y.view(*x.shape[:-1], w.n)
 
 
 def self_check(kernel: I8MM) -> None:
     """Column and K tails, more rows than a tile and a pass, both input types, full-range products (VPDPBUSD
     never saturates: its sums are 32-bit)."""
+    check_int8_kernel("i8mm", kernel.linear, ((1, 70, 33), (7, 130, 64), (200, 64, 9), (13, 16, 256)))
+
+
+def check_int8_kernel(
+    name: str, linear: Callable[[torch.Tensor, PackedInt8], torch.Tensor], shapes: tuple[tuple[int, int, int], ...]
+) -> None:  # fmt: skip
+    """A kernel over i8mm's layout (linear(x, packed)) against the reference at (M, N, K) shapes, both input types,
+    weights of 127 over half of K and one outlier in x; raises SelfCheckError at the first that differs."""
     g = torch.Generator().manual_seed(0)
-    for m, n, k in ((1, 70, 33), (7, 130, 64), (200, 64, 9), (13, 16, 256)):
+    for m, n, k in shapes:
         q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
         q[:, : k // 2] = 127
         scale = torch.rand(n, generator=g) * 0.02 + 1e-3
@@ -90,11 +105,11 @@ def self_check(kernel: I8MM) -> None:
             x = torch.randn(m, k, generator=g).to(dtype)
             x[0, 0] = 50.0  # one outlier: the rest quantize to small steps
             want = Int8Weight(q, scale).reference(x, bias)
-            got = kernel.linear(x, packed).float()
+            got = linear(x, packed).float()
             tol = 1e-5 if dtype == torch.float32 else 1e-2
             if not torch.allclose(got, want, rtol=tol, atol=tol * want.abs().max().item()):
                 err = (got - want).abs().max().item()
-                raise SelfCheckError(f"i8mm self-check failed at {m}x{n}x{k} {dtype}: max error {err:.3g}")
+                raise SelfCheckError(f"{name} self-check failed at {m}x{n}x{k} {dtype}: max error {err:.3g}")
 
 
 def supported() -> bool:

@@ -283,7 +283,6 @@ class GemmSelector:
                 per_class[i] = per_class[i - 1]  # not timed: no call has that many rows
         return ShapeChoice(per_class, us)
 
-
     def _layout(self, name: str) -> str:
         """The packed copy a path runs on: paths over one copy (w4mm's entry points) share it."""
         return getattr(self.paths.get(name), "layout", name)

@@ -2,8 +2,9 @@
 a dense tensor); the engine times them per shape and batch class with the dense ones (engine.kernels.select).
 
 W8A8: activations quantized per token, then int8 x int8 → int32 products by oneDNN (AMX-INT8 / VNNI where the
-CPU has them), torch._int_mm, or on AVX512-VNNI CPUs engine.kernels.i8mm (the whole layer in one call), on
-AVX2 CPUs that compute in float32 engine.kernels.i8avx2 (the same, by VPMADDWD). W4A16:
+CPU has them), torch._int_mm, or on AVX512-VNNI CPUs engine.kernels.i8mm (the whole layer in one call; on AMX
+CPUs also engine.kernels.i8amx over the same packed weight), on AVX2 CPUs that compute in float32
+engine.kernels.i8avx2 (the same, by VPMADDWD). W4A16:
 torch's CPU int4 GEMM (weights unpacked in registers, float math) and, on AVX512-BF16 CPUs,
 engine.kernels.w4mm's two entry points (nibbles widened in registers; a group at a time through bf16mm's
 tiles), on AMX CPUs engine.kernels.w4amx's two (a group, or a whole column block dequantized, through AMX
@@ -20,10 +21,11 @@ from collections.abc import Callable
 
 import torch
 
-from engine.kernels import i8avx2, i8mm, w4amx, w4f32, w4mm
+from engine.kernels import i8amx, i8avx2, i8mm, w4amx, w4f32, w4mm
 from engine.kernels.gemm import Act, GemmPath, Run
+from engine.kernels.i8amx import I8AMX
 from engine.kernels.i8avx2 import I8AVX2
-from engine.kernels.i8mm import I8MM
+from engine.kernels.i8mm import I8MM, PackedInt8
 from engine.kernels.w4amx import W4AMX
 from engine.kernels.w4f32 import W4F32, PackedInt4F32
 from engine.kernels.w4mm import W4MM, PackedInt4
@@ -163,18 +165,30 @@ class IntMMPath(_W8A8Path):
 
 
 class I8MMPath:
-    """engine.kernels.i8mm: per-token quantization, VPDPBUSD int32 sums and both scales in one call, bf16 or
-    float32 in and out."""
+    """engine.kernels.i8mm (or, over the same packed copy, engine.kernels.i8amx on AMX CPUs): per-token
+    quantization, int32 sums and both scales in one call, bf16 or float32 in and out. Every build of either runs
+    on one packed copy of a weight (`layout`), kept while its int8 values live."""
 
-    def __init__(self, kernel: I8MM, name: str = "i8mm") -> None:
+    layout = "i8mm"
+
+    def __init__(self, kernel: I8MM | I8AMX, name: str = "i8mm") -> None:
         self.kernel, self.name, self.available = kernel, name, True
+        self._packed: dict[int, PackedInt8] = _PACKED_INT8
 
     def accepts(self, weight: object, act: Act | None) -> bool:
-        return isinstance(weight, Int8Weight)
+        return isinstance(weight, Int8Weight) and (not isinstance(self.kernel, I8AMX) or I8AMX.accepts(weight.shape[1]))
 
     def prepare(self, weight: Int8Weight, bias: torch.Tensor | None, act: Act | None) -> Run:  # type: ignore[override]
-        packed, kernel = I8MM.pack(weight.q, weight.scale, bias), self.kernel
+        key = (id(weight.q), id(bias))
+        packed = self._packed.get(key)
+        if packed is None:
+            packed = self._packed[key] = I8MM.pack(weight.q, weight.scale, bias)
+            weakref.finalize(weight.q, self._packed.pop, key, None)
+        kernel = self.kernel
         return _then(lambda x: kernel.linear(x, packed), act)
+
+
+_PACKED_INT8: dict[tuple[int, int], PackedInt8] = {}  # (int8 values' id, bias' id) → the packed copy (bias in it)
 
 
 class I8AVX2Path:
@@ -319,6 +333,10 @@ def quant_paths(dtype: torch.dtype) -> list[GemmPath]:
         fast.append(I8MMPath(k8))
         if (plain := i8mm.kernel_without_prefetch()) is not None:  # whether prefetching pays is measured
             fast.append(I8MMPath(plain, "i8mm-noprefetch"))
+    if (k8x := i8amx.kernel()) is not None:
+        fast.append(I8MMPath(k8x, "i8mm-amx"))
+        if (plain8x := i8amx.kernel_without_prefetch()) is not None:
+            fast.append(I8MMPath(plain8x, "i8mm-amx-noprefetch"))
     if dtype == torch.bfloat16 and (k4 := w4mm.kernel()) is not None:
         fast += [W4MMPath(k4, "direct"), W4MMPath(k4, "panel")]
         if (plain4 := w4mm.kernel_without_prefetch()) is not None:  # its prefetch distance was set on one CPU

@@ -1,0 +1,110 @@
+// W8A8 linear layers on Intel AMX-INT8 tiles: y[M][N] = dequant(xq) . dequant(W)^T (+ b), x and y bf16 or float32,
+// W int8 with a float scale per output channel, x quantized per row exactly as compressed-tensors defines it
+// (i8_rows.h), in i8mm's packed layout (i8mm.c; one packed copy serves both kernels).
+//
+// WHY: on an AMX CPU the bf16 model's batches run on AMX-BF16 tiles, and i8mm's VPDPBUSD loops, which halve the
+// bytes streamed, trailed them from 32 rows on (24 Qwen2-0.5B layers on a 2-core AMX Xeon: 35.5 ms at 32 rows
+// against amxmm's 34.5, 108 against oneDNN's 63 at 128). TDPBUSD does 16 x 16 x 64 products an instruction.
+//
+// Tiles (palette 1, amx_tiles.h): 0-3 accumulate a 32 x 32 int32 block, 4-5 hold two 16-row slices of the
+// quantized rows (64 k each, as q + 128: TDPBUSD multiplies unsigned by signed bytes, and 128 * the column's sum
+// of weights comes off at the end, as in i8mm), 6-7 two 16-column slices of the weight. i8mm's layout
+// [N/64][K/4][64][4] holds, for a 64-column block, 64 k as 16 rows of 256 bytes whose bytes 64c .. 64c + 63 are
+// columns 16c .. 16c + 15 x 4 k: a weight tile is loaded in place with a row stride of 256. K must be a multiple
+// of 64 (i8amx.py checks).
+#if !defined(__AMX_TILE__) || !defined(__AMX_INT8__) || !defined(__AVX512VNNI__)
+#error "this kernel needs AMX-INT8 (-march=native on a CPU without it: i8mm or oneDNN is used instead)"
+#endif
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define NB 64
+
+#include "amx_tiles.h"
+#include "i8_rows.h"
+
+// Weight k-steps (64 k) asked for ahead: AMX tile loads do not draw the hardware prefetcher along (amxmm.c). Set
+// on one AMX Xeon (model 167): the library is also built with -DPF=0 and the selection times both.
+#ifndef PF
+#define PF 2
+#endif
+
+int i8amx_init(void) { return request_tile_state(); }
+
+// mr (<= 32) rows of quantized x (row stride K) against a block's packed weight w: the int32 sums, 32 x 64, into
+// acc (rows 64 wide), one 32-column half at a time (tiles configured for mr rows).
+static void block_rows(int mr, int64_t K, const uint8_t *xq, const uint8_t *w, int32_t *acc) {
+    const int64_t ksteps = K / 64, step = 16 * 4 * NB;  // a k-step of the block: 16 rows of 256 bytes
+    for (int h = 0; h < 2; h++) {
+        _tile_zero(0);
+        _tile_zero(1);
+        if (mr > 16) {
+            _tile_zero(2);
+            _tile_zero(3);
+        }
+        for (int64_t ks = 0; ks < ksteps; ks++) {
+            const uint8_t *wk = w + ks * step + 2 * h * 64;
+            if (PF > 0 && ks + PF < ksteps)
+                for (int l = 0; l < 16; l++) {
+                    _mm_prefetch((const char *)(wk + PF * step) + 256 * l, _MM_HINT_T0);
+                    _mm_prefetch((const char *)(wk + PF * step) + 256 * l + 64, _MM_HINT_T0);
+                }
+            _tile_loadd(4, xq + ks * 64, K);
+            _tile_loadd(6, wk, 4 * NB);
+            _tile_loadd(7, wk + 64, 4 * NB);
+            _tile_dpbusd(0, 4, 6);
+            _tile_dpbusd(1, 4, 7);
+            if (mr > 16) {
+                _tile_loadd(5, xq + 16 * K + ks * 64, K);
+                _tile_dpbusd(2, 5, 6);
+                _tile_dpbusd(3, 5, 7);
+            }
+        }
+        _tile_stored(0, acc + 32 * h, NB * 4);
+        _tile_stored(1, acc + 32 * h + 16, NB * 4);
+        if (mr > 16) {
+            _tile_stored(2, acc + 16 * NB + 32 * h, NB * 4);
+            _tile_stored(3, acc + 16 * NB + 32 * h + 16, NB * 4);
+        }
+    }
+}
+
+// x [M][K] (bf16 when bf16, else float32) → y [M][N] of the same type. w: the packed weight; colsum, ws, b:
+// int32 / float [ceil(N/64) * 64] (b may be NULL). Returns 0, or -1 without memory for the quantized rows.
+int i8amx_linear(int64_t M, int64_t N, int64_t K, const void *x, int bf16, const uint8_t *w, const int32_t *colsum,
+                 const float *ws, const float *b, void *y, int nthreads) {
+    const int64_t nblocks = (N + NB - 1) / NB;
+    if (M <= 0) return 0;
+    float *xs;
+    const uint8_t *xq = quantize_rows(M, K, K, x, bf16, nthreads, &xs);
+    if (!xq) return -1;
+    static const float zeros[NB];
+#pragma omp parallel num_threads(nthreads)
+    {
+        int32_t acc[32 * NB] __attribute__((aligned(64)));
+        int configured = -1;  // a row tail's configuration differs from a full 32 rows'
+        // Dealt dynamically, as amxmm's blocks: a thread the event loop preempts leaves its blocks to the other.
+#pragma omp for schedule(dynamic, 2)
+        for (int64_t nb = 0; nb < nblocks; nb++) {
+            const int64_t n0 = nb * NB, nn = N - n0 < NB ? N - n0 : NB;
+            for (int64_t m0 = 0; m0 < M; m0 += 32) {
+                const int mr = M - m0 < 32 ? (int)(M - m0) : 32;
+                if (configured != mr) {
+                    amx_configure(mr < 16 ? mr : 16, mr > 16 ? mr - 16 : 0);
+                    configured = mr;
+                }
+                block_rows(mr, K, xq + m0 * K, w + nb * K * NB, acc);
+                for (int r = 0; r < mr; r++) {
+                    __m512i a[4];
+                    for (int j = 0; j < 4; j++) a[j] = _mm512_load_si512((const void *)(acc + r * NB + 16 * j));
+                    store_row(a, colsum + n0, ws + n0, b ? b + n0 : zeros, xs[m0 + r], y, bf16, (m0 + r) * N + n0,
+                              nn);
+                }
+            }
+        }
+        if (configured != -1) _tile_release();
+    }
+    return 0;
+}

@@ -1,0 +1,74 @@
+"""W8A8 linear layers on Intel AMX-INT8 tiles (engine/kernels/i8amx.c), over i8mm's packed weight (the same copy):
+activations quantized per row inside the call exactly as compressed-tensors defines it, int32 sums by TDPBUSD.
+For batches and prefill on AMX CPUs, where i8mm's VNNI loops trail the bf16 model's AMX tiles; the engine times it
+with i8mm, oneDNN's int8 GEMM and torch._int_mm per shape and batch class (engine.quant.paths).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from pathlib import Path
+
+import torch
+
+from engine.kernels import amxmm
+from engine.kernels.cbuild import BuildError, Once, build, cpu_flags
+from engine.kernels.i8mm import I8MM, PackedInt8, check_int8_kernel
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("i8amx.c")
+KB = 64  # K is whole 64-input tile steps
+
+_i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+
+
+class I8AMX:
+    """The compiled kernel: W8A8 linear layers over a weight I8MM.pack made."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib
+        lib.i8amx_linear.argtypes = [_i64, _i64, _i64, _ptr, _int, _ptr, _ptr, _ptr, _ptr, _ptr, _int]
+        lib.i8amx_linear.restype = _int
+        lib.i8amx_init.restype = _int
+        if lib.i8amx_init() != 0:
+            raise BuildError("the kernel cannot use AMX: Linux refused the tile state (arch_prctl)")
+
+    @classmethod
+    def build(cls, extra: tuple[str, ...] = ()) -> I8AMX:
+        return cls(build(SOURCE, ("-march=native", "-mamx-tile", "-mamx-int8", *extra)))
+
+    @staticmethod
+    def accepts(k: int) -> bool:
+        return k % KB == 0
+
+    def linear(self, x: torch.Tensor, w: PackedInt8) -> torch.Tensor:
+        """x [..., K] (bf16 or float32) → x W^T + b, [..., N] of x's dtype."""
+        return I8MM.run(self.lib.i8amx_linear, x, w, "i8amx")
+
+
+def supported() -> bool:
+    """AMX-INT8 tiles (and VNNI, which every AMX CPU has: the quantized rows' layout is i8mm's)."""
+    return amxmm.supported() and {"amx_int8", "avx512_vnni"} <= cpu_flags()
+
+
+def self_check(kernel: I8AMX) -> None:
+    """Row tails under 16, 16-32 and past 32, a column tail, several k-steps, both input types."""
+    check_int8_kernel("i8amx", kernel.linear, ((1, 70, 64), (17, 130, 128), (40, 64, 192), (13, 16, 256)))
+
+
+_once = Once(I8AMX.build, log, "W8A8 layers will not run on AMX tiles (i8mm still can)", check=self_check)
+_once_plain = Once(
+    lambda: I8AMX.build(("-DPF=0",)), log, "i8amx is not timed without software prefetch", check=self_check
+)
+
+
+def kernel() -> I8AMX | None:
+    """The process-wide kernel; None without AMX-INT8, or (logged once) where it can't be built."""
+    return _once() if supported() else None
+
+
+def kernel_without_prefetch() -> I8AMX | None:
+    """The kernel built with no software prefetch of the weights (PF=0), as kernel() otherwise."""
+    return _once_plain() if supported() else None
