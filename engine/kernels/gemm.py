@@ -41,7 +41,7 @@ class GemmPath(Protocol):
 
     With `act` (a gated MLP's merged [gate | up] projection) the function returns act(x W^T + b). Paths that
     share one packed copy of a weight may say so by a common `layout` attribute (the selection then counts them
-    as one layout held in memory); without it a path is its own layout."""
+    as one layout held in memory; "" for a path that keeps no copy); without it a path is its own layout."""
 
     name: str
 

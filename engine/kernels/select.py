@@ -270,8 +270,8 @@ class GemmSelector:
         fallback = self.baseline if self.baseline in finite else min(finite, key=lambda p: sum(us[p]))
         held = [fallback]
         for p in sorted({w for w in winners if w is not None}, key=lambda p: -winners.count(p)):
-            layouts = {self._layout(h) for h in held}
-            if p not in held and (self._layout(p) in layouts or len(layouts) < self.max_layouts):
+            layouts = {self._layout(h) for h in held} - {""}
+            if p not in held and (self._layout(p) in {"", *layouts} or len(layouts) < self.max_layouts):
                 held.append(p)
         layouts = {self._layout(h) for h in held}  # a path over a layout already held costs no memory
         held += [p for p in us if p not in held and self._layout(p) in layouts]
@@ -284,7 +284,8 @@ class GemmSelector:
         return ShapeChoice(per_class, us)
 
     def _layout(self, name: str) -> str:
-        """The packed copy a path runs on: paths over one copy (w4mm's entry points) share it."""
+        """The packed copy a path runs on: paths over one copy (w4mm's entry points) share it; "" for none (a path
+        that runs on the weight as stored)."""
         return getattr(self.paths.get(name), "layout", name)
 
 

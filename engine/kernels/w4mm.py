@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from engine.kernels import bf16mm
 from engine.kernels.cbuild import Once, SelfCheckError, build
@@ -25,6 +27,8 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("w4mm.c")
 BLOCK = 64  # output columns per packed block (NB in w4mm.c)
+DENSE_STEP = 32  # inputs w4mm_dequantize takes at a time: groups must be whole steps
+_scratch = threading.local()  # dense(): .rows, the bf16 rows of the layer being run
 
 _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 
@@ -49,6 +53,8 @@ class W4MM:
         for f in (lib.w4mm_linear, lib.w4mm_linear_panel):
             f.argtypes = [_i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _int]
             f.restype = _int
+        lib.w4mm_dequantize.argtypes = [_i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _int]
+        lib.w4mm_dequantize.restype = None
 
     @classmethod
     def build(cls, flags: tuple[str, ...] = ("-march=native",)) -> W4MM:
@@ -83,6 +89,21 @@ class W4MM:
     def panel(self, x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None) -> torch.Tensor:
         """The same, each group widened once into a buffer for all the rows and run through bf16mm's tiles."""
         return self.run(self.lib.w4mm_linear_panel, x, w, bias, "w4mm")
+
+    def dense(self, x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None) -> torch.Tensor:
+        """The same from the weight as stored: dequantized to bf16 rows in a scratch buffer the calling thread's
+        layers share (grown to the largest weight it serves; per thread, as engines of several models may step in
+        threads of their own), then oneDNN's GEMM through F.linear. For prefill sizes."""
+        n, k = w.shape
+        assert w.group_size % DENSE_STEP == 0
+        scratch = getattr(_scratch, "rows", None)
+        if scratch is None or scratch.numel() < n * k:
+            scratch = _scratch.rows = torch.empty(n * k, dtype=torch.bfloat16)
+        dense = scratch[: n * k].view(n, k)
+        self.lib.w4mm_dequantize(n, k, w.group_size, w.packed.data_ptr(), w.scale.data_ptr(), w.zero.data_ptr(),
+                                 dense.data_ptr(), torch.get_num_threads())  # fmt: skip
+        b = bias.to(torch.bfloat16) if bias is not None else None
+        return F.linear(x.to(torch.bfloat16), dense, b)
 
     @staticmethod
     def run(

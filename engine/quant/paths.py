@@ -307,6 +307,25 @@ class W4AMXPath(W4MMPath):
         return W4AMX.accepts(*weight.shape, weight.group_size)
 
 
+class Int4DensePath:
+    """engine.kernels.w4mm's `dense`: each call dequantizes the weight as stored into bf16 rows (a scratch buffer,
+    not a copy per weight) and runs oneDNN's GEMM over them; for prefill, where that GEMM's blocking outruns the
+    kernels that widen nibbles per column block."""
+
+    name = "w4mm-dense"
+    layout = ""  # no copy of the weight: holding it costs nothing (engine.kernels.select)
+
+    def __init__(self, kernel: W4MM) -> None:
+        self.kernel, self.available = kernel, True
+
+    def accepts(self, weight: object, act: Act | None) -> bool:
+        return isinstance(weight, Int4Weight) and weight.group_size % w4mm.DENSE_STEP == 0
+
+    def prepare(self, weight: Int4Weight, bias: torch.Tensor | None, act: Act | None) -> Run:  # type: ignore[override]
+        kernel = self.kernel
+        return _then(lambda x: kernel.dense(x, weight, bias).to(x.dtype), act)
+
+
 class W4F32Path(_Int4KernelPath):
     """engine.kernels.w4f32 for float32 math: `direct` (nibbles widened in registers) or `panel` (a group at a
     time widened into a buffer for every row)."""
@@ -324,7 +343,7 @@ class W4F32Path(_Int4KernelPath):
 
 def quant_paths(dtype: torch.dtype) -> list[GemmPath]:
     """The quantized candidates on this machine: the fast ones that work here, then the reference."""
-    fast: list[_W8A8Path | Int4PackPath | W4MMPath | W4F32Path | I8MMPath | I8AVX2Path] = [
+    fast: list[_W8A8Path | Int4PackPath | W4MMPath | W4F32Path | I8MMPath | I8AVX2Path | Int4DensePath] = [
         OneDNNInt8Path(),
         IntMMPath(),
         Int4PackPath(dtype),
@@ -338,7 +357,7 @@ def quant_paths(dtype: torch.dtype) -> list[GemmPath]:
         if (plain8x := i8amx.kernel_without_prefetch()) is not None:
             fast.append(I8MMPath(plain8x, "i8mm-amx-noprefetch"))
     if dtype == torch.bfloat16 and (k4 := w4mm.kernel()) is not None:
-        fast += [W4MMPath(k4, "direct"), W4MMPath(k4, "panel")]
+        fast += [W4MMPath(k4, "direct"), W4MMPath(k4, "panel"), Int4DensePath(k4)]
         if (plain4 := w4mm.kernel_without_prefetch()) is not None:  # its prefetch distance was set on one CPU
             fast += [W4MMPath(plain4, "direct", "-noprefetch"), W4MMPath(plain4, "panel", "-noprefetch")]
     if dtype == torch.bfloat16 and (k4a := w4amx.kernel()) is not None:

@@ -5,6 +5,8 @@ torch's int4 GEMM runs W4A16 layers (tests/unit/test_quant_paths.py)."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -106,3 +108,42 @@ def test_the_selection_times_them_among_the_bf16_candidates_and_keeps_the_fastes
     assert "w4mm-noprefetch" in names and "w4mm-panel-noprefetch" in names  # the prefetch distance is timed too
     assert "w4mm" not in [p.name for p in quant_paths(torch.float32)]  # bf16 math only
     assert_the_selection_keeps_the_fastest_entry(kernel, W4MMPath, torch.bfloat16)
+
+
+@pytest.mark.parametrize(("n", "k", "g", "symmetric"), [(96, 256, 128, False), (130, 96, 32, True)])
+def test_the_dense_path_equals_the_reference_from_the_weight_as_stored(
+    kernel: W4MM, n: int, k: int, g: int, symmetric: bool
+) -> None:
+    """w4mm_dequantize writes (q - z) * s as the reference computes it, rounded once to bf16; oneDNN's GEMM over
+    those rows then differs from the float32 reference by bf16 roundings only."""
+    w = int4_weight(n, k, g, symmetric)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(1)).bfloat16()
+    for rows in (1, 33, 600):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        got, want = kernel.dense(x, w, bias), w.reference(x, bias.float())
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+        assert (got.float() - want).abs().max() <= 1e-2 * want.abs().max()
+    eye = torch.eye(k).bfloat16()  # the rows themselves: exactly the reference's weight, rounded to bf16
+    assert torch.equal(kernel.dense(eye, w, None).t(), w.float().bfloat16())
+
+
+def test_the_dense_path_keeps_no_copy_and_its_scratch_is_per_thread(kernel: W4MM) -> None:
+    """Engines of several models may step in threads of their own: one thread's layers never write the rows
+    another thread's GEMM is reading."""
+    path = next(p for p in quant_paths(torch.bfloat16) if p.name == "w4mm-dense")
+    assert path.layout == "" and path.accepts(int4_weight(64, 64, 32, symmetric=True), None)  # type: ignore[attr-defined]
+    assert not path.accepts(int4_weight(64, 64, 16, symmetric=True), None)  # whole 32-input steps only
+    big, small = int4_weight(256, 512, 128, symmetric=False, seed=1), int4_weight(64, 128, 32, symmetric=True)
+    kernel.dense(torch.randn(4, 128).bfloat16(), small, None)
+    mine = w4mm._scratch.rows
+    seen: list[torch.Tensor] = []
+
+    def other() -> None:
+        kernel.dense(torch.randn(4, 512).bfloat16(), big, None)
+        seen.append(w4mm._scratch.rows)
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    thread.join()
+    assert seen[0].numel() >= 256 * 512 and seen[0].data_ptr() != mine.data_ptr()
+    assert w4mm._scratch.rows is mine  # this thread's rows: not replaced, not grown
