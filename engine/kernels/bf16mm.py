@@ -93,7 +93,7 @@ def self_check(kernel: BF16MM) -> None:
 _once = Once(BF16MM.build, log, "bfloat16 linear layers will use oneDNN (slower at small batches)", check=self_check)
 # the same kernel without its software prefetch of the next weight block (tuned on one CPU): timed beside it
 _once_plain = Once(
-    lambda: BF16MM.build(("-march=native", "-DPF_TILES=1")),
+    lambda: BF16MM.build(("-march=native", "-DPF_TILES=1", "-DPF_AHEAD=0")),
     log,
     "bfloat16 linear layers are not timed without software prefetch",
     check=self_check,
@@ -106,5 +106,5 @@ def kernel() -> BF16MM | None:
 
 
 def kernel_without_prefetch() -> BF16MM | None:
-    """The kernel built with no software prefetch (PF_TILES=1), as kernel() otherwise."""
+    """The kernel built with no software prefetch (PF_TILES=1, PF_AHEAD=0), as kernel() otherwise."""
     return _once_plain() if supported() else None
