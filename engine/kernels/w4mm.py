@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("w4mm.c")
 BLOCK = 64  # output columns per packed block (NB in w4mm.c)
 DENSE_STEP = 32  # inputs w4mm_dequantize takes at a time: groups must be whole steps
+DENSE_MAX = 1 << 24  # weights dense() dequantizes at a time (32 MB of bf16): a bigger layer goes in row chunks
 _scratch = threading.local()  # dense(): .rows, the bf16 rows of the layer being run
 
 _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
@@ -91,19 +92,31 @@ class W4MM:
         return self.run(self.lib.w4mm_linear_panel, x, w, bias, "w4mm")
 
     def dense(self, x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None) -> torch.Tensor:
-        """The same from the weight as stored: dequantized to bf16 rows in a scratch buffer the calling thread's
-        layers share (grown to the largest weight it serves; per thread, as engines of several models may step in
-        threads of their own), then oneDNN's GEMM through F.linear. For prefill sizes."""
+        """The same from the weight as stored: dequantized to bf16 rows, DENSE_ROWS_MAX weights at a time, in a
+        scratch buffer the calling thread's layers share (per thread, as engines of several models may step in
+        threads of their own), each chunk through oneDNN's GEMM (F.linear). For prefill sizes."""
         n, k = w.shape
         assert w.group_size % DENSE_STEP == 0
+        nib, scale = w.packed.contiguous(), w.scale.float().contiguous()
+        zero = w.zero.to(torch.uint8).contiguous()
+        rows = max(1, min(n, DENSE_MAX // k))
         scratch = getattr(_scratch, "rows", None)
-        if scratch is None or scratch.numel() < n * k:
-            scratch = _scratch.rows = torch.empty(n * k, dtype=torch.bfloat16)
-        dense = scratch[: n * k].view(n, k)
-        self.lib.w4mm_dequantize(n, k, w.group_size, w.packed.data_ptr(), w.scale.data_ptr(), w.zero.data_ptr(),
-                                 dense.data_ptr(), torch.get_num_threads())  # fmt: skip
+        if scratch is None or scratch.numel() < rows * k:
+            scratch = _scratch.rows = torch.empty(rows * k, dtype=torch.bfloat16)
+        x2 = x.to(torch.bfloat16)
         b = bias.to(torch.bfloat16) if bias is not None else None
-        return F.linear(x.to(torch.bfloat16), dense, b)
+        out = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16) if rows < n else None
+        for n0 in range(0, n, rows):
+            r = min(rows, n - n0)
+            dense = scratch[: r * k].view(r, k)
+            self.lib.w4mm_dequantize(r, k, w.group_size, nib[n0].data_ptr(), scale[n0].data_ptr(),
+                                     zero[n0].data_ptr(), dense.data_ptr(), torch.get_num_threads())  # fmt: skip
+            y = F.linear(x2, dense, b[n0 : n0 + r] if b is not None else None)
+            if out is None:
+                return y
+            out[..., n0 : n0 + r] = y
+        assert out is not None
+        return out
 
     @staticmethod
     def run(

@@ -173,7 +173,7 @@ class I8MMPath:
 
     def __init__(self, kernel: I8MM | I8AMX, name: str = "i8mm") -> None:
         self.kernel, self.name, self.available = kernel, name, True
-        self._packed: dict[int, PackedInt8] = _PACKED_INT8
+        self._packed: dict[tuple[int, int], PackedInt8] = _PACKED_INT8
 
     def accepts(self, weight: object, act: Act | None) -> bool:
         return isinstance(weight, Int8Weight) and (not isinstance(self.kernel, I8AMX) or I8AMX.accepts(weight.shape[1]))

@@ -127,6 +127,21 @@ def test_the_dense_path_equals_the_reference_from_the_weight_as_stored(
     assert torch.equal(kernel.dense(eye, w, None).t(), w.float().bfloat16())
 
 
+def test_a_layer_past_the_scratch_size_goes_in_row_chunks(kernel: W4MM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A quantized LM head (151936 x 896) would otherwise hold a 272 MB scratch: chunks of DENSE_MAX weights,
+    the last one short, each with its share of the bias."""
+    w = int4_weight(130, 256, 64, symmetric=False)
+    bias = torch.randn(130, generator=torch.Generator().manual_seed(3)).bfloat16()
+    x = torch.randn(2, 5, 256, generator=torch.Generator().manual_seed(4)).bfloat16()
+    whole = kernel.dense(x, w, bias)
+    monkeypatch.setattr(w4mm, "DENSE_MAX", 40 * 256)  # 40 rows at a time: 40, 40, 40, 10
+    monkeypatch.setattr(w4mm._scratch, "rows", torch.empty(0, dtype=torch.bfloat16))
+    chunked = kernel.dense(x, w, bias)
+    assert chunked.shape == (2, 5, 130)  # oneDNN may sum a narrower GEMM in another order: bf16 roundings apart
+    assert (chunked.float() - whole.float()).abs().max() <= 1e-2 * whole.float().abs().max()
+    assert w4mm._scratch.rows.numel() == 40 * 256
+
+
 def test_the_dense_path_keeps_no_copy_and_its_scratch_is_per_thread(kernel: W4MM) -> None:
     """Engines of several models may step in threads of their own: one thread's layers never write the rows
     another thread's GEMM is reading."""
