@@ -123,9 +123,17 @@ def compiler() -> str | None:
 
 
 def local_headers(source: Path) -> list[Path]:
-    """The headers beside `source` that it includes ("name.h"): part of what a cached build depends on."""
-    names = re.findall(r'^\s*#\s*include\s+"([^"]+)"', source.read_text(), flags=re.MULTILINE)
-    return [source.with_name(n) for n in names if source.with_name(n).is_file()]
+    """The headers beside `source` that it includes ("name.h"), and theirs in turn: part of what a cached build
+    depends on."""
+    found: list[Path] = []
+    todo = [source]
+    while todo:
+        names = re.findall(r'^\s*#\s*include\s+"([^"]+)"', todo.pop().read_text(), flags=re.MULTILINE)
+        for header in (source.with_name(n) for n in names):
+            if header.is_file() and header not in found:
+                found.append(header)
+                todo.append(header)
+    return found
 
 
 def build(source: Path, flags: tuple[str, ...] = ("-march=native",)) -> ctypes.CDLL:

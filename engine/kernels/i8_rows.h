@@ -1,6 +1,6 @@
 // What the W8A8 kernels over i8mm's packed layout share (i8mm.c for AVX512-VNNI, i8amx.c for AMX-INT8): the rows
 // quantized per token exactly as compressed-tensors defines it, and the int32 sums scaled into output rows.
-// Include after NB is defined; cbuild.py hashes this header with every source that includes it.
+// Include after NB is defined, with thread_buffer.h; cbuild.py hashes them with every source that includes them.
 #ifndef I8_ROWS_H
 #define I8_ROWS_H
 #include <float.h>
@@ -9,6 +9,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "thread_buffer.h"
 
 static inline float bf16_to_f32(uint16_t h) {
     const uint32_t u = (uint32_t)h << 16;
@@ -68,23 +70,15 @@ static void quantize_row(int64_t K, int64_t K4, const void *x, int bf16, int64_t
     xs[m] = scale;
 }
 
-// Per thread, grown to the largest call seen: the quantized rows and their scales.
-static __thread uint8_t *xq_buf;
-static __thread int64_t xq_cap;
+static __thread thread_buffer xq_buf;  // the quantized rows and their scales
 
 // x [M][K] → the calling thread's buffer of quantized rows [M][K4] (q + 128), *xs their scales [M]; NULL without
 // memory.
 static const uint8_t *quantize_rows(int64_t M, int64_t K, int64_t K4, const void *x, int bf16, int nthreads,
                                     float **xs) {
-    const int64_t need = M * K4 + 4 * M + 4;
-    if (xq_cap < need) {
-        free(xq_buf);
-        xq_buf = malloc((size_t)need);
-        xq_cap = xq_buf ? need : 0;
-        if (!xq_buf) return NULL;
-    }
-    uint8_t *xq = xq_buf;
-    float *scales = (float *)(xq_buf + M * K4 + (4 - (M * K4) % 4) % 4);
+    uint8_t *xq = grow(&xq_buf, (size_t)(M * K4 + 4 * M + 4));
+    if (!xq) return NULL;
+    float *scales = (float *)(xq + M * K4 + (4 - (M * K4) % 4) % 4);
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (M * K > 65536)
     for (int64_t m = 0; m < M; m++) quantize_row(K, K4, x, bf16, m, xq, scales);
     *xs = scales;

@@ -17,6 +17,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "thread_buffer.h"
+
 #ifndef __AVX2__
 #error "this kernel needs AVX2"
 #endif
@@ -63,28 +65,15 @@ static inline __attribute__((always_inline)) __m128i dot4(int64_t K32, const int
     return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
 }
 
-// Per thread, grown to the largest call seen: the quantized rows and their scales.
-static __thread int16_t *xq_buf;
-static __thread float *xs_buf;
-static __thread int64_t xq_cap, xs_cap;
+static __thread thread_buffer xq_buf, xs_buf;  // the quantized rows and their scales
 
 // ws, b: float [N4] (b may be NULL). Returns 0, or -1 without memory for the quantized rows (y untouched).
 int i8avx2_linear(int64_t M, int64_t N, int64_t K, const float *x, const int8_t *w, const float *ws,
                   const float *b, float *y, int nthreads) {
     const int64_t K32 = (K + 31) / 32 * 32, tiles = (N + NC - 1) / NC;
     if (M <= 0) return 0;
-    if (xq_cap < M * K32) {
-        free(xq_buf);
-        xq_buf = malloc(sizeof(int16_t) * (size_t)(M * K32));
-        xq_cap = xq_buf ? M * K32 : 0;
-    }
-    if (xs_cap < M) {
-        free(xs_buf);
-        xs_buf = malloc(sizeof(float) * (size_t)M);
-        xs_cap = xs_buf ? M : 0;
-    }
-    int16_t *xq = xq_buf;
-    float *xs = xs_buf;
+    int16_t *xq = grow(&xq_buf, sizeof(int16_t) * (size_t)(M * K32));
+    float *xs = grow(&xs_buf, sizeof(float) * (size_t)M);
     if (!xq || !xs) return -1;
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (M > 1)
     for (int64_t m = 0; m < M; m++) quantize_row(K, K32, x + m * K, xq + m * K32, xs + m);

@@ -20,6 +20,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "thread_buffer.h"
+
 #define NB 32  // columns per packed block
 #define MR 6   // rows per panel tile
 #define MC 96  // rows per panel pass: their partial sums [MC][NB] stay in L1/L2 while the groups go by
@@ -27,19 +29,10 @@
 #define PF_BYTES 2048  // the direct tiles ask for the nibbles this far ahead (past a block: the next one's)
 #endif
 
-// The calling thread's buffer for the rows' group sums, grown to the largest call seen (a fresh malloc of a
-// prefill's sums is an mmap whose pages fault in on every call); NULL without memory.
-static __thread float *sums_buf;
-static __thread int64_t sums_cap;
+static __thread thread_buffer sums_buf, group_buf;
 
-static float *sums_for(int64_t n) {
-    if (sums_cap < n) {
-        free(sums_buf);
-        sums_buf = malloc(sizeof(float) * (size_t)n);
-        sums_cap = sums_buf ? n : 0;
-    }
-    return sums_buf;
-}
+// The calling thread's buffer for n group sums; NULL without memory.
+static float *sums_for(int64_t n) { return grow(&sums_buf, sizeof(float) * (size_t)n); }
 
 // The sums of x's rows over each group of G inputs: [M][K/G].
 static void group_sums(int64_t M, int64_t K, int64_t G, const float *x, float *xs, int nthreads) {
@@ -237,9 +230,6 @@ int w4f32_linear(int64_t M, int64_t N, int64_t K, int64_t G, const float *x, con
     return 0;
 }
 
-static __thread float *group_buf;  // per thread, grown to the largest group seen
-static __thread int64_t group_cap;
-
 // Returns 0, or -1 where a buffer could not be had (y is then incomplete).
 int w4f32_linear_panel(int64_t M, int64_t N, int64_t K, int64_t G, const float *x, const uint8_t *wq,
                        const float *sc, const float *b, float *y, int nthreads) {
@@ -251,12 +241,7 @@ int w4f32_linear_panel(int64_t M, int64_t N, int64_t K, int64_t G, const float *
     int failed = 0;
 #pragma omp parallel num_threads(nthreads) reduction(| : failed)
     {
-        if (group_cap < G * NB) {
-            free(group_buf);
-            group_buf = malloc((size_t)(G * NB) * sizeof(float));
-            group_cap = group_buf ? G * NB : 0;
-        }
-        float *wg = group_buf;
+        float *wg = grow(&group_buf, sizeof(float) * (size_t)(G * NB));
         failed = wg == NULL;
         float out[MC * NB], acc[MR * NB];
 #pragma omp for schedule(static)

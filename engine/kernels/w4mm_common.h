@@ -1,6 +1,6 @@
 // What the W4A16 kernels over w4mm's packed layout share (w4mm.c for AVX512-BF16, w4amx.c for AMX): widening
 // nibbles to bf16, the rows' sums per group, the thread's buffers, the rows' store. Include after bf16mm_block.h
-// (NB, to_bf16); cbuild.py hashes both with every source that includes them.
+// (NB, to_bf16); cbuild.py hashes them, and thread_buffer.h, with every source that includes them.
 #ifndef W4MM_COMMON_H
 #define W4MM_COMMON_H
 #include <immintrin.h>
@@ -8,12 +8,13 @@
 #include <stdlib.h>
 #include <string.h>
 
-// One 32-byte load: 16 columns x 4 k as two bf16 operands (k pairs 0 and 1), each value as 128 + q: a nibble
-// under bf16's exponent of 128 (0x4300) is that number exactly (8 significant bits), so widening is two ORs.
+#include "thread_buffer.h"
+
 // How far ahead of the nibbles being widened the kernels ask for the next ones (past a block: the next block's,
-// which the same thread takes next under a static schedule). Without it a 2-core AMX Xeon (model 167) streamed
-// int4 weights at 8-12 GB/s at one row, with it 2 KB ahead at 18-19 (1 KB: 17-18, 4 KB: 19). Set on that CPU only:
-// the kernels are also built with -DPF_BYTES=0 and the selection times both (engine.quant.paths).
+// which the same thread takes next under a static schedule, and mostly under w4amx's dynamic one). Without it a
+// 2-core AMX Xeon (model 167) streamed int4 weights at 8-12 GB/s at one row, with it 2 KB ahead at 18-19 (1 KB:
+// 17-18, 4 KB: 19). Set on that CPU only: the kernels are also built with -DPF_BYTES=0 and the selection times
+// both (engine.quant.paths).
 #ifndef PF_BYTES
 #define PF_BYTES 2048
 #endif
@@ -26,6 +27,8 @@ static inline __attribute__((always_inline)) void prefetch_nibbles(const uint8_t
     }
 }
 
+// One 32-byte load: 16 columns x 4 k as two bf16 operands (k pairs 0 and 1), each value as 128 + q: a nibble
+// under bf16's exponent of 128 (0x4300) is that number exactly (8 significant bits), so widening is two ORs.
 static inline __attribute__((always_inline)) void widen(const uint8_t *p, __m512bh *a, __m512bh *b) {
     const __m512i wide = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));
     const __m512i e128 = _mm512_set1_epi16(0x4300);
@@ -40,19 +43,10 @@ static inline float bf16_to_f32(uint16_t h) {
     return f;
 }
 
-// The calling thread's buffer for the rows' group sums, grown to the largest call seen (a fresh malloc of a
-// prefill's sums is an mmap whose pages fault in on every call); NULL without memory.
-static __thread float *sums_buf;
-static __thread int64_t sums_cap;
+static __thread thread_buffer sums_buf;
 
-static float *sums_for(int64_t n) {
-    if (sums_cap < n) {
-        free(sums_buf);
-        sums_buf = malloc(sizeof(float) * (size_t)n);
-        sums_cap = sums_buf ? n : 0;
-    }
-    return sums_buf;
-}
+// The calling thread's buffer for n group sums; NULL without memory.
+static float *sums_for(int64_t n) { return grow(&sums_buf, sizeof(float) * (size_t)n); }
 
 // The sums of x's rows over each group of G inputs, in float: [M][K/G].
 static void group_sums(int64_t M, int64_t K, int64_t G, const uint16_t *x, float *xs, int nthreads) {
@@ -80,17 +74,9 @@ static void load_bias(const uint16_t *b, int64_t n0, int64_t nn, float bias[NB])
     for (int64_t j = 0; j < NB; j++) bias[j] = b && j < nn ? bf16_to_f32(b[n0 + j]) : 0.0f;
 }
 
-static __thread uint16_t *bf16_buf;  // per thread, grown to the largest call seen
-static __thread int64_t bf16_cap;
+static __thread thread_buffer bf16_buf;
 
 // The calling thread's buffer of n bf16 values (a widened group, a dequantized block); NULL without memory.
-static uint16_t *bf16_buffer(int64_t n) {
-    if (bf16_cap < n) {
-        free(bf16_buf);
-        bf16_buf = malloc((size_t)n * sizeof(uint16_t));
-        bf16_cap = bf16_buf ? n : 0;
-    }
-    return bf16_buf;
-}
+static uint16_t *bf16_buffer(int64_t n) { return grow(&bf16_buf, sizeof(uint16_t) * (size_t)n); }
 
 #endif

@@ -15,6 +15,12 @@ from engine.kernels.i8mm import I8MM, PackedInt8
 from engine.kernels.select import _matches_reference
 from engine.quant.paths import I8MMPath, quant_paths
 from engine.quant.weights import Int8Weight, quantize_tokens
+from tests.int8_kernels import (
+    assert_an_all_zero_row_gives_zero_alone,
+    assert_no_rows_give_no_rows,
+    assert_products_at_the_int8_extremes_are_exact,
+    int8_weight,
+)
 
 pytestmark = pytest.mark.skipif(not i8amx.supported(), reason="this CPU has no AMX-INT8")
 
@@ -26,16 +32,10 @@ def kernel(request: pytest.FixtureRequest) -> I8AMX:
     return k
 
 
-def _weight(n: int, k: int, seed: int = 0) -> Int8Weight:
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
-    return Int8Weight(q, torch.rand(n, generator=g) * 0.02 + 1e-3)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("n", "k"), [(96, 256), (130, 64), (64, 576), (7, 1024)])
 def test_it_equals_the_reference(kernel: I8AMX, dtype: torch.dtype, n: int, k: int) -> None:
-    w = _weight(n, k)
+    w = int8_weight(n, k)
     bias = torch.randn(n, generator=torch.Generator().manual_seed(1))
     packed = I8MM.pack(w.q, w.scale, bias)
     for rows in (1, 15, 16, 17, 32, 33, 200):  # one 16-row slice, two, and past a 32-row block
@@ -65,33 +65,28 @@ def test_the_rows_quantize_exactly_as_the_reference_ties_to_even_included() -> N
 
 
 def test_products_at_the_int8_extremes_are_exact(kernel: I8AMX) -> None:
-    """TDPBUSD sums u8 x s8 products into 32 bits: nothing saturates."""
-    q = torch.full((32, 64), -128, dtype=torch.int8)
-    q[:, 1::2] = 127
-    w = Int8Weight(q, torch.ones(32))
-    x = torch.tensor([[127.0, -127.0] * 32, [-128.0, 127.0] * 32, [1.0] * 64])  # quantizes to these exact steps
-    got = kernel.linear(x, I8MM.pack(w.q, w.scale)).double()
-    xq, xs = quantize_tokens(x)
-    exact = (xq.long() @ w.q.long().t()).double() * xs.double()
-    assert torch.allclose(got, exact, rtol=1e-6, atol=0)
+    assert_products_at_the_int8_extremes_are_exact(kernel.linear, I8MM.pack)
 
 
 def test_no_rows_give_no_rows(kernel: I8AMX) -> None:
-    w = _weight(64, 128)
-    assert kernel.linear(torch.empty(0, 128), I8MM.pack(w.q, w.scale)).shape == (0, 64)
+    assert_no_rows_give_no_rows(kernel.linear, I8MM.pack)
+
+
+def test_an_all_zero_row_gives_zero_and_leaves_its_neighbours_alone(kernel: I8AMX) -> None:
+    assert_an_all_zero_row_gives_zero_alone(kernel.linear, I8MM.pack)
 
 
 def test_inputs_that_are_not_whole_tile_steps_are_left_to_i8mm(kernel: I8AMX) -> None:
     path = I8MMPath(kernel, "i8mm-amx")
-    assert path.accepts(_weight(64, 128), None)
-    assert not path.accepts(_weight(64, 96), None)  # a tile step is 64 inputs
-    assert I8MMPath(i8mm.kernel(), "i8mm").accepts(_weight(64, 96), None)  # type: ignore[arg-type]
+    assert path.accepts(int8_weight(64, 128), None)
+    assert not path.accepts(int8_weight(64, 96), None)  # a tile step is 64 inputs
+    assert I8MMPath(i8mm.kernel(), "i8mm").accepts(int8_weight(64, 96), None)  # type: ignore[arg-type]
 
 
 def test_its_path_shares_i8mms_packed_copy_and_is_a_timed_candidate(kernel: I8AMX) -> None:
     names = [p.name for p in quant_paths(torch.bfloat16)]
     assert "i8mm-amx" in names and "i8mm-amx-noprefetch" in names and "i8mm" in names
-    w, bias = _weight(96, 256), torch.randn(96)
+    w, bias = int8_weight(96, 256), torch.randn(96)
     paths = [I8MMPath(kernel, "i8mm-amx"), I8MMPath(i8mm.kernel(), "i8mm")]  # type: ignore[arg-type]
     assert paths[0].layout == paths[1].layout
     runs = [p.prepare(w, bias, None) for p in paths]

@@ -12,7 +12,13 @@ from engine.kernels import i8avx2
 from engine.kernels.i8avx2 import I8AVX2
 from engine.kernels.select import GemmSelector, _matches_reference
 from engine.quant.paths import I8AVX2Path, quant_paths
-from engine.quant.weights import Int4Weight, Int8Weight, quantize_tokens
+from engine.quant.weights import Int4Weight
+from tests.int8_kernels import (
+    assert_an_all_zero_row_gives_zero_alone,
+    assert_no_rows_give_no_rows,
+    assert_products_at_the_int8_extremes_are_exact,
+    int8_weight,
+)
 
 pytestmark = pytest.mark.skipif(not i8avx2.supported(), reason="this CPU has no AVX2")
 
@@ -24,15 +30,9 @@ def kernel() -> I8AVX2:
     return k
 
 
-def _weight(n: int, k: int, seed: int = 0) -> Int8Weight:
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
-    return Int8Weight(q, torch.rand(n, generator=g) * 0.02 + 1e-3)
-
-
 @pytest.mark.parametrize(("n", "k"), [(96, 256), (130, 96), (5, 33), (64, 4864)])
 def test_it_equals_the_reference(kernel: I8AVX2, n: int, k: int) -> None:
-    w, bias = _weight(n, k), torch.randn(n, generator=torch.Generator().manual_seed(1))
+    w, bias = int8_weight(n, k), torch.randn(n, generator=torch.Generator().manual_seed(1))
     packed = I8AVX2.pack(w.q, w.scale, bias)
     for rows in (1, 2, 5, 33):
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
@@ -41,30 +41,15 @@ def test_it_equals_the_reference(kernel: I8AVX2, n: int, k: int) -> None:
 
 
 def test_products_at_the_int8_extremes_are_exact(kernel: I8AVX2) -> None:
-    """-128 x -128 in every pair: a u8 x s8 pair sum in int16 (VPMADDUBSW) would saturate; int32 sums do not."""
-    q = torch.full((32, 64), -128, dtype=torch.int8)
-    q[:, 1::2] = 127
-    w = Int8Weight(q, torch.ones(32))
-    x = torch.tensor([[127.0, -127.0] * 32, [-128.0, 127.0] * 32, [-128.0, -128.0] * 32, [1.0] * 64])
-    got = kernel.linear(x, I8AVX2.pack(w.q, w.scale)).double()
-    xq, xs = quantize_tokens(x)
-    assert int(xq.min()) == -128
-    exact = (xq.long() @ w.q.long().t()).double() * xs.double()  # integer sums, then the scales
-    assert torch.allclose(got, exact, rtol=1e-6, atol=0)
+    assert_products_at_the_int8_extremes_are_exact(kernel.linear, I8AVX2.pack)
 
 
 def test_no_rows_give_no_rows(kernel: I8AVX2) -> None:
-    w = _weight(64, 128)
-    assert kernel.linear(torch.empty(0, 128), I8AVX2.pack(w.q, w.scale)).shape == (0, 64)
+    assert_no_rows_give_no_rows(kernel.linear, I8AVX2.pack)
 
 
 def test_an_all_zero_row_gives_zero_and_leaves_its_neighbours_alone(kernel: I8AVX2) -> None:
-    w = _weight(64, 128)
-    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(2))
-    x[1] = 0
-    got = kernel.linear(x, I8AVX2.pack(w.q, w.scale))
-    want = w.reference(x[[0, 2]], None)
-    assert bool((got[1] == 0).all()) and (got[[0, 2]] - want).abs().max() <= 1e-5 * want.abs().max()
+    assert_an_all_zero_row_gives_zero_alone(kernel.linear, I8AVX2.pack)
 
 
 def test_its_path_is_a_float32_candidate_and_the_selection_keeps_it_when_fastest(kernel: I8AVX2) -> None:
@@ -74,7 +59,7 @@ def test_its_path_is_a_float32_candidate_and_the_selection_keeps_it_when_fastest
     assert plain is not None and plain.lib is not kernel.lib
     assert "i8avx2" not in [p.name for p in quant_paths(torch.bfloat16)]  # float32 in and out
     path = I8AVX2Path(kernel)
-    w = _weight(96, 256)
+    w = int8_weight(96, 256)
     int4 = Int4Weight(torch.zeros(96, 128, dtype=torch.uint8), torch.ones(96, 2), torch.ones(96, 2), 128)
     assert path.accepts(w, None) and not path.accepts(int4, None)
     bias = torch.randn(96)

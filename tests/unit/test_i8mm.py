@@ -12,7 +12,13 @@ from engine.kernels import i8mm
 from engine.kernels.i8mm import I8MM
 from engine.kernels.select import GemmSelector, _matches_reference
 from engine.quant.paths import I8MMPath, quant_paths
-from engine.quant.weights import Int4Weight, Int8Weight, quantize_tokens
+from engine.quant.weights import Int4Weight
+from tests.int8_kernels import (
+    assert_an_all_zero_row_gives_zero_alone,
+    assert_no_rows_give_no_rows,
+    assert_products_at_the_int8_extremes_are_exact,
+    int8_weight,
+)
 
 pytestmark = pytest.mark.skipif(not i8mm.supported(), reason="this CPU has no AVX512-VNNI")
 
@@ -24,14 +30,8 @@ def kernel(request: pytest.FixtureRequest) -> I8MM:
     return k
 
 
-def _weight(n: int, k: int, seed: int = 0) -> Int8Weight:
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
-    return Int8Weight(q, torch.rand(n, generator=g) * 0.02 + 1e-3)
-
-
 def test_the_packed_layout_holds_each_weight_where_the_kernel_reads_it() -> None:
-    w = _weight(70, 37)
+    w = int8_weight(70, 37)
     p = I8MM.pack(w.q, w.scale)
     blocks, k4 = 2, 40
     cells = p.packed.view(blocks, k4 // 4, 64, 4)
@@ -45,7 +45,7 @@ def test_the_packed_layout_holds_each_weight_where_the_kernel_reads_it() -> None
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("n", "k"), [(96, 256), (130, 33), (64, 5), (7, 1024)])
 def test_it_equals_the_reference(kernel: I8MM, dtype: torch.dtype, n: int, k: int) -> None:
-    w = _weight(n, k)
+    w = int8_weight(n, k)
     bias = torch.randn(n, generator=torch.Generator().manual_seed(1))
     packed = I8MM.pack(w.q, w.scale, bias)
     for rows in (1, 5, 6, 7, 33, 200):  # tiles of 6, and more than 192 (one pass)
@@ -58,36 +58,22 @@ def test_it_equals_the_reference(kernel: I8MM, dtype: torch.dtype, n: int, k: in
 
 
 def test_products_at_the_int8_extremes_are_exact(kernel: I8MM) -> None:
-    """VPDPBUSD sums four u8 x s8 products into 32 bits: nothing saturates (unlike VPMADDUBSW's 16-bit pairs)."""
-    q = torch.full((32, 64), -128, dtype=torch.int8)
-    q[:, 1::2] = 127
-    w = Int8Weight(q, torch.ones(32))
-    x = torch.tensor([[127.0, -127.0] * 32, [-128.0, 127.0] * 32, [1.0] * 64])  # quantizes to these exact steps
-    got = kernel.linear(x, I8MM.pack(w.q, w.scale)).double()
-    xq, xs = quantize_tokens(x)
-    exact = (xq.long() @ w.q.long().t()).double() * xs.double()  # integer sums, then the scales
-    assert torch.allclose(got, exact, rtol=1e-6, atol=0)
+    assert_products_at_the_int8_extremes_are_exact(kernel.linear, I8MM.pack)
 
 
 def test_no_rows_give_no_rows(kernel: I8MM) -> None:
-    w = _weight(64, 128)
-    assert kernel.linear(torch.empty(0, 128), I8MM.pack(w.q, w.scale)).shape == (0, 64)
+    assert_no_rows_give_no_rows(kernel.linear, I8MM.pack)
 
 
 def test_an_all_zero_row_gives_zero_and_leaves_its_neighbours_alone(kernel: I8MM) -> None:
-    w = _weight(64, 128)
-    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(2))
-    x[1] = 0
-    got = kernel.linear(x, I8MM.pack(w.q, w.scale))
-    want = w.reference(x[[0, 2]], None)
-    assert bool((got[1] == 0).all()) and (got[[0, 2]] - want).abs().max() <= 1e-5 * want.abs().max()
+    assert_an_all_zero_row_gives_zero_alone(kernel.linear, I8MM.pack)
 
 
 def test_its_path_is_a_candidate_for_either_math_and_the_selection_keeps_it_when_fastest(kernel: I8MM) -> None:
     for dtype in (torch.float32, torch.bfloat16):
         assert "i8mm" in [p.name for p in quant_paths(dtype)]
     path = I8MMPath(kernel)
-    w = _weight(96, 256)
+    w = int8_weight(96, 256)
     int4 = Int4Weight(torch.zeros(96, 128, dtype=torch.uint8), torch.ones(96, 2), torch.ones(96, 2), 128)
     assert path.accepts(w, None) and not path.accepts(int4, None)
     bias = torch.randn(96)
