@@ -3,6 +3,7 @@
     python -m benchmarks.throughput [--shape qwen2-0.5b|deepseek-v2-tiny] [--num-prompts 32] [--prompt-len 128]
                                     [--output-len 128] [--vllm /path/to/vllm-venv/bin/python] [--onednn-row]
                                     [--quantization w8a8|w4a16 [--group-size 128] [--quantize-lm-head] [--rotate]]
+                                    [--device cpu|cuda]
 
 With --quantization, the shape's checkpoint is also quantized with `tianmen quantize` (round-to-nearest; kept
 beside it for later runs) and a "tianmen <scheme>" row runs on it, beside the bf16 row and the peers; --rotate adds
@@ -42,9 +43,16 @@ from benchmarks.shapes import SHAPES, checkpoint
 from engine import LLM, EngineConfig, SamplingParams
 
 
-def ours(path: str, prompts: list[list[int]], n: int, dtype: str, cpu_kernels: bool = True) -> tuple[float, float]:
+def ours(
+    path: str, prompts: list[list[int]], n: int, dtype: str, cpu_kernels: bool = True, device: str = "auto"
+) -> tuple[float, float]:
     config = EngineConfig(
-        model=path, dtype=dtype, max_num_seqs=max(len(prompts), 1), max_model_len=1024, cpu_kernels=cpu_kernels
+        model=path,
+        dtype=dtype,
+        device=device,
+        max_num_seqs=max(len(prompts), 1),
+        max_model_len=1024,
+        cpu_kernels=cpu_kernels,
     )
     llm = LLM(config)
     print(f"{Path(path).name}: {resident_mib():.0f} MiB resident after load", flush=True)  # weights, layouts, KV
@@ -72,22 +80,24 @@ def resident_mib() -> float:
     return int(line.split()[1]) / 1024
 
 
-def hf(path: str, prompts: list[list[int]], n: int, dtype: torch.dtype) -> tuple[float, float]:
+def hf(path: str, prompts: list[list[int]], n: int, dtype: torch.dtype, device: str = "cpu") -> tuple[float, float]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval().to(device)
     kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+
+    def timed(ids: list[list[int]], tokens: int) -> float:
+        t = time.perf_counter()
+        model.generate(torch.tensor(ids, device=device), max_new_tokens=tokens, min_new_tokens=tokens, **kw)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        return time.perf_counter() - t
+
     with torch.inference_mode():
-        model.generate(torch.tensor([prompts[0][:16]]), max_new_tokens=4, **kw)
-        t = time.perf_counter()
-        model.generate(torch.tensor(prompts), max_new_tokens=n, min_new_tokens=n, **kw)
-        batch_s = time.perf_counter() - t
-        t = time.perf_counter()
-        model.generate(torch.tensor([prompts[0]]), max_new_tokens=1, **kw)
-        prefill_s = time.perf_counter() - t
-        t = time.perf_counter()
-        model.generate(torch.tensor([prompts[1]]), max_new_tokens=n, min_new_tokens=n, **kw)
-        one_s = time.perf_counter() - t
+        timed([prompts[0][:16]], 4)
+        batch_s = timed(prompts, n)
+        prefill_s = timed([prompts[0]], 1)
+        one_s = timed([prompts[1]], n)
     return len(prompts) * n / batch_s, (one_s - prefill_s) / (n - 1) * 1e3
 
 
@@ -148,6 +158,7 @@ def main() -> None:
     ap.add_argument("--group-size", type=int, default=128, help="W4A16's group size")
     ap.add_argument("--quantize-lm-head", action="store_true", help="quantize the LM head too (tied: its own copy)")
     ap.add_argument("--rotate", action="store_true", help="with --quantization: a row on a rotated copy too")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda[:N]: both tianmen and transformers run there")
     args = ap.parse_args()
 
     path = str(checkpoint(args.shape))
@@ -158,19 +169,21 @@ def main() -> None:
     dname = str(dtype).removeprefix("torch.")
     chosen = prompts[: args.num_prompts]
 
-    work = [("tianmen", lambda: isolated(ours, path, chosen, args.output_len, dname))]
+    dev = args.device
+    work = [("tianmen", lambda: isolated(ours, path, chosen, args.output_len, dname, True, dev))]
     if args.onednn_row:
         work.append(("tianmen-onednn", lambda: isolated(ours, path, chosen, args.output_len, dname, False)))
     if args.quantization:
         qpath = str(quantized(Path(path), args.quantization, args.group_size, args.quantize_lm_head))
         qname = f"tianmen {args.quantization}" + (" +head" if args.quantize_lm_head else "")
-        work.append((qname, lambda: isolated(ours, qpath, chosen, args.output_len, dname)))
+        work.append((qname, lambda: isolated(ours, qpath, chosen, args.output_len, dname, True, dev)))
         if args.rotate:
             rpath = str(quantized(Path(path), args.quantization, args.group_size, args.quantize_lm_head, rotate=True))
-            work.append((f"{qname} rotated", lambda: isolated(ours, rpath, chosen, args.output_len, dname)))
+            rot = (f"{qname} rotated", lambda: isolated(ours, rpath, chosen, args.output_len, dname, True, dev))
+            work.append(rot)
     if not args.no_hf:
         hf_name = f"transformers {__import__('transformers').__version__}"
-        work.append((hf_name, lambda: isolated(hf, path, chosen, args.output_len, dtype)))
+        work.append((hf_name, lambda: isolated(hf, path, chosen, args.output_len, dtype, dev)))
     if args.vllm:
         work.append(("vLLM plain", lambda: vllm(args.vllm, path, chosen, args.output_len, dname)))
         preload = vllm_preloads(args.vllm)
@@ -193,11 +206,14 @@ def main() -> None:
         f"\n{args.shape}, {dname}, {args.num_prompts} x {args.prompt_len} -> {args.output_len}, greedy; "
         f"{cpu_model()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
     )
-    print(
-        Workload.of(Path(path), dtype).describe(
-            Machine.measure(dtype), args.num_prompts, args.prompt_len, args.output_len
+    if dev == "cpu":  # the bound is the CPU's (GEMM peak, read bandwidth)
+        print(
+            Workload.of(Path(path), dtype).describe(
+                Machine.measure(dtype), args.num_prompts, args.prompt_len, args.output_len
+            )
         )
-    )
+    else:
+        print(f"on {dev}: {torch.cuda.get_device_name(dev) if dev.startswith('cuda') else dev} (no bound measured)")
     print(f"{'engine':<28} {'batch tok/s':>12} {'batch-1 ms/token':>18}")
     for name, tps, ms in rows:
         print(f"{name:<28} {tps:>12.1f} {ms:>18.1f}")

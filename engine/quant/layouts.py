@@ -74,7 +74,8 @@ def stored_tensors(spec: QuantSpec, n: int, k: int) -> list[StoredTensor]:
 def unpack_int32(words: torch.Tensor, dim: int, order: tuple[int, ...] | None = None) -> torch.Tensor:
     """int32 words holding eight 4-bit values each (value i in bits 4i) → int32 values, `dim` eight times longer;
     `order`: which nibble holds the j-th value (AWQ's interleave)."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32) if order is None else torch.tensor(order, dtype=torch.int32) * 4
+    nibbles = range(8) if order is None else order
+    shifts = torch.tensor(nibbles, dtype=torch.int32, device=words.device) * 4
     w = words.to(torch.int32).unsqueeze(-1)
     vals = (w >> shifts) & 0xF  # [..., 8] along a new last dimension
     if dim in (-1, words.dim() - 1):
@@ -94,7 +95,7 @@ def to_weight(spec: QuantSpec, t: dict[str, torch.Tensor], n: int, k: int) -> Qu
         words = t["weight_packed"].contiguous()
         packed = words.view(torch.uint8) if sys.byteorder == "little" else pack_nibbles(unpack_int32(words, 1))
         if spec.symmetric:
-            zero = torch.full((n, k // g), 8, dtype=torch.uint8)
+            zero = torch.full((n, k // g), 8, dtype=torch.uint8, device=words.device)
         else:
             zero = unpack_int32(t["weight_zero_point"], 0).to(torch.uint8)
         return Int4Weight(packed.clone(), t["weight_scale"].float().contiguous(), zero, g)

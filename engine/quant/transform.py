@@ -24,14 +24,15 @@ ROTATABLE = ("llama", "qwen2", "mistral")  # whose linear layers all run through
 
 
 @cache
-def hadamard(n: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
-    """The normalized Sylvester Hadamard matrix of order n (a power of two): orthogonal, symmetric."""
+def hadamard(n: int, dtype: torch.dtype = torch.float64, device: torch.device | None = None) -> torch.Tensor:
+    """The normalized Sylvester Hadamard matrix of order n (a power of two): orthogonal, symmetric; one copy
+    kept per device, so a forward pass on a GPU copies nothing from the host."""
     if n < 1 or n & (n - 1):
         raise ValueError(f"a Sylvester Hadamard matrix needs a power of two; got {n}")
     h = torch.ones(1, 1, dtype=torch.float64)
     while h.shape[0] < n:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return (h / math.sqrt(n)).to(dtype)
+    return (h / math.sqrt(n)).to(dtype=dtype, device=device)
 
 
 def rotate_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
@@ -39,7 +40,7 @@ def rotate_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     k = x.shape[-1]
     if k % block:
         raise ValueError(f"{k} channels are not whole blocks of {block}")
-    h = hadamard(block, x.dtype if x.is_floating_point() else torch.float32)
+    h = hadamard(block, x.dtype if x.is_floating_point() else torch.float32, x.device)
     return (x.reshape(*x.shape[:-1], k // block, block) @ h).reshape(x.shape)
 
 

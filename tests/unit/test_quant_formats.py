@@ -225,3 +225,18 @@ def test_mixed_schemes_are_refused() -> None:
                                                         "input_activations": A8, "format": "int-quantized"}  # fmt: skip
     with pytest.raises(ModelLoadError, match="mixed precision"):
         quant_spec(cfg)
+
+
+def test_the_in_memory_form_is_made_on_the_device_the_checkpoint_tensors_are_on() -> None:
+    """A model loaded onto a GPU unpacks its weights there: nothing made on the host may join them (the meta
+    device stands in for a GPU here; tests/parity/test_cuda.py runs the real one)."""
+    meta = {
+        "weight_packed": torch.empty(N, K // 8, dtype=torch.int32, device="meta"),
+        "weight_scale": torch.empty(N, K // G, device="meta"),
+        "weight_shape": torch.tensor([N, K]),  # read as numbers at load
+    }
+    w = to_weight(QuantSpec("w4a16", "compressed-tensors", G, True), meta, N, K)
+    assert {t.device.type for t in (w.packed, w.scale, w.zero)} == {"meta"}
+    assert w.float().device.type == "meta"
+    assert unpack_int32(meta["weight_packed"], 1).device.type == "meta"
+    assert unpack_int32(meta["weight_packed"], 1, (0, 2, 4, 6, 1, 3, 5, 7)).device.type == "meta"  # AWQ's order
