@@ -3,11 +3,15 @@
     python -m benchmarks.throughput [--shape qwen2-0.5b|deepseek-v2-tiny] [--num-prompts 32] [--prompt-len 128]
                                     [--output-len 128] [--vllm /path/to/vllm-venv/bin/python] [--onednn-row]
                                     [--quantization w8a8|w4a16 [--group-size 128] [--quantize-lm-head] [--rotate]]
-                                    [--device cpu|cuda]
+                                    [--device cpu|cuda] [--llamacpp DIR]
 
 With --quantization, the shape's checkpoint is also quantized with `tianmen quantize` (round-to-nearest; kept
 beside it for later runs) and a "tianmen <scheme>" row runs on it, beside the bf16 row and the peers; --rotate adds
 a row on a `--rotate` copy (its down_proj inputs rotated online: what that costs at run time).
+
+With --llamacpp DIR (llama.cpp's binaries, built from source), llama.cpp runs the same shape exported to GGUF in
+BF16 and, with --quantization, in its nearest type (Q8_0 for w8a8, Q4_0 for w4a16: pair it with --group-size 32),
+each ratio against our row of the same precision (benchmarks.llamacpp_peer).
 
 With --vllm, vLLM's CPU build runs twice: plain (both cores bound) and with tcmalloc + Intel OpenMP preloaded
 (its docs' advice, when both are installed); the better is reported as "vLLM". The machine bound (measured GEMM
@@ -159,6 +163,7 @@ def main() -> None:
     ap.add_argument("--quantize-lm-head", action="store_true", help="quantize the LM head too (tied: its own copy)")
     ap.add_argument("--rotate", action="store_true", help="with --quantization: a row on a rotated copy too")
     ap.add_argument("--device", default="cpu", help="cpu, or cuda[:N]: both tianmen and transformers run there")
+    ap.add_argument("--llamacpp", metavar="DIR", help="also run llama.cpp (its binaries in DIR): BF16, and Q8_0 / Q4_0")
     args = ap.parse_args()
 
     path = str(checkpoint(args.shape))
@@ -170,6 +175,7 @@ def main() -> None:
     chosen = prompts[: args.num_prompts]
 
     dev = args.device
+    pairs: dict[str, str] = {}
     work = [("tianmen", lambda: isolated(ours, path, chosen, args.output_len, dname, True, dev))]
     if args.onednn_row:
         work.append(("tianmen-onednn", lambda: isolated(ours, path, chosen, args.output_len, dname, False)))
@@ -191,6 +197,17 @@ def main() -> None:
             work.append(("vLLM preloaded", lambda: vllm(args.vllm, path, chosen, args.output_len, dname, preload)))
         else:
             print("vLLM with tcmalloc + Intel OpenMP: not run (needs libgoogle-perftools4, and libiomp5 in its venv)")
+    if args.llamacpp:
+        from benchmarks.llamacpp_peer import TYPES, llamacpp, version
+
+        tag = f"llama.cpp {version(args.llamacpp)}"
+        for kind, ours_name in [("bf16", "tianmen")] + ([(args.quantization, qname)] if args.quantization else []):
+            name = f"{tag} {TYPES[kind].lower()}"
+            pairs[name] = ours_name  # its ratio is against our row of the same precision
+            run = lambda k=kind: llamacpp(  # noqa: E731
+                args.llamacpp, args.shape, k, args.prompt_len, args.output_len, args.num_prompts
+            )
+            work.append((name, run))
     rows: list[tuple[str, float, float]] = []
     for name, run in work:  # a peer that fails is reported and the others still run
         try:
@@ -217,15 +234,21 @@ def main() -> None:
     print(f"{'engine':<28} {'batch tok/s':>12} {'batch-1 ms/token':>18}")
     for name, tps, ms in rows:
         print(f"{name:<28} {tps:>12.1f} {ms:>18.1f}")
-    ours_row = next((r for r in rows if r[0] == "tianmen"), None)
+    by_name = {r[0]: r for r in rows}
+    ours_row = by_name.get("tianmen")
     for name, tps, ms in rows:
         if ours_row is None or name == "tianmen" or name.startswith("vLLM plain") or name.startswith("vLLM preloaded"):
             continue
-        peer = "hf" if name.startswith("transformers") else name.split()[0]
         if name.startswith("tianmen "):  # a quantized row: its speed against the bf16 one
             print(f"{name + ' vs bf16':<28} {tps / ours_row[1]:>11.2f}x {ours_row[2] / ms:>17.2f}x faster")
             continue
-        print(f"{'ratio vs ' + peer:<28} {ours_row[1] / tps:>11.2f}x {ms / ours_row[2]:>17.2f}x faster")
+        mine = by_name.get(pairs.get(name, "tianmen"))
+        if mine is None:
+            continue
+        peer = "hf" if name.startswith("transformers") else name.split()[0]
+        peer += f" {name.split()[-1]}" if name in pairs else ""
+        label = f"ratio vs {peer}" + (f" ({mine[0]})" if mine is not ours_row else "")
+        print(f"{label:<28} {mine[1] / tps:>11.2f}x {ms / mine[2]:>17.2f}x faster")
 
 
 def quantized(src: Path, scheme: str, group_size: int, lm_head: bool = False, rotate: bool = False) -> Path:

@@ -19,7 +19,7 @@ from engine.kernels.decode_attn import DECODE_ROWS, runs_at
 from engine.kernels.kernel_set import CpuKernels
 from engine.kernels.op_choice import choose_kernels, decode_attention_kernels, grouped_kernels
 from engine.loader import ModelFiles, load_model
-from engine.malloc import keep_freed_memory
+from engine.malloc import keep_freed_memory, release_freed_memory
 from engine.outputs import ModelOutput, ScheduledSeq, SchedulerOutput
 from engine.parallel.group import Group, SingleGroup
 from engine.params import torch_seed
@@ -79,6 +79,8 @@ class ModelRunner:
         if cpu:
             self.kernel_report = self._bind_cpu_kernels(compact)
         self.plan_attention()
+        if config.keep_freed_memory and cpu:
+            release_freed_memory()  # the checkpoint's tensors and the trial copies: freed, but kept resident
         log.info(
             "model on %s, %s math, %s weights: %d KV blocks of %d tokens",
             self.device,

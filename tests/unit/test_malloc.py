@@ -9,7 +9,7 @@ import resource
 import pytest
 import torch
 
-from engine.malloc import keep_freed_memory
+from engine.malloc import keep_freed_memory, release_freed_memory
 
 SIZE = 64 << 20  # 64 MiB: by default glibc mmaps this, and unmaps it when freed
 
@@ -38,3 +38,13 @@ def test_freed_activations_stay_resident_and_are_reused_without_faults() -> None
         torch.ones(SIZE, dtype=torch.uint8)
     # by default each round faults in all 16,384 pages again (81,920 for five); kept memory faults in none
     assert page_faults() - faults < SIZE // os.sysconf("SC_PAGE_SIZE") // 4
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc_trim is glibc's")
+def test_memory_freed_at_load_goes_back_to_the_kernel_once_asked() -> None:
+    assert keep_freed_memory()
+    big = torch.ones(4 * SIZE, dtype=torch.uint8)  # a checkpoint tensor, say: freed once packed
+    del big
+    kept = resident_bytes()
+    assert release_freed_memory()
+    assert resident_bytes() < kept - 3 * SIZE
