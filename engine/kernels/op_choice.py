@@ -16,11 +16,20 @@ from collections.abc import Callable
 import torch
 
 from engine.context import AttentionContext, PrefillMeta, reset_context, set_context
-from engine.kernels import amxmm, bf16mm, decode_attn, decode_attn_amx, decode_attn_dp, decode_attn_latent, wbf16
+from engine.kernels import (
+    amxmm,
+    bf16mm,
+    decode_attn,
+    decode_attn_amx,
+    decode_attn_dp,
+    decode_attn_latent,
+    w4mm,
+    wbf16,
+)
 from engine.kernels.decode_attn import DECODE_ROWS, DecodeAttention
 from engine.kernels.gemm import GemmPath, KernelPath, OneDNNPath, TorchPath
 from engine.kernels.grouped import GroupedExperts, GroupedKernel, GroupedLinear
-from engine.kernels.kernel_set import CpuKernels
+from engine.kernels.kernel_set import CpuKernels, Int4ExpertsFactory
 from engine.kernels.pointwise import PointwiseKernels, apply_rotary, rms_norm
 from engine.kernels.select import MIN_ROUNDS, CacheFlush, PlanCache, ShapeChoice, Timer
 from engine.layers.activation import ActAndMul
@@ -28,6 +37,8 @@ from engine.layers.attention import PagedAttention
 from engine.layers.mla import MLAttention, bmm_absorbed, latent_attention, per_head_absorbed
 from engine.layers.moe import MoE
 from engine.layers.norm import RMSNorm
+from engine.quant.grouped import GroupedInt4Experts
+from engine.quant.paths import W4MMPath
 from engine.sampler import inverse_cdf
 
 ROWS = 32  # a decode batch: where these ops' per-call overhead matters
@@ -144,6 +155,45 @@ def choose_grouped_experts(
     others = "+".join(name for name in candidates if name not in fits)
     key = f"op moe_experts {len(experts)}x{n}x{h} top{top_k} {dtype} {'+'.join(fits)} vs {others}"
     return fits.get(fastest(key, candidates, timer, cache))
+
+
+def choose_int4_experts(
+    moe: MoE, dtype: torch.dtype, timer: Timer | None, cache: PlanCache | None
+) -> Int4ExpertsFactory | None:
+    """w4mm's grouped call over W4A16 experts (engine.quant.grouped.GroupedInt4Experts), where it beat a w4mm call
+    per expert and projection (the direct entry point: decode's rows) on `moe`'s own first experts, ROWS tokens
+    routed at random to its top-k; None where that lost, the math is not bf16, the kernel is missing here or the
+    experts do not fit it. What it returns makes the grouped call for a layer's experts (None where they do not
+    fit)."""
+    kernel = w4mm.kernel() if dtype == torch.bfloat16 else None
+    experts = moe.local_experts()
+    if kernel is None or not experts or not all(hasattr(e.gate_up_proj, "gemm_weight") for e in experts):
+        return None
+    e = min(len(experts), PROBE_EXPERTS)
+    gate_up = [x.gate_up_proj.gemm_weight() for x in experts[:e]]  # type: ignore[operator]
+    down = [x.down_proj.gemm_weight() for x in experts[:e]]  # type: ignore[operator]
+    if not GroupedInt4Experts.accepts(gate_up, down):
+        return None
+    top_k = min(getattr(moe.gate, "top_k", 1), e)
+    tokens = max(1, ROWS * e // len(experts))
+    g = torch.Generator().manual_seed(0)
+    picks = torch.rand(tokens, e, generator=g).topk(top_k, dim=-1)[1].flatten()
+    counts = torch.bincount(picks, minlength=e).tolist()
+    h = down[0].shape[0]
+    x = torch.randn(tokens * top_k, h, generator=g).bfloat16()
+    grouped = GroupedInt4Experts(kernel, gate_up, down)
+    path = W4MMPath(kernel, "direct")
+    ups = [path.prepare(w, None, None) for w in gate_up]
+    downs = [path.prepare(w, None, None) for w in down]
+    candidates: dict[str, Callable[[], object]] = {
+        "grouped w4mm": lambda: grouped(x, counts),
+        "each w4mm": lambda: _each_expert(x, counts, ups, downs, ActAndMul("silu")),
+    }
+    n, k = gate_up[0].shape
+    key = f"op moe_int4 {len(experts)}x{n}x{k} g{gate_up[0].group_size} top{top_k} {dtype} grouped vs each w4mm"  # type: ignore[union-attr]
+    if fastest(key, candidates, timer, cache) != "grouped w4mm":
+        return None
+    return lambda up, dn: GroupedInt4Experts(kernel, up, dn) if GroupedInt4Experts.accepts(up, dn) else None
 
 
 def _per_expert_paths(dtype: torch.dtype) -> list[GemmPath]:
@@ -440,6 +490,8 @@ def choose_kernels(
         k.absorbed = absorbed_gemm(gk)
     if grouped and moe is not None:
         k.moe_experts = choose_grouped_experts(grouped, moe, dtype, timer, cache)
+    if moe is not None:
+        k.moe_int4 = choose_int4_experts(moe, dtype, timer, cache)
     if layer is not None:
         k.decode_attn, k.decode_attn_at = choose_decode_attention(attn, layer, dtype, block_size, timer, cache)
         if k.decode_attn is not None and all(k.decode_attn_at):  # prompt rows join the decodes' class

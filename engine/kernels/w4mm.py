@@ -56,6 +56,8 @@ class W4MM:
             f.restype = _int
         lib.w4mm_dequantize.argtypes = [_i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _int]
         lib.w4mm_dequantize.restype = None
+        lib.w4mm_grouped.argtypes = [_i64, _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _int, _int]
+        lib.w4mm_grouped.restype = _int
 
     @classmethod
     def build(cls, flags: tuple[str, ...] = ("-march=native",)) -> W4MM:
@@ -90,6 +92,24 @@ class W4MM:
     def panel(self, x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None) -> torch.Tensor:
         """The same, each group widened once into a buffer for all the rows and run through bf16mm's tiles."""
         return self.run(self.lib.w4mm_linear_panel, x, w, bias, "w4mm")
+
+    def grouped(
+        self, x: torch.Tensor, counts: ctypes.Array, shape: tuple[int, int, int], nibbles: ctypes.Array,
+        scales: ctypes.Array, silu_mul: bool,
+    ) -> torch.Tensor:  # fmt: skip
+        """Layer e's counts[e] consecutive rows of x [rows, K] (bf16, contiguous) through packed weight e (its
+        nibbles and scales pointers; all of shape (N, K, G), no bias) in one call → [rows, N] bf16, or
+        [rows, N / 2] = silu(gate) * up where the weights are gated MLPs' [gate; up] rows interleaved in blocks of
+        32 (N a multiple of 64). The C side trusts its arguments: engine.quant.grouped checks them."""
+        n, k, g = shape
+        y = torch.empty(x.shape[0], n // 2 if silu_mul else n, dtype=torch.bfloat16)
+        rc = self.lib.w4mm_grouped(
+            len(counts), counts, n, k, g, x.data_ptr(), nibbles, scales, y.data_ptr(), torch.get_num_threads(),
+            int(silu_mul),
+        )  # fmt: skip
+        if rc != 0:
+            raise MemoryError("w4mm: no memory for the kernel's buffers")
+        return y
 
     def dense(self, x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None) -> torch.Tensor:
         """The same from the weight as stored: dequantized to bf16 rows, DENSE_ROWS_MAX weights at a time, in a

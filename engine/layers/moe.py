@@ -10,6 +10,7 @@ An all-to-all dispatch pays off only where attention is data parallel (tokens sp
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -108,7 +109,8 @@ class MoE(nn.Module):
             size = moe_intermediate_size * num_shared_experts
             self.shared_experts = GatedMLP(hidden_size, size, hidden_act, shared_bias, inner, reduce=False)
 
-        self.grouped: GroupedExperts | None = None  # this rank's experts in one call (bind_kernels)
+        # this rank's experts in one call (bind_kernels): GroupedExperts, or quantized ones' GroupedInt4Experts
+        self.grouped: Callable[[torch.Tensor, list[int]], torch.Tensor] | None = None
 
     def local_experts(self) -> list[GatedMLP]:
         return list(self.experts[self.first : self.first + self.num_local])  # type: ignore[arg-type]
@@ -118,9 +120,17 @@ class MoE(nn.Module):
         plain weights)."""
         experts = self.local_experts()
         linears = [lin for e in experts for lin in (e.gate_up_proj, e.down_proj)]
-        # NOTE: quantized experts (engine.quant: a gemm_weight in place of the plain one) keep their GEMM plans
-        plain = all(lin.bias is None and not hasattr(lin, "gemm_weight") for lin in linears)
-        if kernels.moe_experts is None or not plain or not all(e.act.is_silu_and_mul for e in experts):
+        if not all(lin.bias is None for lin in linears) or not all(e.act.is_silu_and_mul for e in experts):
+            return
+        if all(hasattr(lin, "gemm_weight") for lin in linears):  # quantized (engine.quant)
+            if kernels.moe_int4 is not None:
+                gate_up = [e.gate_up_proj.gemm_weight() for e in experts]  # type: ignore[operator]
+                self.grouped = kernels.moe_int4(gate_up, [e.down_proj.gemm_weight() for e in experts])  # type: ignore[operator]
+                for lin in linears if self.grouped is not None else ():  # the grouped call holds its own copy
+                    lin.packable, lin.quantized = False, None  # type: ignore[attr-defined]
+            return  # otherwise they keep their GEMM plans
+        plain = not any(hasattr(lin, "gemm_weight") for lin in linears)
+        if kernels.moe_experts is None or not plain:
             return
         gate_up, down = [e.gate_up_proj.weight.data for e in experts], [e.down_proj.weight.data for e in experts]
         if not GroupedExperts.accepts(kernels.moe_experts, gate_up, down):
