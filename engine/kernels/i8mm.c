@@ -10,7 +10,8 @@
 //
 // Packed layout (i8mm.py packs): [ceil(N/64)][K4/4][64][4] bytes, K4 = K rounded up to 4: for each 64-column
 // block and each 4 k, the 64 columns' four weights side by side, so one 64-byte load feeds 16 columns x 4 k to
-// one VPDPBUSD. Padding weights are 0.
+// one VPDPBUSD. Padding weights are 0. i8mm_grouped (at the end, CPUs with AVX512-BF16) runs a MoE layer's
+// experts over this layout in one call.
 #if !defined(__AVX512VNNI__) || !defined(__AVX512BW__)
 #error "this kernel needs AVX512-VNNI (-march=native on a CPU without it: oneDNN or torch._int_mm is used instead)"
 #endif
@@ -127,3 +128,54 @@ int i8mm_linear(int64_t M, int64_t N, int64_t K, const void *x, int bf16, const 
     }
     return 0;
 }
+
+#ifdef __AVX512BF16__
+#include "avx512_math.h"
+
+// E W8A8 linear layers of one shape (no bias) in one call, bf16 rows in and out, as bf16mm_grouped: layer e takes
+// counts[e] consecutive rows of x and its packed weight w[e] (colsum[e], ws[e]); y gets its rows in the same
+// order, N wide (N / 2 with silu_mul: the weight's rows are a gated MLP's [gate; up] interleaved in blocks of 32,
+// and y = silu(gate) * up, rounded as torch rounds it in bf16). Every row is quantized once, as i8mm_linear does.
+// WHY: a MoE layer's W8A8 experts each paid a Python round trip and a parallel region per projection. Returns 0,
+// or -1 without memory for the quantized rows.
+int i8mm_grouped(int64_t E, const int64_t *counts, int64_t N, int64_t K, const uint16_t *x,
+                 const uint8_t *const *w, const int32_t *const *colsum, const float *const *ws, uint16_t *y,
+                 int nthreads, int silu_mul) {
+    const int64_t K4 = (K + 3) / 4 * 4, nblocks = (N + NB - 1) / NB, width = silu_mul ? N / 2 : N;
+    int64_t M = 0, P = 0;
+    for (int64_t e = 0; e < E; e++) M += counts[e], P += counts[e] > 0;
+    if (M <= 0) return 0;
+    float *xs;
+    const uint8_t *xq = quantize_rows(M, K, K4, x, 1, nthreads, &xs);
+    if (!xq) return -1;
+    int64_t first[P], layer[P];  // each layer with rows: its first row and its index
+    P = 0;
+    for (int64_t e = 0, row = 0; e < E; row += counts[e++])
+        if (counts[e] > 0) first[P] = row, layer[P++] = e;
+    static const float zeros[NB];
+    const pf_t none = {NULL, NULL, 0};
+#pragma omp parallel for schedule(dynamic, 2) num_threads(nthreads)
+    for (int64_t t = 0; t < P * nblocks; t++) {
+        const int64_t p = t / nblocks, nb = t % nblocks, e = layer[p], n0 = nb * NB, nn = N - n0 < NB ? N - n0 : NB;
+        const int64_t end = first[p] + counts[e];
+        for (int64_t r0 = first[p]; r0 < end; r0 += MR) {
+            const int mr = end - r0 < MR ? (int)(end - r0) : MR;
+            if (!silu_mul) {
+                row_tile_any(mr, K4, xq + r0 * K4, w[e] + nb * K4 * NB, colsum[e] + n0, ws[e] + n0, zeros, xs + r0,
+                             y + r0 * width, 1, width, n0, nn, none);
+                continue;
+            }
+            float o[MR * NB];  // float rows (N % 64 == 0, checked by the caller), then 32 gate and 32 up columns each
+            row_tile_any(mr, K4, xq + r0 * K4, w[e] + nb * K4 * NB, colsum[e] + n0, ws[e] + n0, zeros, xs + r0, o,
+                         0, NB, 0, NB, none);
+            for (int r = 0; r < mr; r++) {
+                const float *orow = o + r * NB;
+                const __m512 lo = silu_mul16(_mm512_loadu_ps(orow), _mm512_loadu_ps(orow + 32));
+                const __m512 hi = silu_mul16(_mm512_loadu_ps(orow + 16), _mm512_loadu_ps(orow + 48));
+                _mm512_storeu_si512((void *)(y + (r0 + r) * width + n0 / 2), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+            }
+        }
+    }
+    return 0;
+}
+#endif

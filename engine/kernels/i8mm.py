@@ -46,6 +46,10 @@ class I8MM:
         self.lib = lib
         lib.i8mm_linear.argtypes = [_i64, _i64, _i64, _ptr, _int, _ptr, _ptr, _ptr, _ptr, _ptr, _int]
         lib.i8mm_linear.restype = _int
+        self.has_grouped = hasattr(lib, "i8mm_grouped")  # built where the CPU has AVX512-BF16 (bf16 rows)
+        if self.has_grouped:
+            lib.i8mm_grouped.argtypes = [_i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _int, _int]
+            lib.i8mm_grouped.restype = _int
 
     @classmethod
     def build(cls, flags: tuple[str, ...] = ("-march=native",)) -> I8MM:
@@ -65,6 +69,24 @@ class I8MM:
     def linear(self, x: torch.Tensor, w: PackedInt8) -> torch.Tensor:
         """x [..., K] (bf16 or float32) → x W^T + b, [..., N] of x's dtype."""
         return self.run(self.lib.i8mm_linear, x, w, "i8mm")
+
+    def grouped(
+        self, x: torch.Tensor, counts: ctypes.Array, shape: tuple[int, int], weights: tuple[ctypes.Array, ...],
+        silu_mul: bool,
+    ) -> torch.Tensor:  # fmt: skip
+        """Layer e's counts[e] consecutive rows of x [rows, K] (bf16, contiguous) through packed weight e
+        (`weights`: the packed weights', column sums' and scales' pointers; all [N, K], no bias) in one call →
+        [rows, N] bf16, or [rows, N / 2] = silu(gate) * up where the weights are gated MLPs' [gate; up] rows
+        interleaved in blocks of 32 (N a multiple of 64). The C side trusts its arguments: engine.quant.grouped
+        checks them."""
+        n, k = shape
+        y = torch.empty(x.shape[0], n // 2 if silu_mul else n, dtype=torch.bfloat16)
+        rc = self.lib.i8mm_grouped(
+            len(counts), counts, n, k, x.data_ptr(), *weights, y.data_ptr(), torch.get_num_threads(), int(silu_mul)
+        )
+        if rc != 0:
+            raise MemoryError("i8mm: no memory for the quantized rows")
+        return y
 
     @staticmethod
     def run(fn: ctypes._CFuncPtr, x: torch.Tensor, w: PackedInt8, name: str) -> torch.Tensor:

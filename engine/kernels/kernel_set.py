@@ -15,8 +15,8 @@ from engine.kernels.pointwise import PointwiseKernels
 if TYPE_CHECKING:
     from engine.layers.mla import MLAttention
 
-# given a MoE layer's W4A16 experts' gate/up and down weights, their grouped call ([rows, H], counts → [rows, H])
-Int4ExpertsFactory = Callable[[list[object], list[object]], Callable[[torch.Tensor, list[int]], torch.Tensor] | None]
+# given a MoE layer's quantized experts' gate/up and down weights, their grouped call ([rows, H], counts → [rows, H])
+QuantExpertsFactory = Callable[[list[object], list[object]], Callable[[torch.Tensor, list[int]], torch.Tensor] | None]
 
 
 @dataclass(slots=True)
@@ -38,10 +38,10 @@ class CpuKernels:
     # a MoE layer's routed experts in one grouped call per projection (engine.kernels.grouped.GroupedExperts), where
     # that beat a oneDNN call per expert (engine.kernels.op_choice.choose_grouped_experts)
     moe_experts: GroupedKernel | None = None
-    # the same for W4A16 experts (engine.quant.grouped.GroupedInt4Experts), where that beat a w4mm call per expert
-    # (engine.kernels.op_choice.choose_int4_experts): given the experts' gate/up and down weights, the grouped
-    # call, or None where they do not fit it
-    moe_int4: Int4ExpertsFactory | None = None
+    # the same for quantized experts (engine.quant.grouped.GroupedQuantExperts), where that beat the kernel's call
+    # per expert (engine.kernels.op_choice.choose_quant_experts): given the experts' gate/up and down weights, the
+    # grouped call, or None where they do not fit it
+    moe_quant: QuantExpertsFactory | None = None
     # MLA decode over the paged latent cache in place (engine.layers.mla), where it beat gather + SDPA
     # (engine.kernels.op_choice.choose_latent_attention)
     latent_attn: DecodeAttention | None = None

@@ -23,13 +23,14 @@ from engine.kernels import (
     decode_attn_amx,
     decode_attn_dp,
     decode_attn_latent,
+    i8mm,
     w4mm,
     wbf16,
 )
 from engine.kernels.decode_attn import DECODE_ROWS, DecodeAttention
 from engine.kernels.gemm import GemmPath, KernelPath, OneDNNPath, TorchPath
 from engine.kernels.grouped import GroupedExperts, GroupedKernel, GroupedLinear
-from engine.kernels.kernel_set import CpuKernels, Int4ExpertsFactory
+from engine.kernels.kernel_set import CpuKernels, QuantExpertsFactory
 from engine.kernels.pointwise import PointwiseKernels, apply_rotary, rms_norm
 from engine.kernels.select import MIN_ROUNDS, CacheFlush, PlanCache, ShapeChoice, Timer
 from engine.layers.activation import ActAndMul
@@ -37,11 +38,13 @@ from engine.layers.attention import PagedAttention
 from engine.layers.mla import MLAttention, bmm_absorbed, latent_attention, per_head_absorbed
 from engine.layers.moe import MoE
 from engine.layers.norm import RMSNorm
-from engine.quant.grouped import GroupedInt4Experts
-from engine.quant.paths import W4MMPath
+from engine.quant.grouped import GroupedQuantExperts
+from engine.quant.paths import quant_paths
+from engine.quant.weights import Int4Weight
 from engine.sampler import inverse_cdf
 
 ROWS = 32  # a decode batch: where these ops' per-call overhead matters
+DECODE_QUANT_PATHS = ("w4mm", "w4mm-amx", "i8mm", "i8mm-amx")  # quantized experts' plans at decode's rows
 CONTEXT = 256  # decode attention's tokens of context per sequence
 BLOCK = 16
 PREFILL_LENGTHS = (32, 128, 512, 2048)  # prompt chunks timed both ways for prefill in place
@@ -157,43 +160,51 @@ def choose_grouped_experts(
     return fits.get(fastest(key, candidates, timer, cache))
 
 
-def choose_int4_experts(
+def choose_quant_experts(
     moe: MoE, dtype: torch.dtype, timer: Timer | None, cache: PlanCache | None
-) -> Int4ExpertsFactory | None:
-    """w4mm's grouped call over W4A16 experts (engine.quant.grouped.GroupedInt4Experts), where it beat a w4mm call
-    per expert and projection (the direct entry point: decode's rows) on `moe`'s own first experts, ROWS tokens
-    routed at random to its top-k; None where that lost, the math is not bf16, the kernel is missing here or the
-    experts do not fit it. What it returns makes the grouped call for a layer's experts (None where they do not
-    fit)."""
-    kernel = w4mm.kernel() if dtype == torch.bfloat16 else None
+) -> QuantExpertsFactory | None:
+    """The grouped call over quantized experts (engine.quant.grouped.GroupedQuantExperts: w4mm's for W4A16,
+    i8mm's for W8A8), where it beat that kernel's call per expert and projection on `moe`'s own first experts,
+    ROWS tokens routed at random to its top-k; None where that lost, the math is not bf16, the kernel is missing
+    here or the experts do not fit it. What it returns makes the grouped call for a layer's experts (None where
+    they do not fit)."""
     experts = moe.local_experts()
-    if kernel is None or not experts or not all(hasattr(e.gate_up_proj, "gemm_weight") for e in experts):
+    if dtype != torch.bfloat16 or not experts or not all(hasattr(e.gate_up_proj, "gemm_weight") for e in experts):
         return None
     e = min(len(experts), PROBE_EXPERTS)
     gate_up = [x.gate_up_proj.gemm_weight() for x in experts[:e]]  # type: ignore[operator]
     down = [x.down_proj.gemm_weight() for x in experts[:e]]  # type: ignore[operator]
-    if not GroupedInt4Experts.accepts(gate_up, down):
+    kernel: w4mm.W4MM | i8mm.I8MM | None = w4mm.kernel() if isinstance(gate_up[0], Int4Weight) else i8mm.kernel()
+    if kernel is None or not GroupedQuantExperts.accepts(kernel, gate_up, down):
         return None
     top_k = min(getattr(moe.gate, "top_k", 1), e)
     tokens = max(1, ROWS * e // len(experts))
     g = torch.Generator().manual_seed(0)
     picks = torch.rand(tokens, e, generator=g).topk(top_k, dim=-1)[1].flatten()
     counts = torch.bincount(picks, minlength=e).tolist()
-    h = down[0].shape[0]
-    x = torch.randn(tokens * top_k, h, generator=g).bfloat16()
-    grouped = GroupedInt4Experts(kernel, gate_up, down)
-    path = W4MMPath(kernel, "direct")
-    ups = [path.prepare(w, None, None) for w in gate_up]
-    downs = [path.prepare(w, None, None) for w in down]
-    candidates: dict[str, Callable[[], object]] = {
-        "grouped w4mm": lambda: grouped(x, counts),
-        "each w4mm": lambda: _each_expert(x, counts, ups, downs, ActAndMul("silu")),
-    }
+    x = torch.randn(tokens * top_k, down[0].shape[0], generator=g).bfloat16()
+    grouped = GroupedQuantExperts(kernel, gate_up, down)
+    name = "w4mm" if isinstance(kernel, w4mm.W4MM) else "i8mm"
+    candidates: dict[str, Callable[[], object]] = {f"grouped {name}": lambda: grouped(x, counts)}
+    # against a call per expert through each kernel the experts' plans take at decode's rows (on AMX CPUs also
+    # the AMX one over the same packed copy, which may beat the grouped VNNI / AVX512-BF16 loops there)
+    fits = [p for p in quant_paths(dtype) if p.name in DECODE_QUANT_PATHS]
+    for path in (p for p in fits if p.accepts(gate_up[0], None) and p.accepts(down[0], None)):
+        ups = [path.prepare(w, None, None) for w in gate_up]
+        downs = [path.prepare(w, None, None) for w in down]
+        each = lambda ups=ups, downs=downs: _each_expert(x, counts, ups, downs, ActAndMul("silu"))  # noqa: E731
+        candidates[f"each {path.name}"] = each  # type: ignore[misc]
     n, k = gate_up[0].shape
-    key = f"op moe_int4 {len(experts)}x{n}x{k} g{gate_up[0].group_size} top{top_k} {dtype} grouped vs each w4mm"  # type: ignore[union-attr]
-    if fastest(key, candidates, timer, cache) != "grouped w4mm":
+    others = "+".join(c for c in candidates if not c.startswith("grouped"))
+    key = f"op moe_quant {len(experts)}x{n}x{k} {_scheme(gate_up[0])} top{top_k} {dtype} grouped {name} vs {others}"
+    if fastest(key, candidates, timer, cache) != f"grouped {name}":
         return None
-    return lambda up, dn: GroupedInt4Experts(kernel, up, dn) if GroupedInt4Experts.accepts(up, dn) else None
+    chosen = kernel
+    return lambda up, dn: GroupedQuantExperts(chosen, up, dn) if GroupedQuantExperts.accepts(chosen, up, dn) else None
+
+
+def _scheme(w: object) -> str:
+    return f"w4a16-g{w.group_size}" if isinstance(w, Int4Weight) else "w8a8"
 
 
 def _per_expert_paths(dtype: torch.dtype) -> list[GemmPath]:
@@ -491,7 +502,7 @@ def choose_kernels(
     if grouped and moe is not None:
         k.moe_experts = choose_grouped_experts(grouped, moe, dtype, timer, cache)
     if moe is not None:
-        k.moe_int4 = choose_int4_experts(moe, dtype, timer, cache)
+        k.moe_quant = choose_quant_experts(moe, dtype, timer, cache)
     if layer is not None:
         k.decode_attn, k.decode_attn_at = choose_decode_attention(attn, layer, dtype, block_size, timer, cache)
         if k.decode_attn is not None and all(k.decode_attn_at):  # prompt rows join the decodes' class

@@ -109,7 +109,7 @@ class MoE(nn.Module):
             size = moe_intermediate_size * num_shared_experts
             self.shared_experts = GatedMLP(hidden_size, size, hidden_act, shared_bias, inner, reduce=False)
 
-        # this rank's experts in one call (bind_kernels): GroupedExperts, or quantized ones' GroupedInt4Experts
+        # this rank's experts in one call (bind_kernels): GroupedExperts, or quantized ones' GroupedQuantExperts
         self.grouped: Callable[[torch.Tensor, list[int]], torch.Tensor] | None = None
 
     def local_experts(self) -> list[GatedMLP]:
@@ -123,9 +123,9 @@ class MoE(nn.Module):
         if not all(lin.bias is None for lin in linears) or not all(e.act.is_silu_and_mul for e in experts):
             return
         if all(hasattr(lin, "gemm_weight") for lin in linears):  # quantized (engine.quant)
-            if kernels.moe_int4 is not None:
+            if kernels.moe_quant is not None:
                 gate_up = [e.gate_up_proj.gemm_weight() for e in experts]  # type: ignore[operator]
-                self.grouped = kernels.moe_int4(gate_up, [e.down_proj.gemm_weight() for e in experts])  # type: ignore[operator]
+                self.grouped = kernels.moe_quant(gate_up, [e.down_proj.gemm_weight() for e in experts])  # type: ignore[operator]
                 for lin in linears if self.grouped is not None else ():  # the grouped call holds its own copy
                     lin.packable, lin.quantized = False, None  # type: ignore[attr-defined]
             return  # otherwise they keep their GEMM plans

@@ -1,5 +1,6 @@
-"""A MoE layer's W4A16 routed experts in two kernel calls a step (engine.kernels.w4mm's grouped entry point):
-every expert's gate/up projection with the fused SiLU, then every expert's down projection.
+"""A MoE layer's quantized routed experts in two kernel calls a step (the grouped entry points of
+engine.kernels.w4mm for W4A16 and engine.kernels.i8mm for W8A8): every expert's gate/up projection with the fused
+SiLU, then every expert's down projection; bf16 rows in and out.
 
 The bf16 experts have had this since engine.kernels.grouped; quantized ones ran a GEMM plan per expert and
 projection, a Python round trip and a parallel region each (~25 us on a 2-core Zen 4), two per active expert
@@ -14,38 +15,54 @@ import ctypes
 import torch
 
 from engine.kernels.gemm import interleave_halves
-from engine.kernels.w4mm import W4MM, PackedInt4
+from engine.kernels.i8mm import I8MM
+from engine.kernels.w4mm import W4MM
 from engine.quant.paths import W4MMPath
-from engine.quant.weights import Int4Weight
+from engine.quant.weights import Int4Weight, Int8Weight, QuantWeight
 
 
-def _interleaved(w: Int4Weight) -> Int4Weight:
+def _interleaved(w: QuantWeight) -> QuantWeight:
     """A gated MLP's [gate; up] rows in blocks of 32 alternating (interleave_halves), the weight's every part."""
+    if isinstance(w, Int8Weight):
+        return Int8Weight(interleave_halves(w.q), interleave_halves(w.scale))
     return Int4Weight(interleave_halves(w.packed), interleave_halves(w.scale), interleave_halves(w.zero), w.group_size)
 
 
-class GroupedInt4Linear:
-    """Int4 linear layers of one shape and group size (no bias) over consecutive row groups of one input."""
+def _pointers(tensors: list[torch.Tensor]) -> ctypes.Array:
+    return (ctypes.c_void_p * len(tensors))(*(t.data_ptr() for t in tensors))
 
-    def __init__(self, kernel: W4MM, weights: list[Int4Weight], silu_mul: bool = False) -> None:
+
+class GroupedQuantLinear:
+    """Quantized linear layers of one shape and scheme (no bias) over consecutive row groups of one input."""
+
+    def __init__(self, kernel: W4MM | I8MM, weights: list[QuantWeight], silu_mul: bool = False) -> None:
         self.kernel, self.silu_mul = kernel, silu_mul
         self.n, self.k = weights[0].shape
-        self.group_size = weights[0].group_size
-        self.packed: list[PackedInt4] = [
-            W4MMPath.pack(_interleaved(w) if silu_mul else w) for w in weights
-        ]  # fmt: skip
-        ptrs = ctypes.c_void_p * len(weights)
-        self._nibbles = ptrs(*(p.nibbles.data_ptr() for p in self.packed))
-        self._scales = ptrs(*(p.scales.data_ptr() for p in self.packed))
+        ws = [_interleaved(w) if silu_mul else w for w in weights]
+        if isinstance(kernel, W4MM):
+            self.packed: list[object] = [W4MMPath.pack(w) for w in ws]  # type: ignore[arg-type]
+            self.shape: tuple[int, ...] = (self.n, self.k, weights[0].group_size)  # type: ignore[union-attr]
+            self.pointers = tuple(_pointers([getattr(p, f) for p in self.packed]) for f in ("nibbles", "scales"))
+        else:
+            self.packed = [I8MM.pack(w.q, w.scale) for w in ws]  # type: ignore[union-attr]
+            self.shape = (self.n, self.k)
+            fields = ("packed", "colsum", "scale")
+            self.pointers = tuple(_pointers([getattr(p, f) for p in self.packed]) for f in fields)
 
     @staticmethod
-    def accepts(weights: list[Int4Weight], silu_mul: bool = False) -> bool:
-        """Int4 weights of one shape and group size that w4mm takes (N a multiple of 64 for silu_mul)."""
-        if not weights or not all(isinstance(w, Int4Weight) for w in weights):
+    def accepts(kernel: W4MM | I8MM, weights: list[object], silu_mul: bool = False) -> bool:
+        """Weights of one shape (and group size) of the kernel's scheme that it takes (N a multiple of 64 for
+        silu_mul)."""
+        if not weights or (silu_mul and weights[0].shape[0] % 64):  # type: ignore[attr-defined]
             return False
-        (n, k), g = weights[0].shape, weights[0].group_size
-        same = all(w.shape == (n, k) and w.group_size == g for w in weights)
-        return same and W4MM.accepts(n, k, g) and (not silu_mul or n % 64 == 0)
+        if isinstance(kernel, W4MM):
+            if not all(isinstance(w, Int4Weight) for w in weights):
+                return False
+            (n, k), g = weights[0].shape, weights[0].group_size  # type: ignore[attr-defined]
+            same = all(w.shape == (n, k) and w.group_size == g for w in weights)  # type: ignore[attr-defined]
+            return same and W4MM.accepts(n, k, g)
+        shape = weights[0].shape  # type: ignore[attr-defined]
+        return kernel.has_grouped and all(isinstance(w, Int8Weight) and w.shape == shape for w in weights)
 
     def __call__(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x [rows, K], group-major (counts[g] rows for group g, in order) → [rows, N] (N / 2 with silu_mul), bf16."""
@@ -55,29 +72,30 @@ class GroupedInt4Linear:
                 f"{len(counts)} groups of {sum(counts)} rows for {len(self.packed)} weights, x {tuple(x.shape)}"
             )
         x = x.to(torch.bfloat16).contiguous()
-        shape = (self.n, self.k, self.group_size)
         c = (ctypes.c_int64 * len(counts))(*counts)
-        return self.kernel.grouped(x, c, shape, self._nibbles, self._scales, self.silu_mul)
+        if isinstance(self.kernel, W4MM):
+            return self.kernel.grouped(x, c, self.shape, *self.pointers, self.silu_mul)  # type: ignore[arg-type]
+        return self.kernel.grouped(x, c, self.shape, self.pointers, self.silu_mul)  # type: ignore[arg-type]
 
 
-class GroupedInt4Experts:
-    """A MoE layer's routed experts (SiLU gated MLPs, no bias, W4A16) in two grouped calls."""
+class GroupedQuantExperts:
+    """A MoE layer's routed experts (SiLU gated MLPs, no bias, W4A16 or W8A8) in two grouped calls."""
 
-    def __init__(self, kernel: W4MM, gate_up: list[Int4Weight], down: list[Int4Weight]) -> None:
+    def __init__(self, kernel: W4MM | I8MM, gate_up: list[QuantWeight], down: list[QuantWeight]) -> None:
         """gate_up: each expert's [2I, H] merged weight ([gate; up]); down: each expert's [H, I]."""
-        self.gate_up = GroupedInt4Linear(kernel, gate_up, silu_mul=True)
-        self.down = GroupedInt4Linear(kernel, down)
+        self.gate_up = GroupedQuantLinear(kernel, gate_up, silu_mul=True)
+        self.down = GroupedQuantLinear(kernel, down)
 
     @staticmethod
-    def accepts(gate_up: list[object], down: list[object]) -> bool:
-        """Both projections GroupedInt4Linear's, one expert each, and they chain: [2I, H] then [H, I]."""
+    def accepts(kernel: W4MM | I8MM, gate_up: list[object], down: list[object]) -> bool:
+        """Both projections GroupedQuantLinear's, one expert each, and they chain: [2I, H] then [H, I]."""
         if not gate_up or len(gate_up) != len(down):
             return False
-        if not all(isinstance(w, Int4Weight) for w in (*gate_up, *down)):
+        fits = GroupedQuantLinear.accepts(kernel, gate_up, silu_mul=True) and GroupedQuantLinear.accepts(kernel, down)
+        if not fits:
             return False
-        (n, k), (h, i) = gate_up[0].shape, down[0].shape  # type: ignore[union-attr]
-        fits = GroupedInt4Linear.accepts(gate_up, silu_mul=True) and GroupedInt4Linear.accepts(down)  # type: ignore[arg-type]
-        return n == 2 * i and h == k and fits
+        (n, k), (h, i) = gate_up[0].shape, down[0].shape  # type: ignore[attr-defined]
+        return n == 2 * i and h == k
 
     def __call__(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x [rows, H], expert-major (counts[e] rows for expert e, in order) → the experts' outputs, [rows, H]."""

@@ -137,14 +137,22 @@ def test_greedy_tokens_are_as_near_transformers_bf16_choices_as_the_torch_codes(
 
 
 @pytest.mark.parametrize("scheme", ["w8a8", "w4a16"])
-def test_quantized_experts_keep_their_gemm_plans_and_decode(ds16: Path, tmp_path: Path, scheme: str) -> None:
-    """The grouped call takes plain bf16 experts only: a quantized checkpoint's experts stay with their own
-    GEMMs (forced configuration included, which binds every kernel that fits), and the model decodes."""
+def test_quantized_experts_run_grouped_where_their_kernel_has_a_grouped_entry_and_decode(
+    ds16: Path, tmp_path: Path, scheme: str
+) -> None:
+    """A quantized checkpoint's experts take their kernel's grouped call (engine.quant.grouped; w4mm's, and
+    i8mm's where the CPU has AVX512-BF16 for its bf16 rows), never the bf16 experts' kernels, in a forced
+    configuration too (which binds every kernel that fits); elsewhere they keep their own GEMMs. It decodes."""
+    from engine.kernels import i8mm, w4mm
+    from engine.quant.grouped import GroupedQuantExperts
     from engine.quant.quantize import quantize
 
     quantize(ds16, tmp_path / "q", scheme, group_size=8)
     prompts = mixed_prompts(3)
     forced = _core(tmp_path / "q", gemm_path="amxmm" if amxmm.supported() else "onednn")
-    assert all(m.grouped is None for m in forced.runner.model.modules() if isinstance(m, MoE))
+    k8 = i8mm.kernel()
+    grouped_here = w4mm.kernel() is not None if scheme == "w4a16" else k8 is not None and k8.has_grouped
+    moes = [m for m in forced.runner.model.modules() if isinstance(m, MoE)]
+    assert moes and all(isinstance(m.grouped, GroupedQuantExperts) == grouped_here for m in moes)
     got = run_core(forced, prompts, 8)
     assert all(len(t) == 8 for t in got.values())

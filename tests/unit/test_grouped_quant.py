@@ -1,0 +1,114 @@
+"""engine.quant.grouped: a MoE layer's quantized experts in two kernel calls (w4mm's grouped entry for W4A16,
+i8mm's for W8A8) give what that kernel's call per expert and projection (the GEMM plans they replace) gives, and
+a quantized DeepSeek takes them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.kernels import bf16mm, i8mm, op_choice, w4mm
+from engine.layers.activation import ActAndMul
+from engine.quant.grouped import GroupedQuantExperts, GroupedQuantLinear
+from engine.quant.paths import I8MMPath, W4MMPath
+from engine.quant.quantize import quantize
+from tests.int4_kernels import int4_weight
+from tests.int8_kernels import int8_weight
+from tests.parity.conftest import make_core, mixed_prompts, step_logits
+from tests.parity.test_deepseek import build_deepseek
+
+# bf16 rows in and out: the CPU needs AVX512-BF16 (and VNNI for i8mm)
+pytestmark = pytest.mark.skipif(not bf16mm.supported(), reason="the grouped quantized calls need AVX512-BF16")
+
+HIDDEN, INNER, GROUP = 128, 64, 32
+SCHEMES = ["w4a16", "w8a8"]
+
+
+def _kernel(scheme: str) -> w4mm.W4MM | i8mm.I8MM:
+    kernel = w4mm.kernel() if scheme == "w4a16" else i8mm.kernel()
+    if kernel is None:
+        pytest.skip(f"no {scheme} kernel on this CPU")
+    return kernel
+
+
+def _weight(scheme: str, n: int, k: int, seed: int, symmetric: bool = False):  # type: ignore[no-untyped-def]
+    return int4_weight(n, k, GROUP, symmetric, seed) if scheme == "w4a16" else int8_weight(n, k, seed)
+
+
+def _experts(scheme: str, e: int, symmetric: bool = False) -> tuple[list, list]:
+    gate_up = [_weight(scheme, 2 * INNER, HIDDEN, 10 + i, symmetric) for i in range(e)]
+    return gate_up, [_weight(scheme, HIDDEN, INNER, 50 + i, symmetric) for i in range(e)]
+
+
+def _per_expert_path(kernel: w4mm.W4MM | i8mm.I8MM) -> W4MMPath | I8MMPath:
+    return W4MMPath(kernel, "direct") if isinstance(kernel, w4mm.W4MM) else I8MMPath(kernel)
+
+
+# every expert a few rows; empty experts between busy ones and one past the kernels' row tiles (3 and 6 rows);
+# single rows; none at all
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("counts", [[3, 3, 3, 3], [0, 5, 0, 40, 1, 0], [1, 0, 0, 1], [0, 0, 0], [7, 2]])
+def test_grouped_experts_equal_the_kernel_s_call_per_expert(scheme: str, counts: list[int]) -> None:
+    kernel = _kernel(scheme)
+    gate_up, down = _experts(scheme, len(counts), symmetric=len(counts) % 2 == 0)
+    x = torch.randn(sum(counts), HIDDEN, generator=torch.Generator().manual_seed(3)).bfloat16()
+    got = GroupedQuantExperts(kernel, gate_up, down)(x, counts)
+    assert got.shape == (sum(counts), HIDDEN) and got.dtype == torch.bfloat16
+    path, act, start = _per_expert_path(kernel), ActAndMul("silu"), 0
+    for e, n in enumerate(counts):
+        h = act(path.prepare(gate_up[e], None, None)(x[start : start + n]))
+        want = path.prepare(down[e], None, None)(h)
+        # the same integer sums; only the fused SiLU's exp may round its bf16 result one step apart (and, W8A8,
+        # the down projection's int8 rounding of that input then one step too)
+        torch.testing.assert_close(got[start : start + n], want, rtol=3e-2, atol=2e-2)
+        start += n
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_wrong_counts_are_refused_before_the_kernel_reads_anything(scheme: str) -> None:
+    kernel = _kernel(scheme)
+    gate_up, down = _experts(scheme, 2)
+    grouped = GroupedQuantExperts(kernel, gate_up, down)
+    x = torch.zeros(4, HIDDEN, dtype=torch.bfloat16)
+    for counts in ([4], [3, 3], [5, -1], [1, 1, 2]):
+        with pytest.raises(ValueError, match="groups of"):
+            grouped(x, counts)
+    with pytest.raises(ValueError, match="groups of"):
+        grouped(torch.zeros(4, HIDDEN + 8, dtype=torch.bfloat16), [2, 2])
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_only_chained_experts_of_one_shape_and_the_kernel_s_scheme_fit(scheme: str) -> None:
+    kernel = _kernel(scheme)
+    gate_up, down = _experts(scheme, 2)
+    other = "w8a8" if scheme == "w4a16" else "w4a16"
+    assert GroupedQuantExperts.accepts(kernel, gate_up, down)
+    assert not GroupedQuantExperts.accepts(kernel, gate_up, down[:1])
+    assert not GroupedQuantExperts.accepts(kernel, gate_up, [_weight(scheme, HIDDEN, 2 * INNER, 1)] * 2)  # unchained
+    assert not GroupedQuantExperts.accepts(kernel, *_experts(other, 2))  # the other scheme
+    assert not GroupedQuantExperts.accepts(kernel, [torch.zeros(2 * INNER, HIDDEN)] * 2, down)  # not quantized
+    assert not GroupedQuantLinear.accepts(kernel, [_weight(scheme, 96, HIDDEN, 1)], silu_mul=True)  # 96 % 64
+    assert not GroupedQuantLinear.accepts(kernel, [gate_up[0], _weight(scheme, 2 * INNER, 2 * HIDDEN, 1)])
+    if scheme == "w4a16":  # two group sizes
+        assert not GroupedQuantLinear.accepts(kernel, [gate_up[0], int4_weight(2 * INNER, HIDDEN, 64, True)])
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_a_quantized_deepseek_runs_its_experts_grouped_and_answers_as_with_a_call_per_expert(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, scheme: str
+) -> None:
+    _kernel(scheme)
+    quantize(build_deepseek("v2-grouped", tmp_path / "src"), tmp_path / "q", scheme, group_size=8)
+    cfg = dict(dtype="bfloat16", max_num_seqs=8)
+    grouped = make_core(tmp_path / "q", **cfg, gemm_path="bf16mm")  # untimed: the grouped call is taken
+    moes = [m for m in grouped.runner.model.modules() if type(m).__name__ == "MoE"]
+    assert moes and all(isinstance(m.grouped, GroupedQuantExperts) for m in moes)
+    assert all(e.gate_up_proj.plan is None and e.gate_up_proj.quantized is None for e in moes[0].local_experts())
+    monkeypatch.setattr(op_choice, "choose_quant_experts", lambda *_: None)
+    each = make_core(tmp_path / "q", **cfg, gemm_path="bf16mm")
+    assert all(m.grouped is None for m in each.runner.model.modules() if type(m).__name__ == "MoE")
+    prompts = mixed_prompts(4)
+    for a, b in zip(step_logits(grouped, prompts, 3), step_logits(each, prompts, 3), strict=True):
+        assert (a.float() - b.float()).abs().max() <= 3e-2 * b.float().abs().max()
