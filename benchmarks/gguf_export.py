@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import torch
 from safetensors.torch import load_file
 
 from engine.gguf_import import _GLOBAL_NAMES, _LAYER_NAMES
@@ -48,7 +49,7 @@ def export_gguf(src: Path, dst: Path, config: dict) -> Path:
     w.add_bos_token_id(config["bos_token_id"])
     w.add_eos_token_id(config["eos_token_id"])
     for name, t in state.items():
-        w.add_tensor(_gguf_name(name, names), _array(name, t))
+        w.add_tensor(_gguf_name(name, names), _array(t))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -66,11 +67,8 @@ def _gguf_name(hf: str, globals_: dict[str, str]) -> str:
     return f"blk.{layer}.{short}.{leaf}"
 
 
-def _array(name: str, t: object) -> np.ndarray:
+def _array(t: torch.Tensor) -> np.ndarray:
     """Norms and biases in float32 (as llama.cpp's converter writes them), matrices in float16."""
-    import torch
-
-    assert isinstance(t, torch.Tensor)
     if t.dim() == 1:
         return t.float().numpy()
     return t.to(torch.float16).numpy()

@@ -178,7 +178,7 @@ def main() -> None:
     pairs: dict[str, str] = {}
     work = [("tianmen", lambda: isolated(ours, path, chosen, args.output_len, dname, True, dev))]
     if args.onednn_row:
-        work.append(("tianmen-onednn", lambda: isolated(ours, path, chosen, args.output_len, dname, False)))
+        work.append(("tianmen-onednn", lambda: isolated(ours, path, chosen, args.output_len, dname, False, dev)))
     if args.quantization:
         qpath = str(quantized(Path(path), args.quantization, args.group_size, args.quantize_lm_head))
         qname = f"tianmen {args.quantization}" + (" +head" if args.quantize_lm_head else "")

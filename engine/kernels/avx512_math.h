@@ -35,6 +35,14 @@ static inline __m512 silu_mul16(__m512 gate, __m512 up) {
     return _mm512_mul_ps(s, round_bf16(up));
 }
 
+// One 64-column block of a gated MLP's interleaved [gate; up] sums (o: 32 gate then 32 up columns, float32, as
+// interleave_halves lays the weight's rows out) → its 32 outputs silu(gate) * up, bf16, at yr.
+static inline void store_silu_mul_block(const float *o, uint16_t *yr) {
+    const __m512 lo = silu_mul16(_mm512_loadu_ps(o), _mm512_loadu_ps(o + 32));
+    const __m512 hi = silu_mul16(_mm512_loadu_ps(o + 16), _mm512_loadu_ps(o + 48));
+    _mm512_storeu_si512((void *)yr, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+}
+
 // One head's P.V sums over head_dim, kept as decode attention's bf16 dot products leave them (per 32 of head_dim,
 // the unpacklo half o[2s] and the unpackhi half o[2s + 1] of interleaved token pairs), times inv, stored as bf16 in
 // head_dim order: lane 4L + i of the unpacklo half is d = 8L + i, of the unpackhi half d = 8L + 4 + i.

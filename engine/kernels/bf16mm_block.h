@@ -138,10 +138,7 @@ static void block(int64_t m0, int64_t m1, int64_t nb, int64_t nblocks, int64_t N
         for (int r = 0; r < mr; r++) {
             const float *o = out + r * NB;
             if (silu_mul) {  // N % 64 == 0 (checked by the caller): whole blocks, N / 2 outputs a row
-                uint16_t *yr = y + (r0 + r) * (N / 2) + n0 / 2;
-                const __m512 lo = silu_mul16(_mm512_loadu_ps(o), _mm512_loadu_ps(o + 32));
-                const __m512 hi = silu_mul16(_mm512_loadu_ps(o + 16), _mm512_loadu_ps(o + 48));
-                _mm512_storeu_si512((void *)yr, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+                store_silu_mul_block(o, y + (r0 + r) * (N / 2) + n0 / 2);
                 continue;
             }
             uint16_t *yr = y + (r0 + r) * N + n0;

@@ -35,6 +35,14 @@ class GroupedKernel(Protocol):
         ...
 
 
+def check_groups(counts: list[int], groups: int, x: torch.Tensor, k: int) -> None:
+    """ValueError unless `counts` gives each of `groups` layers a number of rows (none negative) that together are
+    x's [rows, k]. WHY: the grouped C entry points trust them; a wrong count reads past the weights' pointers or
+    the rows of x."""
+    if len(counts) != groups or sum(counts) != x.shape[0] or x.shape[-1] != k or min(counts, default=0) < 0:
+        raise ValueError(f"{len(counts)} groups of {sum(counts)} rows for {groups} weights, x {tuple(x.shape)}")
+
+
 class GroupedLinear:
     """Several linear layers of one shape, bf16 weights, (no bias) over consecutive row groups of one input, in one
     parallel region: group g's rows go through weight g. With `silu_mul` the weights are gated MLPs' merged
@@ -58,11 +66,7 @@ class GroupedLinear:
     def __call__(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x [rows, K], group-major (counts[g] rows for group g, in order) → [rows, N] (N / 2 with silu_mul), in
         the kernel's dtype."""
-        # NOTE: the C side trusts these: a wrong count reads past the weights' pointers or the rows of x
-        if len(counts) != len(self.packed) or sum(counts) != x.shape[0] or x.shape[-1] != self.k:
-            raise ValueError(
-                f"{len(counts)} groups of {sum(counts)} rows for {len(self.packed)} weights, x {tuple(x.shape)}"
-            )
+        check_groups(counts, len(self.packed), x, self.k)
         x = x.to(self.kernel.dtype).contiguous()
         y = torch.empty(x.shape[0], self.n // 2 if self.silu_mul else self.n, dtype=self.kernel.dtype)
         self.kernel.grouped((ctypes.c_int64 * len(counts))(*counts), self.n, self.k, x, self._ptrs, y, self.silu_mul)

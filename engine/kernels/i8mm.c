@@ -168,12 +168,7 @@ int i8mm_grouped(int64_t E, const int64_t *counts, int64_t N, int64_t K, const u
             float o[MR * NB];  // float rows (N % 64 == 0, checked by the caller), then 32 gate and 32 up columns each
             row_tile_any(mr, K4, xq + r0 * K4, w[e] + nb * K4 * NB, colsum[e] + n0, ws[e] + n0, zeros, xs + r0, o,
                          0, NB, 0, NB, none);
-            for (int r = 0; r < mr; r++) {
-                const float *orow = o + r * NB;
-                const __m512 lo = silu_mul16(_mm512_loadu_ps(orow), _mm512_loadu_ps(orow + 32));
-                const __m512 hi = silu_mul16(_mm512_loadu_ps(orow + 16), _mm512_loadu_ps(orow + 48));
-                _mm512_storeu_si512((void *)(y + (r0 + r) * width + n0 / 2), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-            }
+            for (int r = 0; r < mr; r++) store_silu_mul_block(o + r * NB, y + (r0 + r) * width + n0 / 2);
         }
     }
     return 0;

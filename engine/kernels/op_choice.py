@@ -142,9 +142,7 @@ def choose_grouped_experts(
     fits = {name: k for name, k in kernels.items() if k.dtype == dtype and GroupedExperts.accepts(k, gate_up, down)}
     if not fits:
         return None
-    picks = torch.rand(tokens, e, generator=g).topk(top_k, dim=-1)[1].flatten()
-    counts = torch.bincount(picks, minlength=e).tolist()
-    x = torch.randn(tokens * top_k, h, generator=g).to(dtype)
+    counts, x = _routed(tokens, e, top_k, h, dtype, g)
     candidates: dict[str, Callable[[], object]] = {}
     for name, k in fits.items():
         grouped = GroupedExperts(k, gate_up, down)
@@ -179,10 +177,7 @@ def choose_quant_experts(
         return None
     top_k = min(getattr(moe.gate, "top_k", 1), e)
     tokens = max(1, ROWS * e // len(experts))
-    g = torch.Generator().manual_seed(0)
-    picks = torch.rand(tokens, e, generator=g).topk(top_k, dim=-1)[1].flatten()
-    counts = torch.bincount(picks, minlength=e).tolist()
-    x = torch.randn(tokens * top_k, down[0].shape[0], generator=g).bfloat16()
+    counts, x = _routed(tokens, e, top_k, down[0].shape[0], dtype, torch.Generator().manual_seed(0))
     grouped = GroupedQuantExperts(kernel, gate_up, down)
     name = "w4mm" if isinstance(kernel, w4mm.W4MM) else "i8mm"
     candidates: dict[str, Callable[[], object]] = {f"grouped {name}": lambda: grouped(x, counts)}
@@ -201,6 +196,16 @@ def choose_quant_experts(
         return None
     chosen = kernel
     return lambda up, dn: GroupedQuantExperts(chosen, up, dn) if GroupedQuantExperts.accepts(chosen, up, dn) else None
+
+
+def _routed(
+    tokens: int, experts: int, top_k: int, hidden: int, dtype: torch.dtype, g: torch.Generator
+) -> tuple[list[int], torch.Tensor]:
+    """`tokens` routed at random to `top_k` of `experts` each: the rows per expert, and random [pairs, hidden]
+    inputs in expert-major order, as MoE.forward hands them to the experts."""
+    picks = torch.rand(tokens, experts, generator=g).topk(top_k, dim=-1)[1].flatten()
+    counts = torch.bincount(picks, minlength=experts).tolist()
+    return counts, torch.randn(tokens * top_k, hidden, generator=g).to(dtype)
 
 
 def _scheme(w: object) -> str:

@@ -133,10 +133,7 @@ int w4mm_grouped(int64_t E, const int64_t *counts, int64_t N, int64_t K, int64_t
                     store_row(o, zeros, y + (r0 + r) * width + n0, nn);
                     continue;
                 }
-                // N % 64 == 0 (checked by the caller): whole blocks, 32 gate then 32 up columns
-                const __m512 lo = silu_mul16(_mm512_loadu_ps(o), _mm512_loadu_ps(o + 32));
-                const __m512 hi = silu_mul16(_mm512_loadu_ps(o + 16), _mm512_loadu_ps(o + 48));
-                _mm512_storeu_si512((void *)(y + (r0 + r) * width + n0 / 2), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+                store_silu_mul_block(o, y + (r0 + r) * width + n0 / 2);  // N % 64 == 0 (checked by the caller)
             }
         }
     }

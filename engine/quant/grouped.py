@@ -15,6 +15,7 @@ import ctypes
 import torch
 
 from engine.kernels.gemm import interleave_halves
+from engine.kernels.grouped import check_groups
 from engine.kernels.i8mm import I8MM
 from engine.kernels.w4mm import W4MM
 from engine.quant.paths import W4MMPath
@@ -66,11 +67,7 @@ class GroupedQuantLinear:
 
     def __call__(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x [rows, K], group-major (counts[g] rows for group g, in order) → [rows, N] (N / 2 with silu_mul), bf16."""
-        # NOTE: the C side trusts these: a wrong count reads past the weights' pointers or the rows of x
-        if len(counts) != len(self.packed) or sum(counts) != x.shape[0] or x.shape[-1] != self.k or min(counts) < 0:
-            raise ValueError(
-                f"{len(counts)} groups of {sum(counts)} rows for {len(self.packed)} weights, x {tuple(x.shape)}"
-            )
+        check_groups(counts, len(self.packed), x, self.k)
         x = x.to(torch.bfloat16).contiguous()
         c = (ctypes.c_int64 * len(counts))(*counts)
         if isinstance(self.kernel, W4MM):
