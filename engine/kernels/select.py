@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from engine.kernels.busy import Contention
 from engine.kernels.gemm import Act, GemmPath, Run
 
 log = logging.getLogger(__name__)
@@ -66,16 +67,6 @@ class CacheFlush:
         if self.buffer is None:
             self.buffer = torch.zeros(self.nbytes // 4, dtype=torch.int32)
         self.buffer.add_(1)  # reads and writes every line: what was cached before is gone
-
-
-def machine_busy() -> bool:
-    """More runnable work than cores besides our own threads (1-minute load average): timings then say more
-    about the neighbours than about the paths."""
-    try:
-        load = os.getloadavg()[0]
-    except OSError:
-        return False
-    return load > (os.cpu_count() or 1) + 1
 
 
 def call_seconds(fn: Callable[[], object]) -> float:
@@ -124,7 +115,7 @@ class PlanCache:
 
     def __init__(self, directory: Path, key: str, busy: Callable[[], bool] | None = None) -> None:
         self.path = directory / f"gemm-plan-{key}.json"
-        self.busy = busy or machine_busy
+        self.busy = busy or Contention()  # a window per choice: since the previous one was put
         try:
             self.table: dict[str, dict] = json.loads(self.path.read_text())
         except (OSError, ValueError):
