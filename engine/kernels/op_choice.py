@@ -100,10 +100,19 @@ def fastest(key: str, candidates: dict[str, Callable[[], object]], timer: Timer 
         return cached.per_class[0]
     for fn in candidates.values():
         fn()  # warm-up
-    best = dict.fromkeys(names, math.inf)
-    for _ in range(MIN_ROUNDS * 2):
-        for name, fn in candidates.items():
-            best[name] = min(best[name], timer(fn))
+
+    def rounds(best: dict[str, float]) -> dict[str, float]:
+        for _ in range(MIN_ROUNDS * 2):
+            for name, fn in candidates.items():
+                best[name] = min(best[name], timer(fn))
+        return best
+
+    best = rounds(dict.fromkeys(names, math.inf))
+    # NOTE: other work on our cores inflates whichever candidate it lands on (a 2-thread kernel most: it waits
+    # whenever one thread is preempted), so a contended set of rounds is timed once more; each candidate keeps its
+    # best of both, and put() caches the answer only if the second set was quiet (engine.kernels.busy)
+    if cache is not None and cache.busy():
+        best = rounds(best)
     won = min(names, key=lambda n: best[n])  # a tie keeps the earlier candidate
     if cache is not None:
         cache.put(key, ShapeChoice([won], {k: [v * 1e6] for k, v in best.items()}))
