@@ -190,7 +190,12 @@ class GemmSelector:
         if len(usable) == 1 or not self.measure:
             choice = ShapeChoice([usable[0]] * len(ROWS), {usable[0]: [math.nan] * len(ROWS)})
         else:
-            choice = self._decide(self._measure({n: self.paths[n] for n in usable}, samples, act, max_rows))
+            paths = {n: self.paths[n] for n in usable}
+            us = self._measure(paths, samples, act, max_rows)
+            if self.cache is not None and self.cache.busy():  # contended: timed again (see op_choice.fastest)
+                again = self._measure(paths, samples, act, max_rows)
+                us = {n: [min(a, b) for a, b in zip(us[n], again[n], strict=True)] for n in us}
+            choice = self._decide(us)
         if self.cache is not None:
             self.cache.put(shape, choice)
         return choice

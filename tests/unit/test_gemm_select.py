@@ -246,6 +246,28 @@ def test_timings_taken_on_a_busy_machine_are_not_cached(tmp_path: Path) -> None:
     assert PlanCache(tmp_path, "k", quiet).get("s") is None
 
 
+@pytest.mark.parametrize("second_quiet", [True, False])
+def test_a_shape_timed_while_contended_is_timed_again_and_cached_only_once_quiet(
+    tmp_path: Path, second_quiet: bool
+) -> None:
+    """A neighbour made the fast path slow through the first measurement: the shape is measured again, each path
+    keeps its best of both, and the choice is cached only where the second measurement ran quiet."""
+    clock, neighbour = FakeClock(), {"on": True}
+    ours = FakePath("ours", clock, lambda r: 50.0 if neighbour["on"] else 1.0)
+    verdicts = iter((True, not second_quiet))
+
+    def busy() -> bool:  # asked after the first measurement (busy), then after the second
+        neighbour["on"] = False
+        return next(verdicts)
+
+    cache = PlanCache(tmp_path, "k", busy)
+    choice = _selector(FakePath("onednn", clock, lambda r: 10.0), ours, clock=clock, cache=cache).choose(
+        "s", _samples(), None
+    )
+    assert choice.per_class == ["ours"] * len(ROWS)
+    assert (PlanCache(tmp_path, "k", quiet).get("s") is not None) == second_quiet
+
+
 def test_a_model_that_fits_in_the_last_level_cache_is_timed_hot(tmp_path: Path) -> None:
     """Small batches are timed after evicting the caches only where the model cannot stay in them between steps:
     a model within half the last-level cache is hot at inference, and a flush costs 1.5x that cache a call."""
