@@ -123,7 +123,9 @@ class ModelRunner:
             attn = decode_attention_kernels()
             timer = selector.timer if selector.measure else None  # a forced gemm_path binds every kernel untimed
             grouped = grouped_kernels(self.dtype, c.gemm_path)
-            kernels = choose_kernels(self.model, pw, attn, self.dtype, timer, selector.cache, self.block_size, grouped)
+            kernels = choose_kernels(
+                self.model, pw, attn, self.dtype, timer, selector.cache, self.block_size, grouped, selector.flush
+            )
         return bind_cpu_kernels(self.model, [self.sampler], kernels, selector, c.max_num_seqs)
 
     def plan_attention(self) -> None:

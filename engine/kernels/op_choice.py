@@ -122,7 +122,10 @@ def fastest(key: str, candidates: dict[str, Callable[[], object]], timer: Timer 
 def grouped_kernels(dtype: torch.dtype, prefer: str = "auto") -> dict[str, GroupedKernel]:
     """Every GEMM kernel with a grouped entry point for `dtype` math built for this CPU, by name; `prefer` (a
     forced gemm_path) first, as without a timer the first that fits is used."""
+    # NOTE: bf16mm's build without software prefetch too: DeepSeek-V2-tiny's routed experts at 8 rows each, 7
+    # layers streamed from memory on a 2-core Zen 4, 1,349 against 1,699 us a layer with it
     builders = (("amxmm", amxmm.AMXMM.dtype, amxmm.kernel), ("bf16mm", bf16mm.BF16MM.dtype, bf16mm.kernel),
+                ("bf16mm-noprefetch", bf16mm.BF16MM.dtype, bf16mm.kernel_without_prefetch),
                 ("wbf16", wbf16.WBF16.dtype, wbf16.kernel))  # fmt: skip
     found = ((name, build()) for name, math, build in builders if math == dtype)  # builds only what can run
     kernels = {name: k for name, k in found if k is not None}
@@ -130,11 +133,14 @@ def grouped_kernels(dtype: torch.dtype, prefer: str = "auto") -> dict[str, Group
 
 
 def choose_grouped_experts(
-    kernels: dict[str, GroupedKernel], moe: MoE, dtype: torch.dtype, timer: Timer | None, cache: PlanCache | None
-) -> GroupedKernel | None:
+    kernels: dict[str, GroupedKernel], moe: MoE, dtype: torch.dtype, timer: Timer | None, cache: PlanCache | None,
+    flush: Callable[[], None] | None = None,
+) -> GroupedKernel | None:  # fmt: skip
     """The grouped kernel (engine.kernels.grouped.GroupedExperts) that beat the others and one GEMM per expert
     and projection (oneDNN's; under float32 math also the bf16-weight kernel's) on random bf16 weights of `moe`'s
-    expert shapes, ROWS tokens routed at random to its top-k; None where a GEMM per expert won or none fits."""
+    expert shapes, ROWS tokens routed at random to its top-k; None where a GEMM per expert won or none fits.
+    `flush` (the GEMM selection's, where the model does not stay in the caches): run before each timed call, as
+    a decode step finds a layer's experts in memory, where a kernel's prefetch decides its speed."""
     experts = moe.local_experts()
     quantized = any(hasattr(lin, "gemm_weight") for e in experts for lin in (e.gate_up_proj, e.down_proj))
     if not experts or quantized:  # MoE.bind_kernels would not take it either
@@ -164,7 +170,18 @@ def choose_grouped_experts(
         candidates[f"each {base.name}"] = each  # type: ignore[misc]
     others = "+".join(name for name in candidates if name not in fits)
     key = f"op moe_experts {len(experts)}x{n}x{h} top{top_k} {dtype} {'+'.join(fits)} vs {others}"
+    if flush is not None:  # the same flush before every candidate: the order stays, the offset is common
+        candidates = {name: _after(flush, fn) for name, fn in candidates.items()}
+        key += " cold"
     return fits.get(fastest(key, candidates, timer, cache))
+
+
+def _after(flush: Callable[[], None], fn: Callable[[], object]) -> Callable[[], object]:
+    def cold() -> object:
+        flush()
+        return fn()
+
+    return cold
 
 
 def choose_quant_experts(
@@ -486,10 +503,12 @@ def choose_kernels(
     cache: PlanCache | None,
     block_size: int = BLOCK,
     grouped: dict[str, GroupedKernel] | None = None,
+    flush: Callable[[], None] | None = None,
 ) -> CpuKernels:
     """The kernels (of those that built) that beat torch at this model's sizes on this machine; with no `timer`,
     every one that applies (a forced configuration: engine.config's gemm_path). `attn`, `grouped`: the decode
-    attention and grouped GEMM kernels built here (decode_attention_kernels, grouped_kernels)."""
+    attention and grouped GEMM kernels built here (decode_attention_kernels, grouped_kernels); `flush`: the GEMM
+    selection's cache flush where the model does not stay in the caches (the experts' choice is timed cold)."""
     norm = next((m for m in model.modules() if isinstance(m, RMSNorm)), None)
     layer = next((m for m in model.modules() if isinstance(m, PagedAttention)), None)
     head = getattr(model, "lm_head", None)
@@ -514,7 +533,7 @@ def choose_kernels(
     if grouped and mla is not None and (gk := choose_absorbed_gemm(grouped, mla, dtype, timer, cache)) is not None:
         k.absorbed = absorbed_gemm(gk)
     if grouped and moe is not None:
-        k.moe_experts = choose_grouped_experts(grouped, moe, dtype, timer, cache)
+        k.moe_experts = choose_grouped_experts(grouped, moe, dtype, timer, cache, flush)
     if moe is not None:
         k.moe_quant = choose_quant_experts(moe, dtype, timer, cache)
     if layer is not None:

@@ -16,6 +16,7 @@ from tests.kernel_checks import bf16 as _bf16
 KERNELS = {
     "amxmm": (amxmm.supported, amxmm.kernel),
     "bf16mm": (bf16mm.supported, bf16mm.kernel),
+    "bf16mm-noprefetch": (bf16mm.supported, bf16mm.kernel_without_prefetch),
     "wbf16": (lambda: True, wbf16.kernel),
 }
 

@@ -286,6 +286,27 @@ def test_the_fastest_grouped_kernel_wins_and_none_where_a_gemm_per_expert_does()
     assert choose_grouped_experts({}, moe, torch.bfloat16, None, None) is None
 
 
+def test_the_experts_are_timed_cold_where_the_model_leaves_the_caches() -> None:
+    """With the GEMM selection's flush, every timed call of every candidate (grouped, or a GEMM per expert) comes
+    right after one: in the model a decode step finds the experts in memory."""
+    ran: list[str] = []
+    moe = MoE(MoEGate(64, 8, 2, "softmax", 1, 1, False, 1.0), 64, 32, 0, "silu")
+    flushes: list[int] = []
+    after: list[bool] = []
+
+    def timer(fn: Callable[[], object]) -> float:
+        ran.clear()
+        before = len(flushes)
+        fn()
+        after.append(len(flushes) == before + 1)
+        return 1e-3 if ran else 1.0
+
+    got = choose_grouped_experts(
+        {"a": _Recording(ran, "a")}, moe, torch.bfloat16, timer, None, lambda: flushes.append(1)
+    )
+    assert got is not None and after and all(after)
+
+
 def test_a_forced_gemm_path_puts_its_own_grouped_kernel_first() -> None:
     found = grouped_kernels(torch.bfloat16)
     for name in found:
@@ -297,6 +318,8 @@ def test_grouped_kernels_are_those_of_the_math() -> None:
     """bf16 math: the bf16 kernels (where the CPU has them); float32 math: the bf16-weight kernel, on every CPU."""
     assert all(k.dtype == torch.bfloat16 for k in grouped_kernels(torch.bfloat16).values())
     assert "wbf16" not in grouped_kernels(torch.bfloat16)
+    if bf16mm.supported():  # both builds, timed against each other: the prefetch decides which streams faster
+        assert {"bf16mm", "bf16mm-noprefetch"} <= set(grouped_kernels(torch.bfloat16))
     assert list(grouped_kernels(torch.float32)) == ["wbf16"]
 
 
