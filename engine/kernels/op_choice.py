@@ -185,28 +185,33 @@ def _after(flush: Callable[[], None], fn: Callable[[], object]) -> Callable[[], 
 
 
 def choose_quant_experts(
-    moe: MoE, dtype: torch.dtype, timer: Timer | None, cache: PlanCache | None
-) -> QuantExpertsFactory | None:
+    moe: MoE, dtype: torch.dtype, timer: Timer | None, cache: PlanCache | None,
+    flush: Callable[[], None] | None = None,
+) -> QuantExpertsFactory | None:  # fmt: skip
     """The grouped call over quantized experts (engine.quant.grouped.GroupedQuantExperts: w4mm's for W4A16,
-    i8mm's for W8A8), where it beat that kernel's call per expert and projection on `moe`'s own first experts,
-    ROWS tokens routed at random to its top-k; None where that lost, the math is not bf16, the kernel is missing
-    here or the experts do not fit it. What it returns makes the grouped call for a layer's experts (None where
-    they do not fit)."""
+    i8mm's for W8A8; the kernel's builds with and without software prefetch), where it beat that kernel's call per
+    expert and projection on `moe`'s own first experts, ROWS tokens routed at random to its top-k; None where that
+    lost, the math is not bf16, the kernel is missing here or the experts do not fit it. What it returns makes the
+    grouped call for a layer's experts (None where they do not fit). `flush`: as choose_grouped_experts'."""
     experts = moe.local_experts()
     if dtype != torch.bfloat16 or not experts or not all(hasattr(e.gate_up_proj, "gemm_weight") for e in experts):
         return None
     e = min(len(experts), PROBE_EXPERTS)
     gate_up = [x.gate_up_proj.gemm_weight() for x in experts[:e]]  # type: ignore[operator]
     down = [x.down_proj.gemm_weight() for x in experts[:e]]  # type: ignore[operator]
-    kernel: w4mm.W4MM | i8mm.I8MM | None = w4mm.kernel() if isinstance(gate_up[0], Int4Weight) else i8mm.kernel()
-    if kernel is None or not GroupedQuantExperts.accepts(kernel, gate_up, down):
+    module = w4mm if isinstance(gate_up[0], Int4Weight) else i8mm
+    name = module.__name__.rsplit(".", 1)[1]
+    builds = {f"grouped {name}": module.kernel(), f"grouped {name}-noprefetch": module.kernel_without_prefetch()}
+    kernels = {c: k for c, k in builds.items() if k is not None and GroupedQuantExperts.accepts(k, gate_up, down)}
+    if not kernels:
         return None
     top_k = min(getattr(moe.gate, "top_k", 1), e)
     tokens = max(1, ROWS * e // len(experts))
     counts, x = _routed(tokens, e, top_k, down[0].shape[0], dtype, torch.Generator().manual_seed(0))
-    grouped = GroupedQuantExperts(kernel, gate_up, down)
-    name = "w4mm" if isinstance(kernel, w4mm.W4MM) else "i8mm"
-    candidates: dict[str, Callable[[], object]] = {f"grouped {name}": lambda: grouped(x, counts)}
+    candidates: dict[str, Callable[[], object]] = {}
+    for c, k in kernels.items():
+        grouped = GroupedQuantExperts(k, gate_up, down)
+        candidates[c] = lambda grouped=grouped: grouped(x, counts)  # type: ignore[misc]
     # against a call per expert through each kernel the experts' plans take at decode's rows (on AMX CPUs also
     # the AMX one over the same packed copy, which may beat the grouped VNNI / AVX512-BF16 loops there)
     fits = [p for p in quant_paths(dtype) if p.name in DECODE_QUANT_PATHS]
@@ -216,11 +221,15 @@ def choose_quant_experts(
         each = lambda ups=ups, downs=downs: _each_expert(x, counts, ups, downs, ActAndMul("silu"))  # noqa: E731
         candidates[f"each {path.name}"] = each  # type: ignore[misc]
     n, k = gate_up[0].shape
-    others = "+".join(c for c in candidates if not c.startswith("grouped"))
-    key = f"op moe_quant {len(experts)}x{n}x{k} {_scheme(gate_up[0])} top{top_k} {dtype} grouped {name} vs {others}"
-    if fastest(key, candidates, timer, cache) != f"grouped {name}":
+    others = "+".join(c for c in candidates if c not in kernels)
+    ours = "+".join(c.removeprefix("grouped ") for c in kernels)
+    key = f"op moe_quant {len(experts)}x{n}x{k} {_scheme(gate_up[0])} top{top_k} {dtype} grouped {ours} vs {others}"
+    if flush is not None:
+        candidates = {c: _after(flush, fn) for c, fn in candidates.items()}
+        key += " cold"
+    chosen = kernels.get(fastest(key, candidates, timer, cache))
+    if chosen is None:
         return None
-    chosen = kernel
     return lambda up, dn: GroupedQuantExperts(chosen, up, dn) if GroupedQuantExperts.accepts(chosen, up, dn) else None
 
 
@@ -535,7 +544,7 @@ def choose_kernels(
     if grouped and moe is not None:
         k.moe_experts = choose_grouped_experts(grouped, moe, dtype, timer, cache, flush)
     if moe is not None:
-        k.moe_quant = choose_quant_experts(moe, dtype, timer, cache)
+        k.moe_quant = choose_quant_experts(moe, dtype, timer, cache, flush)
     if layer is not None:
         k.decode_attn, k.decode_attn_at = choose_decode_attention(attn, layer, dtype, block_size, timer, cache)
         if k.decode_attn is not None and all(k.decode_attn_at):  # prompt rows join the decodes' class

@@ -112,3 +112,31 @@ def test_a_quantized_deepseek_runs_its_experts_grouped_and_answers_as_with_a_cal
     prompts = mixed_prompts(4)
     for a, b in zip(step_logits(grouped, prompts, 3), step_logits(each, prompts, 3), strict=True):
         assert (a.float() - b.float()).abs().max() <= 3e-2 * b.float().abs().max()
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("fastest", ["noprefetch", "each"])
+def test_the_experts_choice_takes_the_kernel_build_that_timed_fastest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, scheme: str, fastest: str
+) -> None:
+    """Both builds of the kernel (with and without software prefetch) are grouped candidates: the one the timer
+    says is fastest makes the layers' grouped calls; where a call per expert is faster, none does."""
+    module = w4mm if scheme == "w4a16" else i8mm
+    _kernel(scheme)
+    plain = module.kernel_without_prefetch()
+    assert plain is not None
+    quantize(build_deepseek("v2-grouped", tmp_path / "src"), tmp_path / "q", scheme, group_size=8)
+
+    def timer(fn: object) -> float:
+        d = getattr(fn, "__defaults__", None) or ()
+        ran = d[0].gate_up.kernel if d and isinstance(d[0], GroupedQuantExperts) else None
+        return 1e-3 if (ran is plain if fastest == "noprefetch" else ran is None) else 1.0
+
+    choose = op_choice.choose_quant_experts
+    monkeypatch.setattr(op_choice, "choose_quant_experts", lambda moe, dtype, *_: choose(moe, dtype, timer, None))
+    moes = [m for m in make_core(tmp_path / "q", dtype="bfloat16").runner.model.modules() if type(m).__name__ == "MoE"]
+    if fastest == "each":
+        assert moes and all(m.grouped is None for m in moes)
+    else:
+        assert moes and all(isinstance(m.grouped, GroupedQuantExperts) for m in moes)
+        assert all(m.grouped.gate_up.kernel is plain and m.grouped.down.kernel is plain for m in moes)
