@@ -13,7 +13,11 @@ from engine.kernels import amxmm, bf16mm, decode_attn_amx, decode_attn_dp, decod
 from engine.kernels.decode_attn import DECODE_ROWS, DecodeAttention, runs_at
 from engine.kernels.grouped import GroupedExperts, GroupedKernel, GroupedLinear
 from engine.kernels.op_choice import (
+    BLOCK,
+    COLD_BYTES,
+    CONTEXT,
     PREFILL_LENGTHS,
+    ROWS,
     absorbed_gemm,
     attention_probe,
     choose_absorbed_gemm,
@@ -29,7 +33,7 @@ from engine.kernels.op_choice import (
     prefill_in_place_limit,
     prefill_probe,
 )
-from engine.kernels.select import PlanCache, Timer
+from engine.kernels.select import CacheFlush, PlanCache, Timer, call_seconds
 from engine.layers.attention import PagedAttention
 from engine.layers.mla import MLAttention
 from engine.layers.moe import MoE, MoEGate
@@ -420,3 +424,28 @@ def test_mla_decode_with_the_grouped_products_equals_bmm(name: str) -> None:
     mla.absorbed = absorbed_gemm(kernel)(mla)
     assert mla.absorbed is not None
     torch.testing.assert_close(mla._decode(q_nope, q_pe, ctx).float(), plain.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_the_latent_probe_reads_scattered_blocks_of_caches_that_leave_the_cpu_caches() -> None:
+    """As a decode step reads every layer's latents from memory, successive timed calls read different copies of
+    the cache (as many as evicting the caches takes, up to COLD_BYTES), through block tables not in order."""
+    seen: list[tuple[int, torch.Tensor]] = []
+
+    class Recording:
+        def takes_latent(self, *_: object) -> bool:
+            return True
+
+        def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tables: torch.Tensor, *_: object):  # type: ignore[no-untyped-def]
+            seen.append((k.data_ptr(), tables))
+            return torch.zeros(q.shape)
+
+    mla = MLAttention(64, 16, None, 512, 32, 64, 32, False, 0.2, False)  # 512 + 64 wide latent rows
+    choose_latent_attention({"r": Recording()}, mla, torch.bfloat16, call_seconds, None)  # type: ignore[dict-item]
+    one = (ROWS * CONTEXT // BLOCK + 1) * BLOCK * 576 * 2  # a 32-row probe's cache, bf16
+    copies = max(1, min(CacheFlush().nbytes, COLD_BYTES) // one)
+    at_rows = [(p, t) for p, t in seen if t.shape[0] == ROWS]
+    assert len({p for p, _ in at_rows}) == copies
+    tables = at_rows[0][1]
+    assert sorted(tables.flatten().tolist()) == list(range(tables.numel())) and not torch.equal(
+        tables.flatten(), torch.arange(tables.numel())
+    )
