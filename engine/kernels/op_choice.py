@@ -347,11 +347,12 @@ def absorbed_gemm(kernel: GroupedKernel) -> Callable[[MLAttention], tuple[Groupe
 
 def choose_absorbed_gemm(
     kernels: dict[str, GroupedKernel], mla: MLAttention, dtype: torch.dtype, timer: Timer | None,
-    cache: PlanCache | None,
+    cache: PlanCache | None, flush: Callable[[], None] | None = None,
 ) -> GroupedKernel | None:  # fmt: skip
     """The grouped kernel whose two calls (one per product) ran MLA decode's per-head products (q_nope W_UK,
     o W_UV) for ROWS rows faster than the other kernels and than torch.bmm over the weights laid out for it (what
-    MLAttention runs without a kernel); None where bmm won or no kernel fits."""
+    MLAttention runs without a kernel); None where bmm won or no kernel fits. `flush`: as
+    choose_grouped_experts'."""
     h, n, v, lat = mla.num_heads, mla.nope, mla.v_dim, mla.kv_lora_rank
     g = torch.Generator().manual_seed(0)
     w3 = torch.randn(h, n + v, lat, generator=g).to(dtype)
@@ -381,6 +382,9 @@ def choose_absorbed_gemm(
 
     candidates = {name: grouped(k) for name, k in fits.items()} | {"torch": bmm}
     key = f"op absorbed_gemm {ROWS} h{h} n{n} v{v} l{lat} {dtype} {'+'.join(fits)}"
+    if flush is not None:
+        candidates = {c: _after(flush, fn) for c, fn in candidates.items()}
+        key += " cold"
     return fits.get(fastest(key, candidates, timer, cache))
 
 
@@ -548,8 +552,9 @@ def choose_kernels(
         k.latent_attn, k.latent_attn_at = choose_latent_attention(
             latent_attention_kernels(attn, dtype), mla, dtype, timer, cache
         )
-    if grouped and mla is not None and (gk := choose_absorbed_gemm(grouped, mla, dtype, timer, cache)) is not None:
-        k.absorbed = absorbed_gemm(gk)
+    if grouped and mla is not None:
+        gk = choose_absorbed_gemm(grouped, mla, dtype, timer, cache, flush)
+        k.absorbed = absorbed_gemm(gk) if gk is not None else None
     if grouped and moe is not None:
         k.moe_experts = choose_grouped_experts(grouped, moe, dtype, timer, cache, flush)
     if moe is not None:

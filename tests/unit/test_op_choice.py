@@ -449,3 +449,21 @@ def test_the_latent_probe_reads_scattered_blocks_of_caches_that_leave_the_cpu_ca
     assert sorted(tables.flatten().tolist()) == list(range(tables.numel())) and not torch.equal(
         tables.flatten(), torch.arange(tables.numel())
     )
+
+
+def test_mla_s_absorbed_products_are_timed_cold_too() -> None:
+    """With the flush, each timed call of W_UK / W_UV (grouped, or torch.bmm) comes right after one."""
+    ran: list[str] = []
+    flushes: list[int] = []
+    after: list[bool] = []
+
+    def timer(fn: Callable[[], object]) -> float:
+        ran.clear()
+        before = len(flushes)
+        fn()
+        after.append(len(flushes) == before + 1)
+        return 1e-3 if ran else 1.0
+
+    kernels: dict[str, GroupedKernel] = {"a": _Recording(ran, "a")}
+    got = choose_absorbed_gemm(kernels, MLAttention(*MLA), torch.bfloat16, timer, None, lambda: flushes.append(1))
+    assert got is kernels["a"] and after and all(after)
