@@ -290,25 +290,35 @@ def test_the_fastest_grouped_kernel_wins_and_none_where_a_gemm_per_expert_does()
     assert choose_grouped_experts({}, moe, torch.bfloat16, None, None) is None
 
 
+class _ColdCheck:
+    """A timer noting whether each timed call came right after a flush; a call that ran a recorded kernel is fast."""
+
+    def __init__(self, ran: list[str]) -> None:
+        self.ran, self.flushes = ran, 0
+        self.after: list[bool] = []
+
+    def flush(self) -> None:
+        self.flushes += 1
+
+    def timer(self, fn: Callable[[], object]) -> float:
+        self.ran.clear()
+        before = self.flushes
+        fn()
+        self.after.append(self.flushes == before + 1)
+        return 1e-3 if self.ran else 1.0
+
+    def every_call_cold(self) -> bool:
+        return bool(self.after) and all(self.after)
+
+
 def test_the_experts_are_timed_cold_where_the_model_leaves_the_caches() -> None:
     """With the GEMM selection's flush, every timed call of every candidate (grouped, or a GEMM per expert) comes
     right after one: in the model a decode step finds the experts in memory."""
     ran: list[str] = []
     moe = MoE(MoEGate(64, 8, 2, "softmax", 1, 1, False, 1.0), 64, 32, 0, "silu")
-    flushes: list[int] = []
-    after: list[bool] = []
-
-    def timer(fn: Callable[[], object]) -> float:
-        ran.clear()
-        before = len(flushes)
-        fn()
-        after.append(len(flushes) == before + 1)
-        return 1e-3 if ran else 1.0
-
-    got = choose_grouped_experts(
-        {"a": _Recording(ran, "a")}, moe, torch.bfloat16, timer, None, lambda: flushes.append(1)
-    )
-    assert got is not None and after and all(after)
+    check = _ColdCheck(ran)
+    got = choose_grouped_experts({"a": _Recording(ran, "a")}, moe, torch.bfloat16, check.timer, None, check.flush)
+    assert got is not None and check.every_call_cold()
 
 
 def test_a_forced_gemm_path_puts_its_own_grouped_kernel_first() -> None:
@@ -454,16 +464,7 @@ def test_the_latent_probe_reads_scattered_blocks_of_caches_that_leave_the_cpu_ca
 def test_mla_s_absorbed_products_are_timed_cold_too() -> None:
     """With the flush, each timed call of W_UK / W_UV (grouped, or torch.bmm) comes right after one."""
     ran: list[str] = []
-    flushes: list[int] = []
-    after: list[bool] = []
-
-    def timer(fn: Callable[[], object]) -> float:
-        ran.clear()
-        before = len(flushes)
-        fn()
-        after.append(len(flushes) == before + 1)
-        return 1e-3 if ran else 1.0
-
+    check = _ColdCheck(ran)
     kernels: dict[str, GroupedKernel] = {"a": _Recording(ran, "a")}
-    got = choose_absorbed_gemm(kernels, MLAttention(*MLA), torch.bfloat16, timer, None, lambda: flushes.append(1))
-    assert got is kernels["a"] and after and all(after)
+    got = choose_absorbed_gemm(kernels, MLAttention(*MLA), torch.bfloat16, check.timer, None, check.flush)
+    assert got is kernels["a"] and check.every_call_cold()
