@@ -209,8 +209,8 @@ def choose_quant_experts(
     tokens = max(1, ROWS * e // len(experts))
     counts, x = _routed(tokens, e, top_k, down[0].shape[0], dtype, torch.Generator().manual_seed(0))
     candidates: dict[str, Callable[[], object]] = {}
-    for c, k in kernels.items():
-        grouped = GroupedQuantExperts(k, gate_up, down)
+    for c, built in kernels.items():
+        grouped = GroupedQuantExperts(built, gate_up, down)
         candidates[c] = lambda grouped=grouped: grouped(x, counts)  # type: ignore[misc]
     # against a call per expert through each kernel the experts' plans take at decode's rows (on AMX CPUs also
     # the AMX one over the same packed copy, which may beat the grouped VNNI / AVX512-BF16 loops there)
