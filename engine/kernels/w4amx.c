@@ -51,20 +51,10 @@ static void widen_group_tiles(int64_t G, const uint8_t *wq, uint16_t *wg) {
 }
 
 // A block's nibbles wq (K/4 steps of 128 bytes) and scales sc ([K/G][2][64]: s, then s * (128 + z)) → bf16
-// weights in the tile buffer wb. The nibbles widen to bf16 128 + q (exact; w4mm_common.h); each 32-bit lane then
-// holds one column's two k, taken apart to floats by a shift and a mask, w = (128 + q) * s - s * (128 + z) in one
-// rounding, back to bf16 pairs (VCVTNE2PS2BF16 puts the 16 even k before the 16 odd; VPERMW interleaves them).
+// weights in the tile buffer wb: widened to 128 + q (exact), then w = (128 + q) * s - s * (128 + z) in one rounding
+// (w4mm_common.h's dequantize_pairs).
 static void dequantize_block(int64_t K, int64_t G, const uint8_t *wq, const float *sc, uint16_t *wb) {
-    const __m512i hi_half = _mm512_set1_epi32((int)0xFFFF0000u);
-    __m512i pairs;  // [e0, o0, e1, o1, ...] from [e0..e15, o0..o15]
-    {
-        uint16_t idx[32];
-        for (int j = 0; j < 16; j++) {
-            idx[2 * j] = (uint16_t)j;
-            idx[2 * j + 1] = (uint16_t)(16 + j);
-        }
-        pairs = _mm512_loadu_si512((const void *)idx);
-    }
+    const __m512i pairs = pair_order();
     for (int64_t g = 0; g < K / G; g++) {
         __m512 s[4], sz[4];
         for (int c = 0; c < 4; c++) {
@@ -77,13 +67,8 @@ static void dequantize_block(int64_t K, int64_t G, const uint8_t *wq, const floa
                 __m512bh v[2];
                 widen(wq + kq * 128 + 32 * c, &v[0], &v[1]);
                 uint16_t *t = wb + ((kq / 8) * 4 + c) * TILE_ELEMS + (kq % 8) * 64;
-                for (int i = 0; i < 2; i++) {
-                    const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32((__m512i)v[i], 16));
-                    const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512((__m512i)v[i], hi_half));
-                    const __m512bh w = _mm512_cvtne2ps_pbh(_mm512_fmsub_ps(odd, s[c], sz[c]),
-                                                           _mm512_fmsub_ps(even, s[c], sz[c]));
-                    _mm512_storeu_si512((void *)(t + 32 * i), _mm512_permutexvar_epi16(pairs, (__m512i)w));
-                }
+                for (int i = 0; i < 2; i++)
+                    _mm512_storeu_si512((void *)(t + 32 * i), dequantize_pairs(v[i], s[c], sz[c], pairs));
             }
         }
     }

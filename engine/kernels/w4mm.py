@@ -1,10 +1,12 @@
 """W4A16 linear layers for CPUs with AVX512-BF16 (engine/kernels/w4mm.c): unsigned 4-bit weights with a float
 scale and zero point per output channel and group of inputs, bf16 activations.
 
-Two entry points over one packed weight: `direct` widens the nibbles in registers, a few rows at a time (a
+Three entry points over one packed weight: `direct` widens the nibbles in registers, a few rows at a time (a
 quarter of bf16's bytes streamed: decode's small batches); `panel` widens one group of a 64-column block at a
-time into an L1 buffer and runs bf16mm's tiles over it for every row (larger batches, prefill). The engine
-times both, with torch's int4 GEMM, per shape and batch class (engine.quant.paths).
+time into an L1 buffer and runs bf16mm's tiles over it for every row (larger batches, prefill); `block`
+dequantizes a whole 64-column block to bf16 once and runs bf16mm's tiles over all of K (a decode batch's 8-64
+rows, where the others pay per row tile or per group). The engine times them, with torch's int4 GEMM, per shape
+and batch class (engine.quant.paths).
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ class W4MM:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib = lib
-        for f in (lib.w4mm_linear, lib.w4mm_linear_panel):
+        for f in (lib.w4mm_linear, lib.w4mm_linear_panel, lib.w4mm_linear_block):
             f.argtypes = [_i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _int]
             f.restype = _int
         lib.w4mm_dequantize.argtypes = [_i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _int]
@@ -92,6 +94,11 @@ class W4MM:
     def panel(self, x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None) -> torch.Tensor:
         """The same, each group widened once into a buffer for all the rows and run through bf16mm's tiles."""
         return self.run(self.lib.w4mm_linear_panel, x, w, bias, "w4mm")
+
+    def block(self, x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None) -> torch.Tensor:
+        """The same, each 64-column block dequantized to bf16 once (w rounded to bf16) for all the rows and all of
+        K, through bf16mm's tiles."""
+        return self.run(self.lib.w4mm_linear_block, x, w, bias, "w4mm")
 
     def grouped(
         self, x: torch.Tensor, counts: ctypes.Array, shape: tuple[int, int, int], nibbles: ctypes.Array,
@@ -178,8 +185,8 @@ def check_int4_kernel(
 
 
 def self_check(kernel: W4MM) -> None:
-    """Column tails, several groups, more rows than a tile, asymmetric zero points, through both entry points."""
-    entries = {"direct": kernel.direct, "panel": kernel.panel}
+    """Column tails, several groups, more rows than a tile, asymmetric zero points, through every entry point."""
+    entries = {"direct": kernel.direct, "panel": kernel.panel, "block": kernel.block}
     check_int4_kernel("w4mm", entries, ((1, 70, 64, 32), (7, 130, 256, 128), (200, 64, 96, 32), (4, 16, 128, 64)))
 
 

@@ -36,6 +36,27 @@ static inline __attribute__((always_inline)) void widen(const uint8_t *p, __m512
     *b = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(wide, 4), e128);
 }
 
+// The index that interleaves VCVTNE2PS2BF16's 16 even k and 16 odd k back into pairs: [e0, o0, e1, o1, ...].
+static inline __m512i pair_order(void) {
+    uint16_t idx[32];
+    for (int j = 0; j < 16; j++) {
+        idx[2 * j] = (uint16_t)j;
+        idx[2 * j + 1] = (uint16_t)(16 + j);
+    }
+    return _mm512_loadu_si512((const void *)idx);
+}
+
+// 16 columns' widened k pair v (each 32-bit lane one column's two 128 + q, as widen() gives them) dequantized:
+// taken apart to floats by a shift and a mask, w = (128 + q) * s - s * (128 + z) in one rounding (s, sz: the
+// columns' scale and s * (128 + z)), back to bf16 pairs in the same layout.
+static inline __attribute__((always_inline)) __m512i dequantize_pairs(__m512bh v, __m512 s, __m512 sz,
+                                                                      __m512i pairs) {
+    const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32((__m512i)v, 16));
+    const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512((__m512i)v, _mm512_set1_epi32((int)0xFFFF0000u)));
+    const __m512bh w = _mm512_cvtne2ps_pbh(_mm512_fmsub_ps(odd, s, sz), _mm512_fmsub_ps(even, s, sz));
+    return _mm512_permutexvar_epi16(pairs, (__m512i)w);
+}
+
 static inline float bf16_to_f32(uint16_t h) {
     const uint32_t u = (uint32_t)h << 16;
     float f;

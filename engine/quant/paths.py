@@ -280,9 +280,13 @@ class _Int4KernelPath:
 _PACKED: dict[str, dict[int, object]] = {}  # per kernel: weight nibbles' id → its packed copy
 
 
+W4MM_ENTRIES = ("direct", "panel", "block")
+
+
 class W4MMPath(_Int4KernelPath):
-    """engine.kernels.w4mm for bf16 math: `direct` (nibbles widened in registers) or `panel` (a group at a time
-    widened into a buffer and run through bf16mm's tiles)."""
+    """engine.kernels.w4mm for bf16 math: `direct` (nibbles widened in registers), `panel` (a group at a time
+    widened into a buffer and run through bf16mm's tiles) or `block` (a 64-column block dequantized to bf16 whole,
+    then bf16mm's tiles over all of K)."""
 
     prefix, bias_dtype = "w4mm", torch.bfloat16
 
@@ -357,9 +361,9 @@ def quant_paths(dtype: torch.dtype) -> list[GemmPath]:
         if (plain8x := i8amx.kernel_without_prefetch()) is not None:
             fast.append(I8MMPath(plain8x, "i8mm-amx-noprefetch"))
     if dtype == torch.bfloat16 and (k4 := w4mm.kernel()) is not None:
-        fast += [W4MMPath(k4, "direct"), W4MMPath(k4, "panel"), Int4DensePath(k4)]
+        fast += [W4MMPath(k4, entry) for entry in W4MM_ENTRIES] + [Int4DensePath(k4)]
         if (plain4 := w4mm.kernel_without_prefetch()) is not None:  # its prefetch distance was set on one CPU
-            fast += [W4MMPath(plain4, "direct", "-noprefetch"), W4MMPath(plain4, "panel", "-noprefetch")]
+            fast += [W4MMPath(plain4, entry, "-noprefetch") for entry in W4MM_ENTRIES]
     if dtype == torch.bfloat16 and (k4a := w4amx.kernel()) is not None:
         fast += [W4AMXPath(k4a, "amx"), W4AMXPath(k4a, "amx-dequant")]
         if (plain4a := w4amx.kernel_without_prefetch()) is not None:

@@ -1,5 +1,5 @@
 """The W4A16 kernel (engine.kernels.w4mm), compiled here with gcc: its packed layout holds exactly the weight's
-nibbles and scales, both entry points equal the float32 dequantize-then-matmul reference within bf16 rounding,
+nibbles and scales, every entry point equals the float32 dequantize-then-matmul reference within bf16 rounding,
 and its GEMM paths plug into the engine's measured selection. Needs AVX512-BF16: skipped on other CPUs, where
 torch's int4 GEMM runs W4A16 layers (tests/unit/test_quant_paths.py)."""
 
@@ -14,7 +14,7 @@ from engine.kernels import bf16mm, w4mm
 from engine.kernels.select import _matches_reference
 from engine.kernels.w4mm import W4MM
 from engine.layers.activation import ActAndMul
-from engine.quant.paths import W4MMPath, quant_paths
+from engine.quant.paths import W4MM_ENTRIES, W4MMPath, quant_paths
 from engine.quant.weights import Int8Weight
 from tests.int4_kernels import assert_the_selection_keeps_the_fastest_entry, int4_weight
 
@@ -45,17 +45,17 @@ def test_the_packed_layout_holds_each_nibble_and_scale_where_the_kernel_reads_it
     assert sc[1, :, :, 6:].abs().sum() == 0 and nib[1, :, 0, 12:].sum() == 0 and nib[1, :, 1:].sum() == 0
 
 
-@pytest.mark.parametrize("entry", ["direct", "panel"])
+@pytest.mark.parametrize("entry", W4MM_ENTRIES)
 @pytest.mark.parametrize(
     ("n", "k", "g", "symmetric"), [(96, 256, 128, False), (130, 96, 32, True), (64, 64, 64, False), (8, 32, 8, False)]
 )
-def test_both_entry_points_equal_the_reference(
+def test_every_entry_point_equals_the_reference(
     kernel: W4MM, entry: str, n: int, k: int, g: int, symmetric: bool
 ) -> None:
     w = int4_weight(n, k, g, symmetric)
     bias = torch.randn(n, generator=torch.Generator().manual_seed(1)).bfloat16()
     packed = W4MM.pack(w.values(), w.scale, w.zero, g)
-    for rows in (1, 2, 3, 4, 7, 33, 200):  # tiles of 3 (direct) and 6 (panel), and more than 192 (one pass)
+    for rows in (1, 2, 3, 4, 7, 33, 200):  # tiles of 3 (direct) and 6 (panel, block), and more than 192 (one pass)
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).bfloat16()
         want = w.reference(x, bias.float())
         got = getattr(kernel, entry)(x, packed, bias)
@@ -63,7 +63,7 @@ def test_both_entry_points_equal_the_reference(
         assert (got.float() - want).abs().max() <= 1e-2 * want.abs().max()
 
 
-@pytest.mark.parametrize("entry", ["direct", "panel"])
+@pytest.mark.parametrize("entry", W4MM_ENTRIES)
 def test_the_paths_match_the_reference_as_the_selector_checks_it(kernel: W4MM, entry: str) -> None:
     path = W4MMPath(kernel, entry)
     w = int4_weight(96, 256, 64, symmetric=False)
@@ -81,7 +81,7 @@ def test_the_paths_match_the_reference_as_the_selector_checks_it(kernel: W4MM, e
     assert torch.allclose(gated.float(), act(w.reference(x3, None)).float(), rtol=3e-2, atol=3e-2)
 
 
-@pytest.mark.parametrize("entry", ["direct", "panel"])
+@pytest.mark.parametrize("entry", W4MM_ENTRIES)
 def test_no_rows_give_no_rows(kernel: W4MM, entry: str) -> None:
     w = int4_weight(64, 64, 32, symmetric=True)
     packed = W4MM.pack(w.values(), w.scale, w.zero, 32)
@@ -93,21 +93,21 @@ def test_a_group_size_that_does_not_divide_the_inputs_is_refused(kernel: W4MM) -
     assert not W4MM.accepts(64, 12, 6)  # a group is whole steps of 4 inputs
 
 
-def test_both_entry_points_share_one_packed_copy(kernel: W4MM) -> None:
+def test_every_entry_point_shares_one_packed_copy(kernel: W4MM) -> None:
     w = int4_weight(64, 128, 32, symmetric=True)
-    runs = [W4MMPath(kernel, e).prepare(w, None, None) for e in ("direct", "panel")]
+    runs = [W4MMPath(kernel, e).prepare(w, None, None) for e in W4MM_ENTRIES]
     cells = [
         {id(c.cell_contents) for c in r.__closure__ or () if isinstance(c.cell_contents, w4mm.PackedInt4)} for r in runs
     ]
-    assert cells[0] and cells[0] == cells[1]
+    assert cells[0] and all(c == cells[0] for c in cells)
 
 
 def test_the_selection_times_them_among_the_bf16_candidates_and_keeps_the_fastest(kernel: W4MM) -> None:
     names = [p.name for p in quant_paths(torch.bfloat16)]
-    assert "w4mm" in names and "w4mm-panel" in names and names[-1] == "torch-dequant"
-    assert "w4mm-noprefetch" in names and "w4mm-panel-noprefetch" in names  # the prefetch distance is timed too
+    assert {"w4mm", "w4mm-panel", "w4mm-block"} <= set(names) and names[-1] == "torch-dequant"
+    assert {"w4mm-noprefetch", "w4mm-panel-noprefetch", "w4mm-block-noprefetch"} <= set(names)  # prefetch timed too
     assert "w4mm" not in [p.name for p in quant_paths(torch.float32)]  # bf16 math only
-    assert_the_selection_keeps_the_fastest_entry(kernel, W4MMPath, torch.bfloat16)
+    assert_the_selection_keeps_the_fastest_entry(kernel, W4MMPath, torch.bfloat16, W4MM_ENTRIES)
 
 
 @pytest.mark.parametrize(("n", "k", "g", "symmetric"), [(96, 256, 128, False), (130, 96, 32, True)])
