@@ -50,30 +50,6 @@ static void widen_group_tiles(int64_t G, const uint8_t *wq, uint16_t *wg) {
     }
 }
 
-// A block's nibbles wq (K/4 steps of 128 bytes) and scales sc ([K/G][2][64]: s, then s * (128 + z)) → bf16
-// weights in the tile buffer wb: widened to 128 + q (exact), then w = (128 + q) * s - s * (128 + z) in one rounding
-// (w4mm_common.h's dequantize_pairs).
-static void dequantize_block(int64_t K, int64_t G, const uint8_t *wq, const float *sc, uint16_t *wb) {
-    const __m512i pairs = pair_order();
-    for (int64_t g = 0; g < K / G; g++) {
-        __m512 s[4], sz[4];
-        for (int c = 0; c < 4; c++) {
-            s[c] = _mm512_loadu_ps(sc + g * 128 + 16 * c);
-            sz[c] = _mm512_loadu_ps(sc + g * 128 + 64 + 16 * c);
-        }
-        for (int64_t kq = g * G / 4; kq < (g + 1) * G / 4; kq++) {
-            prefetch_nibbles(wq + kq * 128);
-            for (int c = 0; c < 4; c++) {
-                __m512bh v[2];
-                widen(wq + kq * 128 + 32 * c, &v[0], &v[1]);
-                uint16_t *t = wb + ((kq / 8) * 4 + c) * TILE_ELEMS + (kq % 8) * 64;
-                for (int i = 0; i < 2; i++)
-                    _mm512_storeu_si512((void *)(t + 32 * i), dequantize_pairs(v[i], s[c], sz[c], pairs));
-            }
-        }
-    }
-}
-
 // mr (<= 32) rows of x (row stride K) against ksteps 32-k steps of widened tiles w: the 32 x 64 sums into out
 // (rows 64 wide), one 32-column half at a time, summed over the steps in the tiles (configured for mr rows).
 static void tile_rows(int mr, int64_t K, int64_t ksteps, const uint16_t *x, const uint16_t *w, float *out) {
@@ -192,7 +168,7 @@ int w4amx_linear_dequant(int64_t M, int64_t N, int64_t K, int64_t G, const uint1
             if (!wb) continue;
             const int64_t n0 = nb * NB, nn = N - n0 < NB ? N - n0 : NB;
             load_bias(b, n0, nn, bias);
-            dequantize_block(K, G, wq + nb * K * 32, sc + nb * groups * 128, wb);
+            dequantize_block(K, G, wq + nb * K * 32, sc + nb * groups * 128, wb, 1);
             for (int64_t m0 = 0; m0 < M; m0 += 32) {
                 const int mr = M - m0 < 32 ? (int)(M - m0) : 32;
                 if (configured != mr) {

@@ -230,35 +230,12 @@ int w4mm_linear_panel(int64_t M, int64_t N, int64_t K, int64_t G, const uint16_t
     return failed ? -1 : 0;
 }
 
-// A block's nibbles wq and scales sc → its bf16 weights in bf16mm's layout [K/2][64][2] (wb), w = (q - z) * s
-// rounded once to bf16 as in w4amx's dequantized tiles and w4mm_dequantize.
-static void dequantize_block(int64_t K, int64_t G, const uint8_t *wq, const float *sc, uint16_t *wb) {
-    const __m512i pairs = pair_order();
-    for (int64_t g = 0; g < K / G; g++) {
-        __m512 s[4], sz[4];
-        for (int c = 0; c < 4; c++) {
-            s[c] = _mm512_loadu_ps(sc + g * 128 + 16 * c);
-            sz[c] = _mm512_loadu_ps(sc + g * 128 + 64 + 16 * c);
-        }
-        for (int64_t kq = g * G / 4; kq < (g + 1) * G / 4; kq++) {
-            prefetch_nibbles(wq + kq * 128);
-            for (int c = 0; c < 4; c++) {
-                __m512bh v[2];
-                widen(wq + kq * 128 + 32 * c, &v[0], &v[1]);
-                for (int i = 0; i < 2; i++)
-                    _mm512_storeu_si512((void *)(wb + ((2 * kq + i) * NB + 16 * c) * 2),
-                                        dequantize_pairs(v[i], s[c], sz[c], pairs));
-            }
-        }
-    }
-}
-
 // w4mm_linear_block: a thread dequantizes one 64-column block, all of K, into bf16 (bf16mm's layout, a buffer of
 // its own: K x 128 bytes, in L2 for these models' K), then runs bf16mm's tiles over it for every row, summing over
-// all of K in registers: a cost per weight, none per group. WHY: at a decode batch's 8-64 rows the direct kernel
-// widens every weight again for each 3-row tile, and the panel one scales its sums into memory at every group's
-// end (costly at groups of 32); bf16mm runs the same rows over bf16 weights 20% faster than either (Qwen2-0.5B's
-// gate/up at 32 rows on a Zen 4: 1.44 ms against 1.78 direct, 2.10 panel).
+// all of K in registers: a cost per weight, none per row tile or group. WHY: the direct kernel widens every weight
+// again for each 3-row tile, and the panel one scales its sums into memory at every group's end (costly at groups
+// of 32). 24 Qwen2-0.5B layers at 256 rows on a 2-core Zen 4: 426 ms against 510 direct and 550 panel at group 32,
+// 428 against 472 at group 128 (bf16mm over the bf16 weights: 432); at 32 rows it ties the direct kernel.
 // Returns 0, or -1 where a buffer could not be had (y is then incomplete).
 int w4mm_linear_block(int64_t M, int64_t N, int64_t K, int64_t G, const uint16_t *x, const uint8_t *wq,
                       const float *sc, const uint16_t *b, uint16_t *y, int nthreads) {
@@ -272,7 +249,7 @@ int w4mm_linear_block(int64_t M, int64_t N, int64_t K, int64_t G, const uint16_t
 #pragma omp for schedule(static)
         for (int64_t nb = 0; nb < nblocks; nb++) {
             if (!wb) continue;
-            dequantize_block(K, G, wq + nb * K * 32, sc + nb * groups * 128, wb);
+            dequantize_block(K, G, wq + nb * K * 32, sc + nb * groups * 128, wb, 0);  // bf16mm's layout
             // nblocks = nb + 1: the buffer holds this block only, so block() asks for no next one
             for (int64_t m0 = 0; m0 < M; m0 += MC)
                 block(m0, M - m0 < MC ? M : m0 + MC, nb, nb + 1, N, K, x, wb, b, y, 0);

@@ -57,6 +57,35 @@ static inline __attribute__((always_inline)) __m512i dequantize_pairs(__m512bh v
     return _mm512_permutexvar_epi16(pairs, (__m512i)w);
 }
 
+// A 64-column block's nibbles wq (K/4 steps of 128 bytes) and scales sc ([K/G][2][64]: s, then s * (128 + z)) →
+// its bf16 weights w = (q - z) * s, rounded once, in wb: bf16mm's pair layout [K/2][64][2] (w4mm.c), or with
+// amx_tiles AMX tiles [K/32][4][16][32], a 16 x 32 tile of k pairs for each 32-k step and 16 columns (w4amx.c).
+// Each caller passes a constant, so each gets its own loop.
+static inline __attribute__((always_inline)) void dequantize_block(int64_t K, int64_t G, const uint8_t *wq,
+                                                                   const float *sc, uint16_t *wb,
+                                                                   const int amx_tiles) {
+    const __m512i pairs = pair_order();
+    for (int64_t g = 0; g < K / G; g++) {
+        __m512 s[4], sz[4];
+        for (int c = 0; c < 4; c++) {
+            s[c] = _mm512_loadu_ps(sc + g * 128 + 16 * c);
+            sz[c] = _mm512_loadu_ps(sc + g * 128 + 64 + 16 * c);
+        }
+        for (int64_t kq = g * G / 4; kq < (g + 1) * G / 4; kq++) {
+            prefetch_nibbles(wq + kq * 128);
+            for (int c = 0; c < 4; c++) {
+                __m512bh v[2];
+                widen(wq + kq * 128 + 32 * c, &v[0], &v[1]);
+                for (int i = 0; i < 2; i++) {
+                    uint16_t *t = amx_tiles ? wb + ((kq / 8) * 4 + c) * 512 + (kq % 8) * 64 + 32 * i
+                                            : wb + ((2 * kq + i) * 64 + 16 * c) * 2;
+                    _mm512_storeu_si512((void *)t, dequantize_pairs(v[i], s[c], sz[c], pairs));
+                }
+            }
+        }
+    }
+}
+
 static inline float bf16_to_f32(uint16_t h) {
     const uint32_t u = (uint32_t)h << 16;
     float f;
