@@ -63,17 +63,19 @@ def test_a_neighbour_on_our_core_is_seen_at_once() -> None:
     within the second (it is switched off here), the run-queue wait does."""
     cpu = min(os.sched_getaffinity(0))
     before = os.sched_getaffinity(0)
-    spin = "import os, time\nos.sched_setaffinity(0, {%d})\nt = time.monotonic()\nwhile time.monotonic() - t < 5: pass"
-    child = subprocess.Popen([sys.executable, "-c", spin % cpu])
-    try:
-        os.sched_setaffinity(0, {cpu})
-        time.sleep(0.3)  # the child is up and spinning
-        busy = Contention(load=lambda: False)
-        t = time.monotonic()
-        while time.monotonic() - t < 0.6:
-            pass
-        assert busy()
-    finally:
-        os.sched_setaffinity(0, before)
-        child.kill()
-        child.wait()
+    spin = (
+        "import os, time\nos.sched_setaffinity(0, {%d})\nprint('spinning', flush=True)\n"
+        "t = time.monotonic()\nwhile time.monotonic() - t < 10: pass"
+    )
+    with subprocess.Popen([sys.executable, "-c", spin % cpu], stdout=subprocess.PIPE, text=True) as child:
+        try:
+            os.sched_setaffinity(0, {cpu})
+            assert child.stdout is not None and child.stdout.readline().strip() == "spinning"  # up, on our core
+            busy = Contention(load=lambda: False)
+            t = time.monotonic()
+            while time.monotonic() - t < 0.6:
+                pass
+            assert busy()
+        finally:
+            os.sched_setaffinity(0, before)
+            child.kill()
