@@ -90,11 +90,19 @@ def sample_wins(k: PointwiseKernels, vocab: int, timer: Timer | None, cache: Pla
                   timer, cache)  # fmt: skip
 
 
-def fastest(key: str, candidates: dict[str, Callable[[], object]], timer: Timer | None, cache: PlanCache | None) -> str:
-    """The fastest of `candidates` (their first when there is no timer: a forced configuration); cached by key."""
+def fastest(
+    key: str, candidates: dict[str, Callable[[], object]], timer: Timer | None, cache: PlanCache | None,
+    flush: Callable[[], None] | None = None,
+) -> str:  # fmt: skip
+    """The fastest of `candidates` (their first when there is no timer: a forced configuration); cached by key.
+    With `flush` (the GEMM selection's, where the model does not stay in the caches) each timed call comes right
+    after one, as a decode step finds a layer's weights in memory: the offset is common, the order stays."""
     names = list(candidates)
     if timer is None:
         return names[0]
+    if flush is not None:
+        candidates = {name: _after(flush, fn) for name, fn in candidates.items()}
+        key += " cold"
     cached = cache.get(key) if cache is not None else None
     if cached is not None and cached.per_class and cached.per_class[0] in candidates:
         return cached.per_class[0]
@@ -139,8 +147,7 @@ def choose_grouped_experts(
     """The grouped kernel (engine.kernels.grouped.GroupedExperts) that beat the others and one GEMM per expert
     and projection (oneDNN's; under float32 math also the bf16-weight kernel's) on random bf16 weights of `moe`'s
     expert shapes, ROWS tokens routed at random to its top-k; None where a GEMM per expert won or none fits.
-    `flush` (the GEMM selection's, where the model does not stay in the caches): run before each timed call, as
-    a decode step finds a layer's experts in memory, where a kernel's prefetch decides its speed."""
+    `flush`: as fastest's (in memory, a kernel's prefetch decides its speed)."""
     experts = moe.local_experts()
     quantized = any(hasattr(lin, "gemm_weight") for e in experts for lin in (e.gate_up_proj, e.down_proj))
     if not experts or quantized:  # MoE.bind_kernels would not take it either
@@ -170,10 +177,7 @@ def choose_grouped_experts(
         candidates[f"each {base.name}"] = each  # type: ignore[misc]
     others = "+".join(name for name in candidates if name not in fits)
     key = f"op moe_experts {len(experts)}x{n}x{h} top{top_k} {dtype} {'+'.join(fits)} vs {others}"
-    if flush is not None:  # the same flush before every candidate: the order stays, the offset is common
-        candidates = {name: _after(flush, fn) for name, fn in candidates.items()}
-        key += " cold"
-    return fits.get(fastest(key, candidates, timer, cache))
+    return fits.get(fastest(key, candidates, timer, cache, flush))
 
 
 def _after(flush: Callable[[], None], fn: Callable[[], object]) -> Callable[[], object]:
@@ -192,7 +196,7 @@ def choose_quant_experts(
     i8mm's for W8A8; the kernel's builds with and without software prefetch), where it beat that kernel's call per
     expert and projection on `moe`'s own first experts, ROWS tokens routed at random to its top-k; None where that
     lost, the math is not bf16, the kernel is missing here or the experts do not fit it. What it returns makes the
-    grouped call for a layer's experts (None where they do not fit). `flush`: as choose_grouped_experts'."""
+    grouped call for a layer's experts (None where they do not fit). `flush`: as fastest's."""
     experts = moe.local_experts()
     if dtype != torch.bfloat16 or not experts or not all(hasattr(e.gate_up_proj, "gemm_weight") for e in experts):
         return None
@@ -224,10 +228,7 @@ def choose_quant_experts(
     others = "+".join(c for c in candidates if c not in kernels)
     ours = "+".join(c.removeprefix("grouped ") for c in kernels)
     key = f"op moe_quant {len(experts)}x{n}x{k} {_scheme(gate_up[0])} top{top_k} {dtype} grouped {ours} vs {others}"
-    if flush is not None:
-        candidates = {c: _after(flush, fn) for c, fn in candidates.items()}
-        key += " cold"
-    chosen = kernels.get(fastest(key, candidates, timer, cache))
+    chosen = kernels.get(fastest(key, candidates, timer, cache, flush))
     if chosen is None:
         return None
     return lambda up, dn: GroupedQuantExperts(chosen, up, dn) if GroupedQuantExperts.accepts(chosen, up, dn) else None
@@ -351,8 +352,7 @@ def choose_absorbed_gemm(
 ) -> GroupedKernel | None:  # fmt: skip
     """The grouped kernel whose two calls (one per product) ran MLA decode's per-head products (q_nope W_UK,
     o W_UV) for ROWS rows faster than the other kernels and than torch.bmm over the weights laid out for it (what
-    MLAttention runs without a kernel); None where bmm won or no kernel fits. `flush`: as
-    choose_grouped_experts'."""
+    MLAttention runs without a kernel); None where bmm won or no kernel fits. `flush`: as fastest's."""
     h, n, v, lat = mla.num_heads, mla.nope, mla.v_dim, mla.kv_lora_rank
     g = torch.Generator().manual_seed(0)
     w3 = torch.randn(h, n + v, lat, generator=g).to(dtype)
@@ -382,10 +382,7 @@ def choose_absorbed_gemm(
 
     candidates = {name: grouped(k) for name, k in fits.items()} | {"torch": bmm}
     key = f"op absorbed_gemm {ROWS} h{h} n{n} v{v} l{lat} {dtype} {'+'.join(fits)}"
-    if flush is not None:
-        candidates = {c: _after(flush, fn) for c, fn in candidates.items()}
-        key += " cold"
-    return fits.get(fastest(key, candidates, timer, cache))
+    return fits.get(fastest(key, candidates, timer, cache, flush))
 
 
 def _each_expert(
