@@ -1,6 +1,8 @@
 """W8A8 linear layers for CPUs with AVX2 but no VNNI (engine/kernels/i8avx2.c): int8 weights with a float scale
 per output channel, float32 activations quantized to int8 per row inside the call exactly as compressed-tensors
-defines it (engine.quant.weights.quantize_tokens), exact int32 sums by VPMADDWD over int16-widened bytes.
+defines it (engine.quant.weights.quantize_tokens), exact int32 sums by VPMADDWD over int16-widened bytes. Two
+entry points: `linear` widens each weight row as it reads it, for every row of x (decode); `panel` widens a
+16-column block once per 512 inputs into a buffer shared by every row (batches).
 
 Without VNNI, oneDNN's int8 GEMM saturates on this kind of CPU and torch._int_mm was 4x slower than the float
 model (a Zen 3, 2026-12-04). The engine times this kernel against them per shape and batch class
@@ -45,8 +47,9 @@ class I8AVX2:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib = lib
-        lib.i8avx2_linear.argtypes = [_i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _int]
-        lib.i8avx2_linear.restype = _int
+        for fn in (lib.i8avx2_linear, lib.i8avx2_linear_panel):
+            fn.argtypes = [_i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _int]
+            fn.restype = _int
 
     @classmethod
     def build(cls, flags: tuple[str, ...] = ("-march=native",)) -> I8AVX2:
@@ -63,22 +66,31 @@ class I8AVX2:
         return PackedInt8Rows(packed, F.pad(scale.float(), (0, pn)).contiguous(), b, n, k)
 
     def linear(self, x: torch.Tensor, w: PackedInt8Rows) -> torch.Tensor:
-        """x [..., K] → x W^T + b, [..., N] float32."""
+        """x [..., K] → x W^T + b, [..., N] float32 (the weight widened per row of x)."""
+        return self._call(self.lib.i8avx2_linear, x, w)
+
+    def panel(self, x: torch.Tensor, w: PackedInt8Rows) -> torch.Tensor:
+        """The same, each block of the weight widened once for every row of x."""
+        return self._call(self.lib.i8avx2_linear_panel, x, w)
+
+    @staticmethod
+    def _call(fn: ctypes._CFuncPtr, x: torch.Tensor, w: PackedInt8Rows) -> torch.Tensor:
         x2 = x.reshape(-1, w.k).float().contiguous()
         y = torch.empty(x2.shape[0], w.n, dtype=torch.float32)
-        rc = self.lib.i8avx2_linear(
+        rc = fn(
             x2.shape[0], w.n, w.k, x2.data_ptr(), w.packed.data_ptr(), w.scale.data_ptr(),
             w.bias.data_ptr() if w.bias is not None else None, y.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         if rc != 0:
-            raise MemoryError("i8avx2: no memory for the quantized rows")
+            raise MemoryError("i8avx2: no memory for the quantized rows or a widened panel")
         return y.view(*x.shape[:-1], w.n)
 
 
 def self_check(kernel: I8AVX2) -> None:
-    """Column and K tails, several rows, the products at their extremes (-128 against -128)."""
+    """Both entry points: column and K tails, row tails of the panel's tiles and passes, more than one panel chunk
+    of inputs, the products at their extremes (-128 against -128)."""
     g = torch.Generator().manual_seed(0)
-    for m, n, k in ((1, 70, 33), (7, 130, 64), (33, 64, 9), (3, 16, 256)):
+    for m, n, k in ((1, 70, 33), (7, 130, 64), (33, 64, 9), (3, 16, 256), (98, 20, 1100)):
         q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
         q[:, : k // 2] = 127
         q[::2, : k // 2] = -128
@@ -87,10 +99,12 @@ def self_check(kernel: I8AVX2) -> None:
         x = torch.randn(m, k, generator=g)
         x[:, : k // 2] = -1.0  # every row's largest magnitude is negative: it quantizes to -128
         want = Int8Weight(q, scale).reference(x, bias)
-        got = kernel.linear(x, I8AVX2.pack(q, scale, bias))
-        if not torch.allclose(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item()):
-            err = (got - want).abs().max().item()
-            raise SelfCheckError(f"i8avx2 self-check failed at {m}x{n}x{k}: max error {err:.3g}")
+        packed = I8AVX2.pack(q, scale, bias)
+        for entry in (kernel.linear, kernel.panel):
+            got = entry(x, packed)
+            if not torch.allclose(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item()):
+                err = (got - want).abs().max().item()
+                raise SelfCheckError(f"i8avx2 {entry.__name__} self-check failed at {m}x{n}x{k}: max error {err:.3g}")
 
 
 def supported() -> bool:

@@ -193,17 +193,18 @@ _PACKED_INT8: dict[tuple[int, int], PackedInt8] = {}  # (int8 values' id, bias' 
 
 class I8AVX2Path:
     """engine.kernels.i8avx2: per-token quantization, VPMADDWD int32 sums and both scales in one call, float32
-    in and out."""
+    in and out; entry `linear` (each weight row widened as it is read, for every row) or `panel` (a block widened
+    once for all the rows)."""
 
-    def __init__(self, kernel: I8AVX2, name: str = "i8avx2") -> None:
-        self.kernel, self.name, self.available = kernel, name, True
+    def __init__(self, kernel: I8AVX2, name: str = "i8avx2", entry: str = "linear") -> None:
+        self.kernel, self.name, self.entry, self.available = kernel, name, entry, True
 
     def accepts(self, weight: object, act: Act | None) -> bool:
         return isinstance(weight, Int8Weight)
 
     def prepare(self, weight: Int8Weight, bias: torch.Tensor | None, act: Act | None) -> Run:  # type: ignore[override]
-        packed, kernel = I8AVX2.pack(weight.q, weight.scale, bias), self.kernel
-        return _then(lambda x: kernel.linear(x, packed).to(x.dtype), act)
+        packed, fn = I8AVX2.pack(weight.q, weight.scale, bias), getattr(self.kernel, self.entry)
+        return _then(lambda x: fn(x, packed).to(x.dtype), act)
 
 
 class Int4PackPath:
@@ -369,7 +370,7 @@ def quant_paths(dtype: torch.dtype) -> list[GemmPath]:
         if (plain4a := w4amx.kernel_without_prefetch()) is not None:
             fast += [W4AMXPath(plain4a, "amx", "-noprefetch"), W4AMXPath(plain4a, "amx-dequant", "-noprefetch")]
     if dtype == torch.float32 and (k8a := i8avx2.kernel()) is not None:
-        fast.append(I8AVX2Path(k8a))
+        fast += [I8AVX2Path(k8a), I8AVX2Path(k8a, "i8avx2-panel", "panel")]
         if (plain8 := i8avx2.kernel_without_prefetch()) is not None:  # its prefetch distance was set on one CPU
             fast.append(I8AVX2Path(plain8, "i8avx2-noprefetch"))
     if dtype == torch.float32 and (k4f := w4f32.kernel()) is not None:

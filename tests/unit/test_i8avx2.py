@@ -30,42 +30,57 @@ def kernel() -> I8AVX2:
     return k
 
 
-@pytest.mark.parametrize(("n", "k"), [(96, 256), (130, 96), (5, 33), (64, 4864)])
-def test_it_equals_the_reference(kernel: I8AVX2, n: int, k: int) -> None:
+ENTRIES = ("linear", "panel")  # each weight row widened per row of x; a block widened once for every row
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+@pytest.mark.parametrize(("n", "k"), [(96, 256), (130, 96), (5, 33), (64, 4864), (36, 1056)])
+def test_it_equals_the_reference(kernel: I8AVX2, entry: str, n: int, k: int) -> None:
     w, bias = int8_weight(n, k), torch.randn(n, generator=torch.Generator().manual_seed(1))
     packed = I8AVX2.pack(w.q, w.scale, bias)
-    for rows in (1, 2, 5, 33):
+    for rows in (1, 2, 5, 33, 97, 200):  # the panel's 3-row tiles and 96-row passes, with their tails
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
-        want, got = w.reference(x, bias), kernel.linear(x, packed)
+        want, got = w.reference(x, bias), getattr(kernel, entry)(x, packed)
         assert got.shape == (rows, n) and (got - want).abs().max() <= 1e-5 * want.abs().max()
 
 
-def test_products_at_the_int8_extremes_are_exact(kernel: I8AVX2) -> None:
-    assert_products_at_the_int8_extremes_are_exact(kernel.linear, I8AVX2.pack)
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_products_at_the_int8_extremes_are_exact(kernel: I8AVX2, entry: str) -> None:
+    assert_products_at_the_int8_extremes_are_exact(getattr(kernel, entry), I8AVX2.pack)
 
 
-def test_no_rows_give_no_rows(kernel: I8AVX2) -> None:
-    assert_no_rows_give_no_rows(kernel.linear, I8AVX2.pack)
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_no_rows_give_no_rows(kernel: I8AVX2, entry: str) -> None:
+    assert_no_rows_give_no_rows(getattr(kernel, entry), I8AVX2.pack)
 
 
-def test_an_all_zero_row_gives_zero_and_leaves_its_neighbours_alone(kernel: I8AVX2) -> None:
-    assert_an_all_zero_row_gives_zero_alone(kernel.linear, I8AVX2.pack)
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_an_all_zero_row_gives_zero_and_leaves_its_neighbours_alone(kernel: I8AVX2, entry: str) -> None:
+    assert_an_all_zero_row_gives_zero_alone(getattr(kernel, entry), I8AVX2.pack)
+
+
+def test_both_entries_give_the_same_bits(kernel: I8AVX2) -> None:
+    """The same exact int32 sums and the same scaling: which one the selection takes per batch class changes no
+    answer."""
+    w, bias = int8_weight(200, 1100), torch.randn(200)
+    packed, x = I8AVX2.pack(w.q, w.scale, bias), torch.randn(40, 1100)
+    assert torch.equal(kernel.linear(x, packed), kernel.panel(x, packed))
 
 
 def test_its_path_is_a_float32_candidate_and_the_selection_keeps_it_when_fastest(kernel: I8AVX2) -> None:
     names = [p.name for p in quant_paths(torch.float32)]
-    assert "i8avx2" in names and "i8avx2-noprefetch" in names  # whether the prefetch pays is measured
+    assert {"i8avx2", "i8avx2-noprefetch", "i8avx2-panel"} <= set(names)  # whether prefetch / a panel pays is measured
     plain = i8avx2.kernel_without_prefetch()
     assert plain is not None and plain.lib is not kernel.lib
     assert "i8avx2" not in [p.name for p in quant_paths(torch.bfloat16)]  # float32 in and out
-    path = I8AVX2Path(kernel)
     w = int8_weight(96, 256)
     int4 = Int4Weight(torch.zeros(96, 128, dtype=torch.uint8), torch.ones(96, 2), torch.ones(96, 2), 128)
-    assert path.accepts(w, None) and not path.accepts(int4, None)
     bias = torch.randn(96)
-    run = path.prepare(w, bias, None)
-    for rows in (1, 8, 33):
-        assert _matches_reference(run, torch.randn(rows, 256), w, bias, None)
+    for path in (I8AVX2Path(kernel), I8AVX2Path(kernel, "i8avx2-panel", "panel")):
+        assert path.accepts(w, None) and not path.accepts(int4, None)
+        run = path.prepare(w, bias, None)
+        for rows in (1, 8, 33):
+            assert _matches_reference(run, torch.randn(rows, 256), w, bias, None)
     calls: list[int] = []
     original = kernel.linear
 
