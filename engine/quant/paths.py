@@ -24,7 +24,7 @@ import torch
 from engine.kernels import i8amx, i8avx2, i8mm, w4amx, w4f32, w4mm
 from engine.kernels.gemm import Act, GemmPath, Run
 from engine.kernels.i8amx import I8AMX
-from engine.kernels.i8avx2 import I8AVX2
+from engine.kernels.i8avx2 import I8AVX2, PackedInt8Rows
 from engine.kernels.i8mm import I8MM, PackedInt8
 from engine.kernels.w4amx import W4AMX
 from engine.kernels.w4f32 import W4F32, PackedInt4F32
@@ -67,6 +67,7 @@ class QuantReferencePath:
     gemm_path=torch runs for a quantized layer."""
 
     name = "torch-dequant"
+    layout = ""  # runs on the weight as stored: holding it costs nothing (engine.kernels.select)
 
     def accepts(self, weight: object, act: Act | None) -> bool:
         return isinstance(weight, (Int8Weight, Int4Weight))
@@ -158,6 +159,7 @@ class IntMMPath(_W8A8Path):
     """torch._int_mm: int8 x int8 → int32."""
 
     name = "int-mm"
+    layout = ""  # the weight as stored, transposed as a view
 
     def products(self, weight: Int8Weight) -> Run:
         wt = weight.q.t()
@@ -194,7 +196,10 @@ _PACKED_INT8: dict[tuple[int, int], PackedInt8] = {}  # (int8 values' id, bias' 
 class I8AVX2Path:
     """engine.kernels.i8avx2: per-token quantization, VPMADDWD int32 sums and both scales in one call, float32
     in and out; entry `linear` (each weight row widened as it is read, for every row) or `panel` (a block widened
-    once for all the rows)."""
+    once for all the rows). Every entry and build runs on one packed copy of a weight (`layout`; the weight as
+    stored where its shape needs no padding), kept while its int8 values live."""
+
+    layout = "i8avx2"
 
     def __init__(self, kernel: I8AVX2, name: str = "i8avx2", entry: str = "linear") -> None:
         self.kernel, self.name, self.entry, self.available = kernel, name, entry, True
@@ -203,8 +208,16 @@ class I8AVX2Path:
         return isinstance(weight, Int8Weight)
 
     def prepare(self, weight: Int8Weight, bias: torch.Tensor | None, act: Act | None) -> Run:  # type: ignore[override]
-        packed, fn = I8AVX2.pack(weight.q, weight.scale, bias), getattr(self.kernel, self.entry)
+        key = (id(weight.q), id(bias))
+        packed = _PACKED_ROWS.get(key)
+        if packed is None:
+            packed = _PACKED_ROWS[key] = I8AVX2.pack(weight.q, weight.scale, bias)
+            weakref.finalize(weight.q, _PACKED_ROWS.pop, key, None)
+        fn = getattr(self.kernel, self.entry)
         return _then(lambda x: fn(x, packed).to(x.dtype), act)
+
+
+_PACKED_ROWS: dict[tuple[int, int], PackedInt8Rows] = {}  # as _PACKED_INT8, for i8avx2's layout
 
 
 class Int4PackPath:

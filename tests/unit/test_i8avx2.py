@@ -110,3 +110,21 @@ def test_an_aligned_weight_is_read_where_it_lies_and_a_ragged_one_padded() -> No
     assert (
         ragged.packed.shape == (8, 64) and int(ragged.packed[5:].abs().sum() + ragged.packed[:, 33:].abs().sum()) == 0
     )
+
+
+def test_each_batch_class_runs_the_entry_that_won_it(kernel: I8AVX2) -> None:
+    """Both entries (and both builds) run on one packed copy, and int-mm (the baseline here: oneDNN's int8 GEMM
+    saturates without VNNI) on the weight as stored, so none of them counts against the two copies a weight may
+    hold. Before, each entry was a copy of its own and int-mm one more: the selection held int-mm and the panel,
+    and ran the panel at one row too (2.6x the per-row entry's time there, on a Zen 1, 2026-12-04)."""
+    sel = GemmSelector(quant_paths(torch.float32), torch.float32)
+    assert sel.baseline == "int-mm"
+    us = {name: [1e5] * 5 for name in sel.paths}
+    us["i8avx2"] = [30.0, 130.0, 500.0, 4600.0, 4600.0]
+    us["i8avx2-panel"] = [80.0, 210.0, 480.0, 3450.0, 3450.0]
+    us["i8avx2-noprefetch"] = [50.0, 120.0, 520.0, 4100.0, 4100.0]
+    assert sel._decide(us).per_class == ["i8avx2", "i8avx2-noprefetch", "i8avx2-panel", "i8avx2-panel", "i8avx2-panel"]
+    w = int8_weight(64, 128)
+    runs = [I8AVX2Path(kernel, name, entry).prepare(w, None, None) for name, entry in (("a", "linear"), ("b", "panel"))]
+    x = torch.randn(4, 128)
+    assert torch.equal(runs[0](x), runs[1](x))
