@@ -14,7 +14,7 @@
 // Two entry points, which the engine times against each other (and oneDNN, torch._int_mm) per shape and batch
 // class:
 // - i8avx2_linear: each 4-column tile widens its weight rows as it loads them, for every row of x. Decode.
-// - i8avx2_linear_panel: a 16-column block's weights widened to int16 once per KC inputs into a buffer, then
+// - i8avx2_linear_panel: a 16-column block's weights widened to int16 once per 512 inputs into a buffer, then
 //   3-row x 4-column tiles over every row (12 accumulators, the widening shared by all the rows). Batches.
 //
 // Packed layout (i8avx2.py packs): W row-major [N4][K32] int8, N rounded up to 4 and K to 32 with zeros.
