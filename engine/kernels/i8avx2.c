@@ -191,9 +191,8 @@ int i8avx2_linear_panel(int64_t M, int64_t N, int64_t K, const float *x, const i
                     }
                 }
                 for (int64_t r = 0; r < mc; r++)
-                    for (int t = 0; t < nt; t++) {
+                    for (int t = 0; t < nt; t++) {  // every tile starts below N (N4 - N < NC)
                         const int64_t n = n0 + t * NC;
-                        if (n >= N) break;
                         store4(_mm_loadu_si128((const __m128i *)(sums + r * PB + t * NC)), xs[m0 + r], ws + n,
                                b ? b + n : NULL, y + (m0 + r) * N + n, N - n);
                     }

@@ -18,6 +18,7 @@ import math
 import time
 import weakref
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -36,6 +37,16 @@ log = logging.getLogger(__name__)
 
 def _then(run: Run, act: Act | None) -> Run:
     return run if act is None else lambda x: act(run(x))
+
+
+def _packed_once(cache: dict[Any, Any], key: object, owner: torch.Tensor, pack: Callable[[], Any]) -> Any:
+    """A weight's packed copy from `cache`, made by `pack` on first use and dropped when `owner` (the tensor the
+    copy was made from) dies; keyed by ids (a tensor cannot key a WeakKeyDictionary: its == is elementwise)."""
+    packed = cache.get(key)
+    if packed is None:
+        packed = cache[key] = pack()
+        weakref.finalize(owner, cache.pop, key, None)
+    return packed
 
 
 def _probe(name: str, fn: object) -> bool:
@@ -181,11 +192,9 @@ class I8MMPath:
         return isinstance(weight, Int8Weight) and (not isinstance(self.kernel, I8AMX) or I8AMX.accepts(weight.shape[1]))
 
     def prepare(self, weight: Int8Weight, bias: torch.Tensor | None, act: Act | None) -> Run:  # type: ignore[override]
-        key = (id(weight.q), id(bias))
-        packed = self._packed.get(key)
-        if packed is None:
-            packed = self._packed[key] = I8MM.pack(weight.q, weight.scale, bias)
-            weakref.finalize(weight.q, self._packed.pop, key, None)
+        packed = _packed_once(
+            self._packed, (id(weight.q), id(bias)), weight.q, lambda: I8MM.pack(weight.q, weight.scale, bias)
+        )
         kernel = self.kernel
         return _then(lambda x: kernel.linear(x, packed), act)
 
@@ -208,11 +217,9 @@ class I8AVX2Path:
         return isinstance(weight, Int8Weight)
 
     def prepare(self, weight: Int8Weight, bias: torch.Tensor | None, act: Act | None) -> Run:  # type: ignore[override]
-        key = (id(weight.q), id(bias))
-        packed = _PACKED_ROWS.get(key)
-        if packed is None:
-            packed = _PACKED_ROWS[key] = I8AVX2.pack(weight.q, weight.scale, bias)
-            weakref.finalize(weight.q, _PACKED_ROWS.pop, key, None)
+        packed = _packed_once(
+            _PACKED_ROWS, (id(weight.q), id(bias)), weight.q, lambda: I8AVX2.pack(weight.q, weight.scale, bias)
+        )
         fn = getattr(self.kernel, self.entry)
         return _then(lambda x: fn(x, packed).to(x.dtype), act)
 
@@ -281,11 +288,7 @@ class _Int4KernelPath:
         return isinstance(weight, Int4Weight) and self.fits(weight)
 
     def prepare(self, weight: Int4Weight, bias: torch.Tensor | None, act: Act | None) -> Run:  # type: ignore[override]
-        key = id(weight.packed)
-        packed = self._packed.get(key)
-        if packed is None:
-            packed = self._packed[key] = self.pack(weight)
-            weakref.finalize(weight.packed, self._packed.pop, key, None)
+        packed = _packed_once(self._packed, id(weight.packed), weight.packed, lambda: self.pack(weight))
         fn = getattr(self.kernel, self.entry.replace("-", "_"))
         b = bias.to(self.bias_dtype) if bias is not None else None
         return _then(lambda x: fn(x, packed, b).to(x.dtype), act)
