@@ -72,13 +72,14 @@ def gemm_paths(dtype: torch.dtype, batch_hint: int, use_kernels: bool, bf16_weig
     if dtype == torch.bfloat16 and (k := bf16mm.kernel()) is not None:
         paths += [KernelPath("bf16mm", k, dtype), FusedSiluPath(bf16mm.SiluMulBF16MM(k))]
         if (plain := bf16mm.kernel_without_prefetch()) is not None:  # whether prefetching pays is measured
-            plain_silu = FusedSiluPath(bf16mm.SiluMulBF16MM(plain), "bf16mm-silu" + TIMED_ONLY)
-            paths += [KernelPath("bf16mm" + TIMED_ONLY, plain, dtype), plain_silu]
+            # the builds pack alike: each pair shares one packed copy (layout), so a weight can hold both
+            plain_silu = FusedSiluPath(bf16mm.SiluMulBF16MM(plain), "bf16mm-silu" + TIMED_ONLY, "bf16mm-silu")
+            paths += [KernelPath("bf16mm" + TIMED_ONLY, plain, dtype, "bf16mm"), plain_silu]
     if dtype == torch.bfloat16 and (a := amxmm.kernel()) is not None:
         paths += [KernelPath("amxmm", a, dtype), FusedSiluPath(amxmm.SiluMulAMXMM(a), "amxmm-silu")]
         if (ap := amxmm.kernel_without_prefetch()) is not None:
-            plain_silu = FusedSiluPath(amxmm.SiluMulAMXMM(ap), "amxmm-silu" + TIMED_ONLY)
-            paths += [KernelPath("amxmm" + TIMED_ONLY, ap, dtype), plain_silu]
+            plain_silu = FusedSiluPath(amxmm.SiluMulAMXMM(ap), "amxmm-silu" + TIMED_ONLY, "amxmm-silu")
+            paths += [KernelPath("amxmm" + TIMED_ONLY, ap, dtype, "amxmm"), plain_silu]
     if dtype == torch.float32 and bf16_weights and (w := wbf16.kernel()) is not None:
         paths.append(KernelPath("wbf16", w, dtype))
     return paths

@@ -6,8 +6,9 @@ silu(gate) * up."""
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -122,33 +123,50 @@ def bucket_rows(rows: int) -> int:
     return -(-rows // step) * step
 
 
-class KernelPath:
-    """One of our compiled kernels, for the weights and math it is written for."""
+def packed_once(cache: dict[Any, Any], key: object, owner: torch.Tensor, pack: Callable[[], Any]) -> Any:
+    """A weight's packed copy from `cache`, made by `pack` on first use and dropped when `owner` (the tensor the
+    copy was made from) dies; keyed by ids (a tensor cannot key a WeakKeyDictionary: its == is elementwise). Paths
+    over one layout (the builds of a kernel with and without prefetch) take one copy this way."""
+    packed = cache.get(key)
+    if packed is None:
+        packed = cache[key] = pack()
+        weakref.finalize(owner, cache.pop, key, None)
+    return packed
 
-    def __init__(self, name: str, kernel: GemmKernel, dtype: torch.dtype) -> None:
-        self.name, self.kernel, self.dtype = name, kernel, dtype
+
+_PACKED: dict[tuple[str, int], torch.Tensor] = {}  # (layout, the weight's id) → that layout's packed copy
+
+
+class KernelPath:
+    """One of our compiled kernels, for the weights and math it is written for. `layout`: the name of its packed
+    copy, shared with the other builds of the same kernel (default: its own name)."""
+
+    def __init__(self, name: str, kernel: GemmKernel, dtype: torch.dtype, layout: str = "") -> None:
+        self.name, self.kernel, self.dtype, self.layout = name, kernel, dtype, layout or name
 
     def accepts(self, weight: torch.Tensor, act: Act | None) -> bool:
         return self.kernel.accepts(weight)
 
     def prepare(self, weight: torch.Tensor, bias: torch.Tensor | None, act: Act | None) -> Run:
-        packed, n, kernel = self.kernel.pack(weight), weight.shape[0], self.kernel
+        packed = packed_once(_PACKED, (self.layout, id(weight)), weight, lambda: self.kernel.pack(weight))
+        n, kernel = weight.shape[0], self.kernel
         b = bias.to(self.dtype) if bias is not None else None
         return _then(lambda x: kernel.linear(x, packed, n, b), act)
 
 
 class FusedSiluPath:
     """A kernel's gated-MLP GEMM (bf16mm's, amxmm's): silu(gate) * up comes out of the epilogue (no [T, 2I]
-    intermediate). Only for SiLU MLPs, whose act it replaces."""
+    intermediate). Only for SiLU MLPs, whose act it replaces. `layout` as KernelPath's."""
 
-    def __init__(self, kernel: GemmKernel, name: str = "bf16mm-silu") -> None:
-        self.kernel, self.name = kernel, name
+    def __init__(self, kernel: GemmKernel, name: str = "bf16mm-silu", layout: str = "") -> None:
+        self.kernel, self.name, self.layout = kernel, name, layout or name
 
     def accepts(self, weight: torch.Tensor, act: Act | None) -> bool:
         return getattr(act, "is_silu_and_mul", False) and self.kernel.accepts(weight)
 
     def prepare(self, weight: torch.Tensor, bias: torch.Tensor | None, act: Act | None) -> Run:
-        packed, n, kernel = self.kernel.pack(weight), weight.shape[0], self.kernel
+        packed = packed_once(_PACKED, (self.layout, id(weight)), weight, lambda: self.kernel.pack(weight))
+        n, kernel = weight.shape[0], self.kernel
         return lambda x: kernel.linear(x, packed, n, bias)
 
 

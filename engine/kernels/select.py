@@ -17,6 +17,7 @@ import logging
 import math
 import os
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -265,7 +266,10 @@ class GemmSelector:
         finite = [p for p in us if all(map(math.isfinite, us[p]))] or list(us)
         fallback = self.baseline if self.baseline in finite else min(finite, key=lambda p: sum(us[p]))
         held = [fallback]
-        for p in sorted({w for w in winners if w is not None}, key=lambda p: -winners.count(p)):
+        # the layouts that win the most classes are held first: builds of one kernel over one packed copy (with
+        # and without prefetch) count together, and a tie keeps the paths' order, not a set's
+        wins = Counter(self._layout(w) for w in winners if w is not None)
+        for p in sorted(dict.fromkeys(w for w in winners if w is not None), key=lambda p: -wins[self._layout(p)]):
             layouts = {self._layout(h) for h in held} - {""}
             if p not in held and (self._layout(p) in {"", *layouts} or len(layouts) < self.max_layouts):
                 held.append(p)

@@ -16,14 +16,12 @@ from __future__ import annotations
 import logging
 import math
 import time
-import weakref
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
 from engine.kernels import i8amx, i8avx2, i8mm, w4amx, w4f32, w4mm
-from engine.kernels.gemm import Act, GemmPath, Run
+from engine.kernels.gemm import Act, GemmPath, Run, packed_once
 from engine.kernels.i8amx import I8AMX
 from engine.kernels.i8avx2 import I8AVX2, PackedInt8Rows
 from engine.kernels.i8mm import I8MM, PackedInt8
@@ -37,16 +35,6 @@ log = logging.getLogger(__name__)
 
 def _then(run: Run, act: Act | None) -> Run:
     return run if act is None else lambda x: act(run(x))
-
-
-def _packed_once(cache: dict[Any, Any], key: object, owner: torch.Tensor, pack: Callable[[], Any]) -> Any:
-    """A weight's packed copy from `cache`, made by `pack` on first use and dropped when `owner` (the tensor the
-    copy was made from) dies; keyed by ids (a tensor cannot key a WeakKeyDictionary: its == is elementwise)."""
-    packed = cache.get(key)
-    if packed is None:
-        packed = cache[key] = pack()
-        weakref.finalize(owner, cache.pop, key, None)
-    return packed
 
 
 def _probe(name: str, fn: object) -> bool:
@@ -192,7 +180,7 @@ class I8MMPath:
         return isinstance(weight, Int8Weight) and (not isinstance(self.kernel, I8AMX) or I8AMX.accepts(weight.shape[1]))
 
     def prepare(self, weight: Int8Weight, bias: torch.Tensor | None, act: Act | None) -> Run:  # type: ignore[override]
-        packed = _packed_once(
+        packed = packed_once(
             self._packed, (id(weight.q), id(bias)), weight.q, lambda: I8MM.pack(weight.q, weight.scale, bias)
         )
         kernel = self.kernel
@@ -217,7 +205,7 @@ class I8AVX2Path:
         return isinstance(weight, Int8Weight)
 
     def prepare(self, weight: Int8Weight, bias: torch.Tensor | None, act: Act | None) -> Run:  # type: ignore[override]
-        packed = _packed_once(
+        packed = packed_once(
             _PACKED_ROWS, (id(weight.q), id(bias)), weight.q, lambda: I8AVX2.pack(weight.q, weight.scale, bias)
         )
         fn = getattr(self.kernel, self.entry)
@@ -288,7 +276,7 @@ class _Int4KernelPath:
         return isinstance(weight, Int4Weight) and self.fits(weight)
 
     def prepare(self, weight: Int4Weight, bias: torch.Tensor | None, act: Act | None) -> Run:  # type: ignore[override]
-        packed = _packed_once(self._packed, id(weight.packed), weight.packed, lambda: self.pack(weight))
+        packed = packed_once(self._packed, id(weight.packed), weight.packed, lambda: self.pack(weight))
         fn = getattr(self.kernel, self.entry.replace("-", "_"))
         b = bias.to(self.bias_dtype) if bias is not None else None
         return _then(lambda x: fn(x, packed, b).to(x.dtype), act)
