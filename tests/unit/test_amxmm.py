@@ -42,6 +42,19 @@ def test_linear_is_float32_math_rounded_to_bf16(kernel: AMXMM, m: int, n: int, k
     assert ((got.float() - want32).abs() <= step).all()
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_long_call_runs_in_passes_with_the_same_sums_as_short_calls(kernel: AMXMM, fused: bool) -> None:
+    """Past 512 rows the kernel runs passes of 512 (amxmm.c's in_passes): every row bit-identical to the same row
+    in a call of its own pass's size, across the passes and a tail."""
+    k, n = 96, 128
+    w, x, b = _bf16(n, k, seed=8), _bf16(1100, k, seed=9), _bf16(n, seed=10)
+    op = SiluMulAMXMM(kernel) if fused else kernel
+    packed = op.pack(w)
+    whole = op.linear(x, packed, n, b)
+    parts = torch.cat([op.linear(x[i : i + 300], packed, n, b) for i in range(0, 1100, 300)])
+    assert whole.shape == (1100, n // 2 if fused else n) and torch.equal(whole, parts)
+
+
 def test_3d_and_strided_inputs(kernel: AMXMM) -> None:
     w = _bf16(64, 64, seed=4)
     x = _bf16(3, 7, 128, seed=5)[..., ::2]  # [B, T, K] with a stride: the kernel sees a contiguous copy
