@@ -454,7 +454,11 @@ def test_the_latent_probe_reads_scattered_blocks_of_caches_that_leave_the_cpu_ca
     one = (ROWS * CONTEXT // BLOCK + 1) * BLOCK * 576 * 2  # a 32-row probe's cache, bf16
     copies = max(1, min(CacheFlush().nbytes, COLD_BYTES) // one)
     at_rows = [(p, t) for p, t in seen if t.shape[0] == ROWS]
-    assert len({p for p, _ in at_rows}) == copies
+    # each call the next copy, in turn: on a CPU whose last-level cache is large (a VM that reports 480 MB) there
+    # are more copies than timed calls
+    ptrs = [p for p, _ in at_rows]
+    n = min(copies, len(ptrs))
+    assert len(set(ptrs[:n])) == n and all(p == ptrs[i % copies] for i, p in enumerate(ptrs))
     tables = at_rows[0][1]
     assert sorted(tables.flatten().tolist()) == list(range(tables.numel())) and not torch.equal(
         tables.flatten(), torch.arange(tables.numel())
