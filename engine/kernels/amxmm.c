@@ -182,9 +182,10 @@ static void run(int64_t G, const group_t *groups, int64_t N, int64_t K, const ui
 #define ROWS_A_PASS 512
 #endif
 // A call of more rows runs as passes of ROWS_A_PASS: within a pass each column block reads all of the pass's x,
-// so a whole prefill's x (4,096 rows) was read from L3 once per 32 columns (Qwen2-0.5B's o_proj: 5.8 ms a call
-// in passes of all rows, on a 2-core AMX Xeon). 512 is also the row count the selection times prefill at
-// (engine/kernels/select.py), so what it measured holds for longer calls.
+// so a whole prefill's x (4,096 rows) was read from L3 once per 32 columns (Qwen2-0.5B's o_proj: 4.6 ms a call
+// as one pass, 3.3 in passes of 512, on a 2-core AMX Xeon). 512 is also the row count the selection times
+// the prefill class at (engine/kernels/select.py), so this kernel's time a row there holds for longer calls
+// (oneDNN's and F.linear's fall further past it: docs/PERFORMANCE.md).
 static void in_passes(int64_t M, int64_t N, int64_t K, const uint16_t *x, const uint16_t *w, const uint16_t *b,
                       uint16_t *y, int nthreads, int silu_mul) {
     const int64_t width = silu_mul ? N / 2 : N;
