@@ -96,13 +96,14 @@ def fastest(
 ) -> str:  # fmt: skip
     """The fastest of `candidates` (their first when there is no timer: a forced configuration); cached by key.
     With `flush` (the GEMM selection's, where the model does not stay in the caches) each timed call comes right
-    after one, as a decode step finds a layer's weights in memory: the offset is common, the order stays."""
+    after one, as a decode step finds a layer's weights in memory; the flush itself is not timed."""
     names = list(candidates)
     if timer is None:
         return names[0]
     if flush is not None:
-        candidates = {name: _after(flush, fn) for name, fn in candidates.items()}
-        key += " cold"
+        # NOTE: timed with the flush inside (before 2026-12-04), every candidate measured ~30 ms on an AMX VM that
+        # reports 480 MB of L3 (a flush writes 1.5x that) against ~1 ms of its own, and the choice was noise
+        key += " cold, flush untimed"
     cached = cache.get(key) if cache is not None else None
     if cached is not None and cached.per_class and cached.per_class[0] in candidates:
         return cached.per_class[0]
@@ -112,6 +113,8 @@ def fastest(
     def rounds(best: dict[str, float]) -> dict[str, float]:
         for _ in range(MIN_ROUNDS * 2):
             for name, fn in candidates.items():
+                if flush is not None:
+                    flush()
                 best[name] = min(best[name], timer(fn))
         return best
 
@@ -178,14 +181,6 @@ def choose_grouped_experts(
     others = "+".join(name for name in candidates if name not in fits)
     key = f"op moe_experts {len(experts)}x{n}x{h} top{top_k} {dtype} {'+'.join(fits)} vs {others}"
     return fits.get(fastest(key, candidates, timer, cache, flush))
-
-
-def _after(flush: Callable[[], None], fn: Callable[[], object]) -> Callable[[], object]:
-    def cold() -> object:
-        flush()
-        return fn()
-
-    return cold
 
 
 def choose_quant_experts(
