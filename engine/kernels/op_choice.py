@@ -101,8 +101,9 @@ def fastest(
     if timer is None:
         return names[0]
     if flush is not None:
-        # NOTE: timed with the flush inside (before 2026-12-04), every candidate measured ~30 ms on an AMX VM that
-        # reports 480 MB of L3 (a flush writes 1.5x that) against ~1 ms of its own, and the choice was noise
+        # NOTE: with the flush inside the timed call every candidate measured ~30 ms on an AMX VM that reports
+        # 480 MB of L3 (a flush writes 1.5x that) against ~1 ms of its own, and the choice was noise; the key
+        # names the change, so choices cached that way are timed again
         key += " cold, flush untimed"
     cached = cache.get(key) if cache is not None else None
     if cached is not None and cached.per_class and cached.per_class[0] in candidates:
