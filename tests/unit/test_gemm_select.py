@@ -120,9 +120,9 @@ def test_paths_over_one_packed_copy_count_as_one_layout() -> None:
 
 def test_the_layout_that_wins_most_classes_is_held_with_all_its_builds() -> None:
     """Timings of Qwen2-0.5B's o_proj (896 x 896, µs a call) on a 2-core AMX Xeon: amxmm's two builds (with and
-    without prefetch, one packed copy) win three classes between them, five paths win one each. The selection
-    held oneDNN and F.linear's plain weight (the prefill's winner, taken from a set's order) and ran oneDNN at
-    every decode class, where amxmm was 12-26% faster."""
+    without prefetch, one packed copy) win two classes between them, three other paths one each. The selection
+    held oneDNN and F.linear's plain weight (the prefill's winner, first in a set's order) and ran oneDNN at
+    every decode class, where amxmm was 13-27% faster."""
     us = {
         "onednn": (119, 135, 137, 132, 710),
         "torch": (223, 178, 227, 225, 432),
