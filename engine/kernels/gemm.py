@@ -51,7 +51,8 @@ class GemmPath(Protocol):
     def prepare(self, weight: torch.Tensor, bias: torch.Tensor | None, act: Act | None) -> Run: ...
 
 
-def _then(run: Run, act: Act | None) -> Run:
+def with_act(run: Run, act: Act | None) -> Run:
+    """`run`, then a gated MLP's act on its output where there is one (a path that does not fuse it)."""
     return run if act is None else lambda x: act(run(x))
 
 
@@ -69,7 +70,7 @@ class TorchPath:
     def prepare(self, weight: torch.Tensor, bias: torch.Tensor | None, act: Act | None) -> Run:
         w = weight.to(self.dtype)  # a bf16-stored weight under float32 math widens (exactly)
         b = bias.to(self.dtype) if bias is not None else None
-        return _then(lambda x: F.linear(x, w, b), act)
+        return with_act(lambda x: F.linear(x, w, b), act)
 
 
 class OneDNNPath:
@@ -110,7 +111,7 @@ class OneDNNPath:
             xp[rows:].zero_()
             return linear(xp, packed, b, "none", [], "")[:rows].view(*x.shape[:-1], n)
 
-        return _then(run, act)
+        return with_act(run, act)
 
 
 def bucket_rows(rows: int) -> int:
@@ -151,7 +152,7 @@ class KernelPath:
         packed = packed_once(_PACKED, (self.layout, id(weight)), weight, lambda: self.kernel.pack(weight))
         n, kernel = weight.shape[0], self.kernel
         b = bias.to(self.dtype) if bias is not None else None
-        return _then(lambda x: kernel.linear(x, packed, n, b), act)
+        return with_act(lambda x: kernel.linear(x, packed, n, b), act)
 
 
 class FusedSiluPath:

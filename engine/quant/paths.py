@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 
 from engine.kernels import i8amx, i8avx2, i8mm, w4amx, w4f32, w4mm
-from engine.kernels.gemm import Act, GemmPath, Run, packed_once
+from engine.kernels.gemm import Act, GemmPath, Run, packed_once, with_act
 from engine.kernels.i8amx import I8AMX
 from engine.kernels.i8avx2 import I8AVX2, PackedInt8Rows
 from engine.kernels.i8mm import I8MM, PackedInt8
@@ -31,10 +31,6 @@ from engine.kernels.w4mm import W4MM, PackedInt4
 from engine.quant.weights import Int4Weight, Int8Weight, quantize_tokens
 
 log = logging.getLogger(__name__)
-
-
-def _then(run: Run, act: Act | None) -> Run:
-    return run if act is None else lambda x: act(run(x))
 
 
 def _probe(name: str, fn: object) -> bool:
@@ -72,7 +68,7 @@ class QuantReferencePath:
         return isinstance(weight, (Int8Weight, Int4Weight))
 
     def prepare(self, weight: Int8Weight | Int4Weight, bias: torch.Tensor | None, act: Act | None) -> Run:  # type: ignore[override]
-        return _then(lambda x: weight.reference(x, bias).to(x.dtype), act)
+        return with_act(lambda x: weight.reference(x, bias).to(x.dtype), act)
 
 
 class _W8A8Path:
@@ -138,7 +134,7 @@ class _W8A8Path:
                 y.add_(b)
             return y.to(x.dtype).view(*x.shape[:-1], -1)
 
-        return _then(run, act)
+        return with_act(run, act)
 
 
 class OneDNNInt8Path(_W8A8Path):
@@ -184,7 +180,7 @@ class I8MMPath:
             self._packed, (id(weight.q), id(bias)), weight.q, lambda: I8MM.pack(weight.q, weight.scale, bias)
         )
         kernel = self.kernel
-        return _then(lambda x: kernel.linear(x, packed), act)
+        return with_act(lambda x: kernel.linear(x, packed), act)
 
 
 _PACKED_INT8: dict[tuple[int, int], PackedInt8] = {}  # (int8 values' id, bias' id) → the packed copy (bias in it)
@@ -209,7 +205,7 @@ class I8AVX2Path:
             _PACKED_ROWS, (id(weight.q), id(bias)), weight.q, lambda: I8AVX2.pack(weight.q, weight.scale, bias)
         )
         fn = getattr(self.kernel, self.entry)
-        return _then(lambda x: fn(x, packed).to(x.dtype), act)
+        return with_act(lambda x: fn(x, packed).to(x.dtype), act)
 
 
 _PACKED_ROWS: dict[tuple[int, int], PackedInt8Rows] = {}  # as _PACKED_INT8, for i8avx2's layout
@@ -244,7 +240,7 @@ class Int4PackPath:
                 y = y + b
             return y.view(*x.shape[:-1], n)
 
-        return _then(run, act)
+        return with_act(run, act)
 
 
 class _Int4KernelPath:
@@ -279,7 +275,7 @@ class _Int4KernelPath:
         packed = packed_once(self._packed, id(weight.packed), weight.packed, lambda: self.pack(weight))
         fn = getattr(self.kernel, self.entry.replace("-", "_"))
         b = bias.to(self.bias_dtype) if bias is not None else None
-        return _then(lambda x: fn(x, packed, b).to(x.dtype), act)
+        return with_act(lambda x: fn(x, packed, b).to(x.dtype), act)
 
 
 _PACKED: dict[str, dict[int, object]] = {}  # per kernel: weight nibbles' id → its packed copy
@@ -332,7 +328,7 @@ class Int4DensePath:
 
     def prepare(self, weight: Int4Weight, bias: torch.Tensor | None, act: Act | None) -> Run:  # type: ignore[override]
         kernel = self.kernel
-        return _then(lambda x: kernel.dense(x, weight, bias).to(x.dtype), act)
+        return with_act(lambda x: kernel.dense(x, weight, bias).to(x.dtype), act)
 
 
 class W4F32Path(_Int4KernelPath):
