@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from engine.kernels import bf16mm
 from engine.kernels.cbuild import Once, SelfCheckError, build
+from engine.kernels.gemm import interleave_halves
 from engine.quant.weights import Int4Weight, pack_nibbles
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,8 @@ class W4MM:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib = lib
-        for f in (lib.w4mm_linear, lib.w4mm_linear_panel, lib.w4mm_linear_block):
+        entries = (lib.w4mm_linear, lib.w4mm_linear_panel, lib.w4mm_linear_block, lib.w4mm_linear_silu_mul)
+        for f in (*entries, lib.w4mm_linear_block_silu_mul):
             f.argtypes = [_i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _int]
             f.restype = _int
         lib.w4mm_dequantize.argtypes = [_i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _int]
@@ -99,6 +101,15 @@ class W4MM:
         """The same, each 64-column block dequantized to bf16 once (w rounded to bf16) for all the rows and all of
         K, through bf16mm's tiles."""
         return self.run(self.lib.w4mm_linear_block, x, w, bias, "w4mm")
+
+    def silu_mul(self, x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None) -> torch.Tensor:
+        """`direct` over a gated MLP's [gate; up] weight packed with its rows interleaved in blocks of 32
+        (interleave_halves; N % 64 == 0) → silu(gate) * up, [..., N / 2], rounded as the unfused bf16 code."""
+        return self.run(self.lib.w4mm_linear_silu_mul, x, w, bias, "w4mm", w.n // 2)
+
+    def block_silu_mul(self, x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None) -> torch.Tensor:
+        """`block` over such a weight, the same fused output."""
+        return self.run(self.lib.w4mm_linear_block_silu_mul, x, w, bias, "w4mm", w.n // 2)
 
     def grouped(
         self, x: torch.Tensor, counts: ctypes.Array, shape: tuple[int, int, int], nibbles: ctypes.Array,
@@ -147,12 +158,14 @@ class W4MM:
 
     @staticmethod
     def run(
-        fn: ctypes._CFuncPtr, x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None, name: str
+        fn: ctypes._CFuncPtr, x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None, name: str,
+        out_cols: int | None = None,
     ) -> torch.Tensor:  # fmt: skip
         """Calls an entry point over this layout (w4mm's, w4amx's): fn(M, N, K, G, x, nibbles, scales, b, y,
-        threads) → 0, or -1 without memory for its buffers."""
+        threads) → 0, or -1 without memory for its buffers. `out_cols`: y's width (default N)."""
         x2 = x.reshape(-1, w.k).to(torch.bfloat16).contiguous()
-        y = torch.empty(x2.shape[0], w.n, dtype=torch.bfloat16)
+        out_cols = w.n if out_cols is None else out_cols
+        y = torch.empty(x2.shape[0], out_cols, dtype=torch.bfloat16)
         b = bias.to(torch.bfloat16).contiguous() if bias is not None else None  # held until the call returns
         rc = fn(
             x2.shape[0], w.n, w.k, w.group_size, x2.data_ptr(), w.nibbles.data_ptr(), w.scales.data_ptr(),
@@ -160,7 +173,7 @@ class W4MM:
         )  # fmt: skip
         if rc != 0:
             raise MemoryError(f"{name}: no memory for the kernel's buffers")
-        return y.view(*x.shape[:-1], w.n)
+        return y.view(*x.shape[:-1], out_cols)
 
 
 def check_int4_kernel(
@@ -184,10 +197,34 @@ def check_int4_kernel(
                 raise SelfCheckError(f"{name} {entry} self-check failed at {m}x{n}x{k} g{gs}: max error {err:.3g}")
 
 
+def check_int4_silu_mul(
+    name: str, entries: dict[str, Callable[..., torch.Tensor]], shapes: tuple[tuple[int, int, int, int], ...]
+) -> None:  # fmt: skip
+    """Fused silu(gate) * up entry points (entry(x, packed, bias), the weight's [gate; up] rows interleaved in
+    blocks of 32 before packing) against the unfused bf16 code over the reference projection, at (M, 2I, K, G)."""
+    g = torch.Generator().manual_seed(1)
+    for m, n, k, gs in shapes:
+        values = torch.randint(0, 16, (n, k), generator=g)
+        scale = torch.rand(n, k // gs, generator=g) * 0.1 + 0.01
+        zero = torch.randint(0, 16, (n, k // gs), generator=g)
+        x = torch.randn(m, k, generator=g).bfloat16()
+        bias = torch.randn(n, generator=g).bfloat16()
+        gate, up = Int4Weight(pack_nibbles(values), scale, zero, gs).reference(x, bias.float()).bfloat16().chunk(2, -1)
+        want = (F.silu(gate) * up).float()
+        i = interleave_halves
+        packed = W4MM.pack(i(values), i(scale), i(zero), gs)
+        for entry, fn in entries.items():
+            got = fn(x, packed, i(bias)).float()
+            if got.shape != want.shape or not torch.allclose(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item()):
+                raise SelfCheckError(f"{name} {entry} fused SiLU self-check failed at {m}x{n}x{k} g{gs}")
+
+
 def self_check(kernel: W4MM) -> None:
     """Column tails, several groups, more rows than a tile, asymmetric zero points, through every entry point."""
     entries = {"direct": kernel.direct, "panel": kernel.panel, "block": kernel.block}
     check_int4_kernel("w4mm", entries, ((1, 70, 64, 32), (7, 130, 256, 128), (200, 64, 96, 32), (4, 16, 128, 64)))
+    fused = {"silu-mul": kernel.silu_mul, "block-silu-mul": kernel.block_silu_mul}
+    check_int4_silu_mul("w4mm", fused, ((1, 128, 64, 32), (7, 256, 256, 128), (200, 64, 96, 32)))
 
 
 _once = Once(W4MM.build, log, "W4A16 layers will use torch's int4 GEMM (slower)", check=self_check)

@@ -14,19 +14,11 @@ import ctypes
 
 import torch
 
-from engine.kernels.gemm import interleave_halves
 from engine.kernels.grouped import check_groups
 from engine.kernels.i8mm import I8MM
 from engine.kernels.w4mm import W4MM
-from engine.quant.paths import W4MMPath
+from engine.quant.paths import W4MMPath, interleaved
 from engine.quant.weights import Int4Weight, Int8Weight, QuantWeight
-
-
-def _interleaved(w: QuantWeight) -> QuantWeight:
-    """A gated MLP's [gate; up] rows in blocks of 32 alternating (interleave_halves), the weight's every part."""
-    if isinstance(w, Int8Weight):
-        return Int8Weight(interleave_halves(w.q), interleave_halves(w.scale))
-    return Int4Weight(interleave_halves(w.packed), interleave_halves(w.scale), interleave_halves(w.zero), w.group_size)
 
 
 def _pointers(tensors: list[torch.Tensor]) -> ctypes.Array:
@@ -39,7 +31,7 @@ class GroupedQuantLinear:
     def __init__(self, kernel: W4MM | I8MM, weights: list[QuantWeight], silu_mul: bool = False) -> None:
         self.kernel, self.silu_mul = kernel, silu_mul
         self.n, self.k = weights[0].shape
-        ws = [_interleaved(w) if silu_mul else w for w in weights]
+        ws = [interleaved(w) if silu_mul else w for w in weights]
         if isinstance(kernel, W4MM):
             self.packed: list[object] = [W4MMPath.pack(w) for w in ws]  # type: ignore[arg-type]
             self.shape: tuple[int, ...] = (self.n, self.k, weights[0].group_size)  # type: ignore[union-attr]

@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 
 from engine.kernels import i8amx, i8avx2, i8mm, w4amx, w4f32, w4mm
-from engine.kernels.gemm import Act, GemmPath, Run, packed_once, with_act
+from engine.kernels.gemm import Act, GemmPath, Run, interleave_halves, packed_once, with_act
 from engine.kernels.i8amx import I8AMX
 from engine.kernels.i8avx2 import I8AVX2, PackedInt8Rows
 from engine.kernels.i8mm import I8MM, PackedInt8
@@ -281,6 +281,14 @@ class _Int4KernelPath:
 _PACKED: dict[str, dict[int, object]] = {}  # per kernel: weight nibbles' id → its packed copy
 
 
+def interleaved(w: Int8Weight | Int4Weight) -> Int8Weight | Int4Weight:
+    """A gated MLP's [gate; up] rows in blocks of 32 alternating (interleave_halves), the weight's every part:
+    what the kernels' fused silu(gate) * up entry points read."""
+    if isinstance(w, Int8Weight):
+        return Int8Weight(interleave_halves(w.q), interleave_halves(w.scale))
+    return Int4Weight(interleave_halves(w.packed), interleave_halves(w.scale), interleave_halves(w.zero), w.group_size)
+
+
 W4MM_ENTRIES = ("direct", "panel", "block")
 
 
@@ -300,6 +308,31 @@ class W4MMPath(_Int4KernelPath):
         p = weight.packed  # its nibbles as uint8 (values() is int32: 4 bytes a weight, gigabytes for a big head)
         values = torch.stack((p & 15, p >> 4), dim=-1).flatten(-2)
         return W4MM.pack(values, weight.scale, weight.zero, weight.group_size)
+
+
+class W4MMSiluPath(W4MMPath):
+    """A gated MLP's [gate; up] projection through w4mm's fused entry points (`silu-mul`: direct; `block-silu-mul`):
+    silu(gate) * up comes out of the epilogue, as bf16mm-silu's does for bf16 weights, so the [T, 2I] projection
+    never goes to memory. Only for SiLU MLPs, whose act it replaces; its packed copy has the rows interleaved
+    (a layout of its own)."""
+
+    def __init__(self, kernel: W4MM, entry: str, variant: str = "") -> None:
+        super().__init__(kernel, entry, variant)
+        self.layout = "w4mm-silu"
+        self._packed = _PACKED.setdefault(self.layout, {})
+
+    def accepts(self, weight: object, act: Act | None) -> bool:
+        silu = getattr(act, "is_silu_and_mul", False)
+        return silu and isinstance(weight, Int4Weight) and weight.shape[0] % 64 == 0 and self.fits(weight)
+
+    def prepare(self, weight: Int4Weight, bias: torch.Tensor | None, act: Act | None) -> Run:  # type: ignore[override]
+        packed = packed_once(self._packed, id(weight.packed), weight.packed, lambda: self.pack(interleaved(weight)))
+        fn = getattr(self.kernel, self.entry.replace("-", "_"))
+        b = interleave_halves(bias.to(self.bias_dtype)) if bias is not None else None
+        return lambda x: fn(x, packed, b)
+
+
+W4MM_SILU_ENTRIES = ("silu-mul", "block-silu-mul")
 
 
 class W4AMXPath(W4MMPath):
@@ -363,8 +396,10 @@ def quant_paths(dtype: torch.dtype) -> list[GemmPath]:
             fast.append(I8MMPath(plain8x, "i8mm-amx-noprefetch"))
     if dtype == torch.bfloat16 and (k4 := w4mm.kernel()) is not None:
         fast += [W4MMPath(k4, entry) for entry in W4MM_ENTRIES] + [Int4DensePath(k4)]
+        fast += [W4MMSiluPath(k4, entry) for entry in W4MM_SILU_ENTRIES]
         if (plain4 := w4mm.kernel_without_prefetch()) is not None:  # its prefetch distance was set on one CPU
             fast += [W4MMPath(plain4, entry, "-noprefetch") for entry in W4MM_ENTRIES]
+            fast += [W4MMSiluPath(plain4, entry, "-noprefetch") for entry in W4MM_SILU_ENTRIES]
     if dtype == torch.bfloat16 and (k4a := w4amx.kernel()) is not None:
         fast += [W4AMXPath(k4a, "amx"), W4AMXPath(k4a, "amx-dequant")]
         if (plain4a := w4amx.kernel_without_prefetch()) is not None:

@@ -9,12 +9,13 @@ import threading
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from engine.kernels import bf16mm, w4mm
 from engine.kernels.select import _matches_reference
 from engine.kernels.w4mm import W4MM
 from engine.layers.activation import ActAndMul
-from engine.quant.paths import W4MM_ENTRIES, W4MMPath, quant_paths
+from engine.quant.paths import W4MM_ENTRIES, W4MMPath, W4MMSiluPath, interleaved, quant_paths
 from engine.quant.weights import Int8Weight
 from tests.int4_kernels import assert_the_selection_keeps_the_fastest_entry, int4_weight
 
@@ -79,6 +80,40 @@ def test_the_paths_match_the_reference_as_the_selector_checks_it(kernel: W4MM, e
     act = ActAndMul("silu")
     gated = path.prepare(w, None, act)(x3)
     assert torch.allclose(gated.float(), act(w.reference(x3, None)).float(), rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.parametrize(("entry", "unfused"), [("silu-mul", "direct"), ("block-silu-mul", "block")])
+@pytest.mark.parametrize(("n", "k", "g", "symmetric"), [(128, 256, 128, False), (192, 96, 32, True)])
+def test_the_fused_silu_entries_equal_their_unfused_entry_then_the_torch_code(
+    kernel: W4MM, entry: str, unfused: str, n: int, k: int, g: int, symmetric: bool
+) -> None:
+    w = int4_weight(n, k, g, symmetric)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(2)).bfloat16()
+    run = W4MMSiluPath(kernel, entry).prepare(w, bias, ActAndMul("silu"))
+    plain = W4MMPath(kernel, unfused).prepare(w, bias, None)
+    for rows in (1, 3, 7, 33, 200):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        gate, up = plain(x).chunk(2, dim=-1)  # the projection rounded to bf16, then SiLU and product in bf16
+        want = (F.silu(gate) * up).float()
+        got = run(x)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, n // 2)
+        # the same roundings: a bf16 step apart at most, where exp's last bit lands on the other side of one
+        assert torch.allclose(got.float(), want, rtol=1 / 128, atol=1e-3 * want.abs().max().item()), entry
+    assert run(torch.randn(2, 5, k).bfloat16()).shape == (2, 5, n // 2)
+
+
+def test_the_fused_silu_path_takes_only_gated_mlps_and_packs_its_own_interleaved_copy(kernel: W4MM) -> None:
+    path, act = W4MMSiluPath(kernel, "silu-mul"), ActAndMul("silu")
+    w = int4_weight(128, 64, 32, symmetric=True)
+    assert path.accepts(w, act) and not path.accepts(w, None) and not path.accepts(w, ActAndMul("gelu"))
+    assert not path.accepts(int4_weight(96, 64, 32, symmetric=True), act)  # not whole 32-row gate/up halves
+    assert path.layout != W4MMPath(kernel, "direct").layout  # rows interleaved: not the plain entries' copy
+    run = path.prepare(w, None, act)
+    (packed,) = [c.cell_contents for c in run.__closure__ or () if isinstance(c.cell_contents, w4mm.PackedInt4)]
+    i = interleaved(w)
+    assert torch.equal(packed.nibbles, W4MM.pack(i.values(), i.scale, i.zero, 32).nibbles)
+    names = [p.name for p in quant_paths(torch.bfloat16)]
+    assert {"w4mm-silu-mul", "w4mm-block-silu-mul", "w4mm-silu-mul-noprefetch"} <= set(names)
 
 
 @pytest.mark.parametrize("entry", W4MM_ENTRIES)
