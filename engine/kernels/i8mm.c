@@ -92,10 +92,14 @@ static void row_tile_any(int mr, int64_t K4, const uint8_t *xq, const uint8_t *w
     }
 }
 
-// x [M][K] (bf16 when bf16, else float32) → y [M][N] of the same type. w: the packed weight; colsum, ws, b:
-// int32 / float [ceil(N/64) * 64] (b may be NULL). Returns 0, or -1 without memory for the quantized rows.
-int i8mm_linear(int64_t M, int64_t N, int64_t K, const void *x, int bf16, const uint8_t *w, const int32_t *colsum,
-                const float *ws, const float *b, void *y, int nthreads) {
+#ifdef __AVX512BF16__
+#include "avx512_math.h"
+#endif
+
+// x [M][K] (bf16 when bf16, else float32) → y [M][N] of the same type (with silu_mul, bf16 only: y [M][N / 2], see
+// i8mm_linear_silu_mul). w: the packed weight; colsum, ws, b: int32 / float [ceil(N/64) * 64] (b may be NULL).
+static int linear(int64_t M, int64_t N, int64_t K, const void *x, int bf16, const uint8_t *w, const int32_t *colsum,
+                  const float *ws, const float *b, void *y, int nthreads, const int silu_mul) {
     const int64_t K4 = (K + 3) / 4 * 4, nblocks = (N + NB - 1) / NB;
     if (M <= 0) return 0;
     float *xs;
@@ -120,17 +124,43 @@ int i8mm_linear(int64_t M, int64_t N, int64_t K, const void *x, int bf16, const 
                 const int mr = mc1 - r0 < MR ? (int)(mc1 - r0) : MR;
                 const char *pf = next + (r0 - mc0) / MR * share * 64;
                 const pf_t p = {pf, pf + share * 64 < next_end ? pf + share * 64 : next_end, pf_step};
-                void *yr = bf16 ? (void *)((uint16_t *)y + r0 * N) : (void *)((float *)y + r0 * N);
-                row_tile_any(mr, K4, xq + r0 * K4, w + nb * K4 * NB, colsum + n0, ws + n0, b ? b + n0 : zeros,
-                             xs + r0, yr, bf16, N, n0, nn, p);
+                const float *bias = b ? b + n0 : zeros;
+                if (!silu_mul) {
+                    void *yr = bf16 ? (void *)((uint16_t *)y + r0 * N) : (void *)((float *)y + r0 * N);
+                    row_tile_any(mr, K4, xq + r0 * K4, w + nb * K4 * NB, colsum + n0, ws + n0, bias, xs + r0, yr,
+                                 bf16, N, n0, nn, p);
+                    continue;
+                }
+#ifdef __AVX512BF16__
+                float o[MR * NB];  // float rows of 32 gate and 32 up columns each
+                row_tile_any(mr, K4, xq + r0 * K4, w + nb * K4 * NB, colsum + n0, ws + n0, bias, xs + r0, o, 0, NB,
+                             0, NB, p);
+                for (int r = 0; r < mr; r++)
+                    store_silu_mul_block(o + r * NB, (uint16_t *)y + (r0 + r) * (N / 2) + n0 / 2);
+#endif
             }
         }
     }
     return 0;
 }
 
+// x [M][K] (bf16 when bf16, else float32) → y [M][N] of the same type. w: the packed weight; colsum, ws, b:
+// int32 / float [ceil(N/64) * 64] (b may be NULL). Returns 0, or -1 without memory for the quantized rows.
+int i8mm_linear(int64_t M, int64_t N, int64_t K, const void *x, int bf16, const uint8_t *w, const int32_t *colsum,
+                const float *ws, const float *b, void *y, int nthreads) {
+    return linear(M, N, K, x, bf16, w, colsum, ws, b, y, nthreads, 0);
+}
+
 #ifdef __AVX512BF16__
-#include "avx512_math.h"
+// i8mm_linear over a gated MLP's [gate; up] weight packed with its rows (and their column sums, scales and bias)
+// interleaved in blocks of 32 (N % 64 == 0, checked by the caller): bf16 x [M][K] → y [M][N / 2] = silu(gate) *
+// up, rounded as the unfused bf16 torch code rounds. WHY: unfused, the [M, N] projection went to memory and torch's
+// SiLU and product read it back (w4mm_linear_silu_mul's note measures what that cost W4A16). Returns 0, or -1
+// without memory for the quantized rows.
+int i8mm_linear_silu_mul(int64_t M, int64_t N, int64_t K, const uint16_t *x, const uint8_t *w,
+                         const int32_t *colsum, const float *ws, const float *b, uint16_t *y, int nthreads) {
+    return linear(M, N, K, x, 1, w, colsum, ws, b, y, nthreads, 1);
+}
 
 // E W8A8 linear layers of one shape (no bias) in one call, bf16 rows in and out, as bf16mm_grouped: layer e takes
 // counts[e] consecutive rows of x and its packed weight w[e] (colsum[e], ws[e]); y gets its rows in the same
@@ -173,4 +203,5 @@ int i8mm_grouped(int64_t E, const int64_t *counts, int64_t N, int64_t K, const u
     }
     return 0;
 }
+
 #endif

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels.cbuild import Once, SelfCheckError, build, cpu_flags
+from engine.kernels.gemm import interleave_halves
 from engine.quant.weights import Int8Weight
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,10 @@ class I8MM:
         if self.has_grouped:
             lib.i8mm_grouped.argtypes = [_i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _int, _int]
             lib.i8mm_grouped.restype = _int
+        self.has_silu_mul = hasattr(lib, "i8mm_linear_silu_mul")  # the same: its epilogue rounds to bf16
+        if self.has_silu_mul:
+            lib.i8mm_linear_silu_mul.argtypes = [_i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _int]
+            lib.i8mm_linear_silu_mul.restype = _int
 
     @classmethod
     def build(cls, flags: tuple[str, ...] = ("-march=native",)) -> I8MM:
@@ -69,6 +74,19 @@ class I8MM:
     def linear(self, x: torch.Tensor, w: PackedInt8) -> torch.Tensor:
         """x [..., K] (bf16 or float32) → x W^T + b, [..., N] of x's dtype."""
         return self.run(self.lib.i8mm_linear, x, w, "i8mm")
+
+    def linear_silu_mul(self, x: torch.Tensor, w: PackedInt8) -> torch.Tensor:
+        """x [..., K] → silu(gate) * up, [..., N / 2] bf16, over a gated MLP's [gate; up] weight packed with its
+        rows interleaved in blocks of 32 (interleave_halves; N % 64 == 0), rounded as the unfused bf16 code."""
+        x2 = x.reshape(-1, w.k).to(torch.bfloat16).contiguous()
+        y = torch.empty(x2.shape[0], w.n // 2, dtype=torch.bfloat16)
+        rc = self.lib.i8mm_linear_silu_mul(
+            x2.shape[0], w.n, w.k, x2.data_ptr(), w.packed.data_ptr(), w.colsum.data_ptr(), w.scale.data_ptr(),
+            w.bias.data_ptr() if w.bias is not None else None, y.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        if rc != 0:
+            raise MemoryError("i8mm: no memory for the quantized rows")
+        return y.view(*x.shape[:-1], w.n // 2)
 
     def grouped(
         self, x: torch.Tensor, counts: ctypes.Array, shape: tuple[int, int], weights: tuple[ctypes.Array, ...],
@@ -109,6 +127,24 @@ def self_check(kernel: I8MM) -> None:
     """Column and K tails, more rows than a tile and a pass, both input types, full-range products (VPDPBUSD
     never saturates: its sums are 32-bit)."""
     check_int8_kernel("i8mm", kernel.linear, ((1, 70, 33), (7, 130, 64), (200, 64, 9), (13, 16, 256)))
+    if kernel.has_silu_mul:
+        check_int8_silu_mul(kernel, ((1, 128, 33), (7, 256, 64), (200, 64, 96)))
+
+
+def check_int8_silu_mul(kernel: I8MM, shapes: tuple[tuple[int, int, int], ...]) -> None:
+    """The fused silu(gate) * up entry against the unfused entry then the bf16 torch code, at (M, 2I, K) shapes
+    with a bias: the same int32 sums, so they may differ only where silu's last bit rounds the other way."""
+    g = torch.Generator().manual_seed(1)
+    for m, n, k in shapes:
+        q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+        scale, bias = torch.rand(n, generator=g) * 0.02 + 1e-3, torch.randn(n, generator=g)
+        x = torch.randn(m, k, generator=g).bfloat16()
+        gate, up = kernel.linear(x, I8MM.pack(q, scale, bias)).chunk(2, dim=-1)
+        want = (F.silu(gate) * up).float()
+        i = interleave_halves
+        got = kernel.linear_silu_mul(x, I8MM.pack(i(q), i(scale), i(bias))).float()
+        if got.shape != want.shape or not torch.allclose(got, want, rtol=1 / 128, atol=1e-3 * want.abs().max().item()):
+            raise SelfCheckError(f"i8mm fused SiLU self-check failed at {m}x{n}x{k}")
 
 
 def check_int8_kernel(

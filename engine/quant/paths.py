@@ -57,6 +57,14 @@ def _best_of_turns(a: Callable[[], object], b: Callable[[], object], rounds: int
     return best[0], best[1]
 
 
+def interleaved(w: Int8Weight | Int4Weight) -> Int8Weight | Int4Weight:
+    """A gated MLP's [gate; up] rows in blocks of 32 alternating (interleave_halves), the weight's every part:
+    what the kernels' fused silu(gate) * up entry points read."""
+    if isinstance(w, Int8Weight):
+        return Int8Weight(interleave_halves(w.q), interleave_halves(w.scale))
+    return Int4Weight(interleave_halves(w.packed), interleave_halves(w.scale), interleave_halves(w.zero), w.group_size)
+
+
 class QuantReferencePath:
     """Dequantize the whole weight each call, then float32 matmul: slow, exact, everywhere. What
     gemm_path=torch runs for a quantized layer."""
@@ -186,6 +194,33 @@ class I8MMPath:
 _PACKED_INT8: dict[tuple[int, int], PackedInt8] = {}  # (int8 values' id, bias' id) → the packed copy (bias in it)
 
 
+class I8MMSiluPath:
+    """A gated MLP's [gate; up] projection through engine.kernels.i8mm's fused entry: silu(gate) * up comes out
+    of the epilogue (bf16 math), as w4mm-silu-mul's does for W4A16. Only for SiLU MLPs, whose act it replaces; its
+    packed copy has the rows interleaved (a layout of its own)."""
+
+    layout = "i8mm-silu"
+
+    def __init__(self, kernel: I8MM, name: str = "i8mm-silu-mul") -> None:
+        self.kernel, self.name, self.available = kernel, name, kernel.has_silu_mul
+
+    def accepts(self, weight: object, act: Act | None) -> bool:
+        silu = getattr(act, "is_silu_and_mul", False)
+        return self.available and silu and isinstance(weight, Int8Weight) and weight.shape[0] % 64 == 0
+
+    def prepare(self, weight: Int8Weight, bias: torch.Tensor | None, act: Act | None) -> Run:  # type: ignore[override]
+        def pack() -> PackedInt8:
+            w = interleaved(weight)
+            return I8MM.pack(w.q, w.scale, interleave_halves(bias) if bias is not None else None)  # type: ignore[union-attr]
+
+        packed = packed_once(_PACKED_INT8_SILU, (id(weight.q), id(bias)), weight.q, pack)
+        kernel = self.kernel
+        return lambda x: kernel.linear_silu_mul(x, packed).to(x.dtype)
+
+
+_PACKED_INT8_SILU: dict[tuple[int, int], PackedInt8] = {}  # as _PACKED_INT8, rows interleaved
+
+
 class I8AVX2Path:
     """engine.kernels.i8avx2: per-token quantization, VPMADDWD int32 sums and both scales in one call, float32
     in and out; entry `linear` (each weight row widened as it is read, for every row) or `panel` (a block widened
@@ -281,14 +316,6 @@ class _Int4KernelPath:
 _PACKED: dict[str, dict[int, object]] = {}  # per kernel: weight nibbles' id → its packed copy
 
 
-def interleaved(w: Int8Weight | Int4Weight) -> Int8Weight | Int4Weight:
-    """A gated MLP's [gate; up] rows in blocks of 32 alternating (interleave_halves), the weight's every part:
-    what the kernels' fused silu(gate) * up entry points read."""
-    if isinstance(w, Int8Weight):
-        return Int8Weight(interleave_halves(w.q), interleave_halves(w.scale))
-    return Int4Weight(interleave_halves(w.packed), interleave_halves(w.scale), interleave_halves(w.zero), w.group_size)
-
-
 W4MM_ENTRIES = ("direct", "panel", "block")
 
 
@@ -381,15 +408,20 @@ class W4F32Path(_Int4KernelPath):
 
 def quant_paths(dtype: torch.dtype) -> list[GemmPath]:
     """The quantized candidates on this machine: the fast ones that work here, then the reference."""
-    fast: list[_W8A8Path | Int4PackPath | W4MMPath | W4F32Path | I8MMPath | I8AVX2Path | Int4DensePath] = [
+    Fast = _W8A8Path | Int4PackPath | W4MMPath | W4F32Path | I8MMPath | I8MMSiluPath | I8AVX2Path | Int4DensePath
+    fast: list[Fast] = [
         OneDNNInt8Path(),
         IntMMPath(),
         Int4PackPath(dtype),
     ]
     if (k8 := i8mm.kernel()) is not None:
         fast.append(I8MMPath(k8))
+        if dtype == torch.bfloat16:
+            fast.append(I8MMSiluPath(k8))
         if (plain := i8mm.kernel_without_prefetch()) is not None:  # whether prefetching pays is measured
             fast.append(I8MMPath(plain, "i8mm-noprefetch"))
+            if dtype == torch.bfloat16:
+                fast.append(I8MMSiluPath(plain, "i8mm-silu-mul-noprefetch"))
     if (k8x := i8amx.kernel()) is not None:
         fast.append(I8MMPath(k8x, "i8mm-amx"))
         if (plain8x := i8amx.kernel_without_prefetch()) is not None:

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from engine.kernels import i8mm
+from engine.kernels import bf16mm, i8mm
 from engine.kernels.i8mm import I8MM
 from engine.kernels.select import GemmSelector, _matches_reference
-from engine.quant.paths import I8MMPath, quant_paths
+from engine.layers.activation import ActAndMul
+from engine.quant.paths import I8MMPath, I8MMSiluPath, quant_paths
 from engine.quant.weights import Int4Weight
 from tests.int8_kernels import (
     assert_an_all_zero_row_gives_zero_alone,
@@ -55,6 +57,27 @@ def test_it_equals_the_reference(kernel: I8MM, dtype: torch.dtype, n: int, k: in
         assert got.dtype == dtype and got.shape == (rows, n)
         tol = 1e-5 if dtype == torch.float32 else 8e-3  # bf16: one rounding of the output
         assert (got.float() - want).abs().max() <= tol * want.abs().max()
+
+
+@pytest.mark.skipif(not bf16mm.supported(), reason="the fused entry is built with AVX512-BF16 only")
+@pytest.mark.parametrize(("n", "k"), [(128, 256), (192, 33)])
+def test_the_fused_silu_entry_equals_the_unfused_entry_then_the_torch_code(kernel: I8MM, n: int, k: int) -> None:
+    w = int8_weight(n, k)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(2))
+    act = ActAndMul("silu")
+    path = I8MMSiluPath(kernel)
+    assert path.accepts(w, act) and not path.accepts(w, None) and not path.accepts(int8_weight(96, k), act)
+    assert path.layout != I8MMPath.layout  # its copy has the rows interleaved
+    run, plain = path.prepare(w, bias, act), I8MMPath(kernel).prepare(w, bias, None)
+    for rows in (1, 5, 7, 33, 200):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        gate, up = plain(x).chunk(2, dim=-1)  # the projection in bf16, then SiLU and product in bf16
+        want = (F.silu(gate) * up).float()
+        got = run(x)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, n // 2)
+        assert torch.allclose(got.float(), want, rtol=1 / 128, atol=1e-3 * want.abs().max().item())
+    assert {"i8mm-silu-mul", "i8mm-silu-mul-noprefetch"} <= {p.name for p in quant_paths(torch.bfloat16)}
+    assert "i8mm-silu-mul" not in {p.name for p in quant_paths(torch.float32)}  # its epilogue rounds to bf16
 
 
 def test_products_at_the_int8_extremes_are_exact(kernel: I8MM) -> None:
