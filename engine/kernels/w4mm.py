@@ -176,6 +176,16 @@ class W4MM:
         return y.view(*x.shape[:-1], out_cols)
 
 
+def _random_case(
+    g: torch.Generator, m: int, n: int, k: int, gs: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A self-check's int4 weight (values, scales, asymmetric zero points), bf16 rows x [m, k] and bf16 bias."""
+    values = torch.randint(0, 16, (n, k), generator=g)
+    scale = torch.rand(n, k // gs, generator=g) * 0.1 + 0.01
+    zero = torch.randint(0, 16, (n, k // gs), generator=g)
+    return values, scale, zero, torch.randn(m, k, generator=g).bfloat16(), torch.randn(n, generator=g).bfloat16()
+
+
 def check_int4_kernel(
     name: str, entries: dict[str, Callable[..., torch.Tensor]], shapes: tuple[tuple[int, int, int, int], ...]
 ) -> None:  # fmt: skip
@@ -183,11 +193,7 @@ def check_int4_kernel(
     asymmetric zero points and a bias; raises SelfCheckError naming the first that differs."""
     g = torch.Generator().manual_seed(0)
     for m, n, k, gs in shapes:
-        values = torch.randint(0, 16, (n, k), generator=g)
-        scale = torch.rand(n, k // gs, generator=g) * 0.1 + 0.01
-        zero = torch.randint(0, 16, (n, k // gs), generator=g)
-        x = torch.randn(m, k, generator=g).bfloat16()
-        bias = torch.randn(n, generator=g).bfloat16()
+        values, scale, zero, x, bias = _random_case(g, m, n, k, gs)
         want = Int4Weight(pack_nibbles(values), scale, zero, gs).reference(x, bias.float())
         packed = W4MM.pack(values, scale, zero, gs)
         for entry, fn in entries.items():
@@ -204,11 +210,7 @@ def check_int4_silu_mul(
     blocks of 32 before packing) against the unfused bf16 code over the reference projection, at (M, 2I, K, G)."""
     g = torch.Generator().manual_seed(1)
     for m, n, k, gs in shapes:
-        values = torch.randint(0, 16, (n, k), generator=g)
-        scale = torch.rand(n, k // gs, generator=g) * 0.1 + 0.01
-        zero = torch.randint(0, 16, (n, k // gs), generator=g)
-        x = torch.randn(m, k, generator=g).bfloat16()
-        bias = torch.randn(n, generator=g).bfloat16()
+        values, scale, zero, x, bias = _random_case(g, m, n, k, gs)
         gate, up = Int4Weight(pack_nibbles(values), scale, zero, gs).reference(x, bias.float()).bfloat16().chunk(2, -1)
         want = (F.silu(gate) * up).float()
         i = interleave_halves
