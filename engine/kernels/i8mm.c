@@ -203,5 +203,4 @@ int i8mm_grouped(int64_t E, const int64_t *counts, int64_t N, int64_t K, const u
     }
     return 0;
 }
-
 #endif
