@@ -285,15 +285,16 @@ class _Int4KernelPath:
     elementwise)."""
 
     prefix = ""
+    copy = ""  # the packed copy's name where it is not the kernel's own (default: prefix)
     bias_dtype = torch.float32
 
     def __init__(self, kernel: W4MM | W4AMX | W4F32, entry: str, variant: str = "") -> None:
         """variant: a suffix naming a build of the kernel ("-noprefetch": timed beside the default build)."""
         self.kernel, self.entry = kernel, entry
         self.name = (self.prefix if entry == "direct" else f"{self.prefix}-{entry}") + variant
-        self.layout = self.prefix  # every entry point and build runs on the one packed copy (GemmPath)
+        self.layout = self.copy or self.prefix  # every entry point and build runs on the one packed copy (GemmPath)
         self.available = True
-        self._packed: dict[int, object] = _PACKED.setdefault(self.prefix, {})
+        self._packed: dict[int, object] = _PACKED.setdefault(self.layout, {})
 
     @staticmethod
     def fits(weight: Int4Weight) -> bool:
@@ -343,10 +344,7 @@ class W4MMSiluPath(W4MMPath):
     never goes to memory. Only for SiLU MLPs, whose act it replaces; its packed copy has the rows interleaved
     (a layout of its own)."""
 
-    def __init__(self, kernel: W4MM, entry: str, variant: str = "") -> None:
-        super().__init__(kernel, entry, variant)
-        self.layout = "w4mm-silu"
-        self._packed = _PACKED.setdefault(self.layout, {})
+    copy = "w4mm-silu"
 
     def accepts(self, weight: object, act: Act | None) -> bool:
         silu = getattr(act, "is_silu_and_mul", False)
