@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import llguidance
-from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
+from llguidance.gbnf_to_lark import any_to_lark
 
 from engine.errors import InvalidRequestError
 from engine.structured.spec import StructuredOutputs
@@ -116,7 +116,7 @@ def _grammar_text(spec: StructuredOutputs) -> str:
         return llguidance.LLMatcher.grammar_from_lark(f"start: {options}")
     try:
         lark = any_to_lark(spec.grammar or "")  # GBNF (vLLM's and llama.cpp's EBNF) becomes Lark; Lark stays
-    except (GbnfToLarkError, ValueError, IndexError) as e:
+    except Exception as e:  # WHY: the converter raises bare Exception too (no root rule, an unknown rule)
         raise _refused(spec, f"not a valid GBNF grammar: {e}") from None
     return llguidance.LLMatcher.grammar_from_lark(lark)
 

@@ -150,6 +150,7 @@ def test_json_object_and_vllm_extensions(gw: RunningGateway) -> None:
         ),
         ({"guided_regex": "(a"}, "guided_regex", "unclosed"),
         ({"guided_grammar": "start: nowhere"}, "guided_grammar", "nowhere"),
+        ({"guided_grammar": "\n\n"}, "guided_grammar", "root"),  # the GBNF converter's bare Exception: no 500
         ({"guided_json": SCHEMAS[0], "guided_regex": "a"}, "guided_regex", "one structured-output constraint"),
         (
             {"response_format": {"type": "json_schema", "json_schema": {"name": "bad name!", "schema": {}}}},

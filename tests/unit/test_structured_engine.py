@@ -105,6 +105,8 @@ def test_a_schema_that_cannot_compile_names_the_problem(llm: LLM) -> None:
         ({"regex": "(a"}, "unclosed group"),
         ({"grammar": "start: foo"}, "foo"),
         ({"grammar": "root ::= (("}, "GBNF"),
+        ({"grammar": "\n\n"}, "root"),  # the converter's bare Exceptions: no root rule, an unknown rule
+        ({"grammar": 'root ::= "a" tail'}, "tail"),
     ):
         with pytest.raises(InvalidRequestError) as e:
             llm.generate(["Hello"], SamplingParams(structured=StructuredOutputs(**spec, field="response_format")))
