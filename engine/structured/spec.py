@@ -63,11 +63,17 @@ class StructuredOutputs:
                     raise InvalidRequestError(
                         f"{self.field}: each choice must be a string of 1 to {MAX_CHOICE_CHARS} characters", self.field
                     )
-        size = len(self.key().encode("utf-8", "surrogatepass"))
+        key = self.key()
+        size = len(key.encode("utf-8", "surrogatepass"))
         if size > MAX_SPEC_BYTES:
             raise InvalidRequestError(
                 f"{self.field}: the constraint is {size} bytes; at most {MAX_SPEC_BYTES} are accepted", self.field
             )
+        try:
+            key.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate: not Unicode text, and the compiler's UTF-8 refuses it
+            what = f"{self.field}: the constraint holds a lone surrogate code point"
+            raise InvalidRequestError(what, self.field) from None
 
     @property
     def kind(self) -> str:

@@ -125,6 +125,9 @@ def test_the_spec_is_bounded_and_takes_exactly_one_constraint() -> None:
         StructuredOutputs(choice=tuple(str(i) for i in range(257)))
     with pytest.raises(InvalidRequestError, match="must be an object"):
         StructuredOutputs(json="[1]")
+    for spec in ({"choice": ("a", "\ud800")}, {"regex": "a\udfff"}, {"json": {"enum": ["\ud800"]}}):
+        with pytest.raises(InvalidRequestError, match="lone surrogate"):
+            StructuredOutputs(**spec)  # type: ignore[arg-type]
     with pytest.raises(InvalidRequestError, match="structured"):
         SamplingParams(structured={"json": {}})  # type: ignore[arg-type]
 
