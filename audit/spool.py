@@ -155,8 +155,10 @@ class Spool:
                 raise AuditUnavailable("audit spool is closed")
             if self._failed_at is not None and time.monotonic() - self._failed_at < RETRY_AFTER_FAILURE_S:
                 raise AuditUnavailable(f"audit spool write failed: {self.last_error}")
-            # full: the last event that did not fit would still not fit
-            if self._total() - self._deletable_bytes() + max(1, self._refused_size) > self.max_bytes:
+            # full: the last event that did not fit would still not fit (what may be deleted is counted only when
+            # the whole spool is past the limit: it takes a sorted walk of the segments)
+            need = self._total() + max(1, self._refused_size)
+            if need > self.max_bytes and need - self._deletable_bytes() > self.max_bytes:
                 raise SpoolFull(f"audit spool {self.directory} is full ({self.max_bytes} bytes unshipped)")
 
     def read(self, pos: Position, max_records: int) -> tuple[list[bytes], Position]:

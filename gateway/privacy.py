@@ -31,6 +31,7 @@ from security.pii_stream import Restorer, StreamFilter
 from security.pii_terms import TermList, TermListError
 
 log = logging.getLogger("tianmen.privacy")
+SCANNER_CACHE_SIZE = 256  # (tenant policy, term-list versions) pairs whose scanners are kept
 
 Body = ChatCompletionRequest | CompletionRequest
 
@@ -47,10 +48,22 @@ class Privacy:
         self.lists = dict(lists or {})
         self.check_interval_s = check_interval_s
         self._watcher: asyncio.Task[None] | None = None
+        # a tenant policy and one version of each term list → its (prompt, completion) scanners, built once.
+        # Keyed by identity; the value holds the objects, so an id cannot be reused while its entry lives
+        self._scanners: dict[tuple[int, ...], tuple[object, tuple[object, ...], Scanner, Scanner]] = {}
 
     def session(self, tenant: str | None, state: RequestState) -> PrivacySession:
+        policy = self.book.for_tenant(tenant)
         terms = [(name, tl.matcher) for name, tl in self.lists.items()]  # this request's versions
-        return PrivacySession(self.book.for_tenant(tenant), self.detectors, terms, state)
+        matchers = tuple(m for _, m in terms)
+        key = (id(policy), *map(id, matchers))
+        hit = self._scanners.get(key)
+        if hit is None:
+            if len(self._scanners) >= SCANNER_CACHE_SIZE:  # term lists reloaded many times: start over
+                self._scanners.clear()
+            prompt = _scanner(policy.prompt, self.detectors, terms)
+            hit = self._scanners[key] = (policy, matchers, prompt, _scanner(policy.completion, self.detectors, terms))
+        return PrivacySession(policy, hit[2], hit[3], state)
 
     async def start(self) -> None:
         if self.lists:
@@ -91,17 +104,10 @@ def build_privacy(p: PrivacySettings) -> Privacy:
 class PrivacySession:
     """One request: its tenant's policy, one version of each term list, its placeholders, its counters."""
 
-    def __init__(
-        self,
-        policy: TenantPolicy,
-        dets: Sequence[Detector],
-        terms: Sequence[tuple[str, Any]],
-        state: RequestState,
-    ) -> None:
+    def __init__(self, policy: TenantPolicy, prompt: Scanner, completion: Scanner, state: RequestState) -> None:
         self.policy, self.state = policy, state
         self.vault = Vault()
-        self.prompt_scanner = _scanner(policy.prompt, dets, terms)
-        self.completion_scanner = _scanner(policy.completion, dets, terms)
+        self.prompt_scanner, self.completion_scanner = prompt, completion
 
     def record(self, direction: str, fired: Counter[tuple[str, str]]) -> None:
         hits = self.state.policy_hits

@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 Limit = Literal["requests", "tokens", "concurrency"]
 Scope = Literal["subject", "tenant", "model"]
 CONCURRENCY_RETRY_S = 1.0  # a slot frees when some call ends, which no clock predicts
+SCOPE_CACHE_SIZE = 4096  # callers whose limits are remembered (a dict; cleared when full)
 T = TypeVar("T")
 _DIMS: tuple[Limit, ...] = ("requests", "tokens", "concurrency")
 
@@ -157,6 +158,7 @@ class RateLimiter:
         # WHY: the in-process store never suspends (its calls are atomic on the loop), so a cancelled caller
         # cannot leave a call half done and it needs no task of its own: ~2 tasks less per request
         self._atomic = type(self._store) is InProcessStore  # a subclass might await
+        self._scope_cache: dict[tuple[str, str, str | None, str | None], list[tuple[Scope, RateLimitTier, Bucket]]] = {}
 
     async def admit(
         self, tenant: str, subject: str, tier: str | None, est_tokens: int, model: str | None = None
@@ -227,6 +229,18 @@ class RateLimiter:
 
     def _scopes(
         self, tenant: str, subject: str, tier: str | None, model: str | None = None
+    ) -> list[tuple[Scope, RateLimitTier, Bucket]]:
+        """The limits that apply to a call, remembered per caller (its keys are quoted and formatted once)."""
+        key = (tenant, subject, tier, model)
+        scopes = self._scope_cache.get(key)
+        if scopes is None:
+            if len(self._scope_cache) >= SCOPE_CACHE_SIZE:  # many callers: start over rather than grow
+                self._scope_cache.clear()
+            scopes = self._scope_cache[key] = self._build_scopes(tenant, subject, tier, model)
+        return scopes
+
+    def _build_scopes(
+        self, tenant: str, subject: str, tier: str | None, model: str | None
     ) -> list[tuple[Scope, RateLimitTier, Bucket]]:
         cfg = self.config
         known = tier is None or tier in cfg.tiers or any(tier in t for t in cfg.model_tiers.values())

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
@@ -35,10 +35,10 @@ class Bucket:
     request_interval_us: float
     token_interval_us: float
     max_concurrent: int
+    keys: tuple[str, str, str] = field(init=False, compare=False, repr=False)  # requests, tokens, leases
 
-    @property
-    def keys(self) -> tuple[str, str, str]:
-        return f"{self.key}:req", f"{self.key}:tok", f"{self.key}:conc"
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "keys", (f"{self.key}:req", f"{self.key}:tok", f"{self.key}:conc"))
 
 
 @dataclass(slots=True, frozen=True)
@@ -87,7 +87,10 @@ class InProcessStore:
                 if interval > 0 and tat + inc * interval - WINDOW_US - now > EPS_US:
                     failed |= 1 << (3 * i + d)
                 tats.append(tat)
-            if b.max_concurrent and len(self._purge(b.keys[2], now)) >= b.max_concurrent:
+            # expired leases matter only to a full bucket: purging every call scanned every lease (O(concurrent))
+            leases = self._leases.get(b.keys[2])
+            full = b.max_concurrent and leases and len(leases) >= b.max_concurrent
+            if full and len(self._purge(b.keys[2], now)) >= b.max_concurrent:
                 failed |= 1 << (3 * i + 2)
         if not failed:
             for i, b in enumerate(buckets):
