@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import random
+import time
 from pathlib import Path
 
 import pytest
 
+from gateway.errors import APIError
 from gateway.privacy import build_privacy
 from gateway.settings import SettingsError, load_settings
+from gateway.state import RequestState
 from security.pii_detectors import NAMES, detectors
 from security.pii_policy import MaskRule, PolicyBook
 from security.pii_redact import Vault, mask, redact
@@ -142,3 +146,26 @@ def test_the_documented_examples_are_valid_configs(tmp_path: Path) -> None:
         config.write_text(re.sub(r'"/etc/tianmen/terms.txt"', f'"{terms}"', table), encoding="utf-8")
         privacy = build_privacy(load_settings(config, environ={}).privacy)
         assert privacy.book.default.prompt.actions
+
+
+def test_sessions_share_scanners_until_a_term_list_changes(tmp_path: Path) -> None:
+    terms = tmp_path / "terms.txt"
+    terms.write_text("内部代号\n", encoding="utf-8")
+    config = tmp_path / "tianmen.toml"
+    config.write_text(
+        f'[privacy]\nterm_lists = {{ sensitive = "{terms}" }}\n[privacy.default]\nprompt = {{ sensitive = "block" }}\n',
+        encoding="utf-8",
+    )
+    privacy = build_privacy(load_settings(config, environ={}).privacy)
+    first, again = (privacy.session("acme", RequestState("r")) for _ in range(2))
+    assert first.prompt_scanner is again.prompt_scanner  # built once per policy and term-list version
+    assert privacy.session("bank", RequestState("r")).prompt_scanner is first.prompt_scanner  # same default policy
+    time.sleep(0.01)
+    terms.write_text("新词\n", encoding="utf-8")
+    os.utime(terms, (time.time() + 5, time.time() + 5))  # a new mtime whatever the filesystem's resolution
+    assert privacy.lists["sensitive"].refresh()
+    after = privacy.session("acme", RequestState("r"))
+    assert after.prompt_scanner is not first.prompt_scanner
+    assert after.screen_text("内部代号", "messages") == "内部代号"  # the new version is what scans
+    with pytest.raises(APIError, match="sensitive"):
+        after.screen_text("新词", "messages")

@@ -413,3 +413,14 @@ async def test_a_redis_call_that_fails_in_any_transport_way_is_unavailable_not_a
         await store.settle([bucket], 5, "lease", True, 30.0)
     with pytest.raises(RateLimitUnavailable, match=r"unreachable \(" + type(fault).__name__):
         await store.admit([bucket], 5, "lease", 30.0)
+
+
+async def test_callers_limits_are_remembered_within_a_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("security.ratelimit.SCOPE_CACHE_SIZE", 4)
+    rl = limiter(Clock(), RateLimitTier(requests_per_minute=2))
+    for s in range(10):  # more callers than the cache holds: it starts over instead of growing
+        await admit_n(rl, 2, subject=f"user{s}")
+        assert len(rl._scope_cache) <= 4
+    assert not (await rl.admit("acme", "user9", None, 0)).allowed  # a remembered caller's own bucket
+    assert not (await rl.admit("acme", "user0", None, 0)).allowed  # a forgotten one's, rebuilt: the same bucket
+    assert (await rl.admit("acme", "user10", None, 0)).allowed
