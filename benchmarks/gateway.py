@@ -9,6 +9,10 @@ whole process (engine threads included), read from /proc (Linux). `--tiny` serve
 tests' tiny chat model) so that engine time is negligible and what is left is the gateway's own cost. Then the
 same clients drive `benchmarks.gateway_floor` (uvicorn + TLS 1.3 with a route that does nothing) on the same
 CPUs: the HTTP layer's own cost on this machine at this moment, which the gateway's figure includes.
+
+With `wrk` installed (a Debian package), both servers are then also driven to saturation from the client's
+cores (benchmarks.wrk, `--saturate SECONDS`, 0 to skip): the requests a second the server's CPUs serve and its
+CPU per request at that load, the figure capacity planning needs (Python clients cannot keep it busy).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks import wrk
 from engine import SamplingParams
 from gateway.demo import dev_key_spec, ensure_demo_model
 from gateway.server import build_engine
@@ -93,12 +98,30 @@ async def direct(settings: Settings, n: int, concurrency: int) -> tuple[float, l
         await engine.shutdown()
 
 
+def chat_body(model: str) -> dict:
+    return {"model": model, "messages": PROMPT, "max_tokens": 1, "temperature": 0}
+
+
+def saturated(url: str, model: str, token: str, pid: int, args: argparse.Namespace) -> wrk.Saturated | None:
+    if not args.saturate or not wrk.available():
+        return None
+    return wrk.saturate(
+        url + "/v1/chat/completions",
+        chat_body(model),
+        {"Authorization": f"Bearer {token}"},
+        lambda: loop_cpu_s(pid),
+        lambda: process_cpu_s(pid),
+        args.wrk_connections,
+        args.saturate,
+    )
+
+
 async def through_gateway(
     url: str, token: str, ca: Path, model: str, n: int, concurrency: int, pid: int
 ) -> tuple[float, list[float], float, float]:
     """(req/s, latencies, then the server's event-loop and whole-process CPU seconds per request)."""
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    body = {"model": model, "messages": PROMPT, "max_tokens": 1, "temperature": 0}
+    body = chat_body(model)
     headers = {"Authorization": f"Bearer {token}"}
     async with httpx.AsyncClient(verify=client_ssl_context(ca), limits=limits, timeout=120) as client:
 
@@ -120,6 +143,8 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="a tiny random model: (almost) no engine time")
     ap.add_argument("--server-cpus", help="pin the server to these CPUs (e.g. 0) and this client to the others")
     ap.add_argument("--port", type=int, default=18443)
+    ap.add_argument("--saturate", type=int, default=15, help="seconds of wrk load on each server (0: skip)")
+    ap.add_argument("--wrk-connections", type=int, default=64)
     args = ap.parse_args()
 
     home = Path(tempfile.mkdtemp(prefix="tianmen-bench-"))
@@ -128,10 +153,11 @@ def main() -> None:
         **os.environ,
         "TIANMEN_HOME": str(home),
         "TIANMEN_SERVER_PORT": str(args.port),
-        "TIANMEN_ENGINE_MAX_NUM_SEQS": str(args.concurrency),
+        "TIANMEN_ENGINE_MAX_NUM_SEQS": str(max(args.concurrency, args.wrk_connections)),
         "TIANMEN_SERVER_LOG_LEVEL": "warning",
         # the limiter still runs on every request; it must not be what bounds the rate measured
         "TIANMEN_RATELIMIT_REQUESTS_PER_MINUTE": "1000000000",
+        "TIANMEN_RATELIMIT_MAX_CONCURRENT": "1000000",  # a connection's next request may come before its lease ends
     }
     if args.tiny:
         from tests.tiny_model import build_tiny_chat_model
@@ -158,10 +184,11 @@ def main() -> None:
         gw_rps, gw_lat, loop_cpu, proc_cpu = asyncio.run(
             through_gateway(url, token, pki.ca_cert, args.model.name, args.requests, args.concurrency, server.pid)
         )
+        gw_sat = saturated(url, args.model.name, token, server.pid, args)
     finally:
         server.terminate()
         server.wait(30)
-    floor = measure_floor(args, pki.server_cert, pki.server_key, pki.ca_cert)
+    floor, f_sat = measure_floor(args, pki.server_cert, pki.server_key, pki.ca_cert)
     # NOTE: --server-cpus moved this process to the client's cores; the engine's threads need all of them back
     # (two OpenMP threads on one core made the direct row ~20x slower)
     os.sched_setaffinity(0, cpus)
@@ -183,9 +210,19 @@ def main() -> None:
         f"p99 {pct(f_lat, 99) * 1e3:.1f} ms"
     )
     print(f"the gateway's own work on its event loop: {(loop_cpu - f_loop) * 1e3:.2f} ms a request")
+    if not args.saturate:
+        return
+    if gw_sat is None or f_sat is None:
+        print("saturated: skipped (wrk is not installed: apt-get install wrk)")
+        return
+    print(f"saturated by wrk ({args.wrk_connections} keep-alive connections, {args.saturate} s, the client's cores):")
+    print("  " + gw_sat.line("HTTPS + JWT gateway"))
+    print("  " + f_sat.line("HTTP layer floor"))
 
 
-def measure_floor(args: argparse.Namespace, cert: Path, key: Path, ca: Path) -> tuple[float, list[float], float, float]:
+def measure_floor(
+    args: argparse.Namespace, cert: Path, key: Path, ca: Path
+) -> tuple[tuple[float, list[float], float, float], wrk.Saturated | None]:
     """benchmarks.gateway_floor on the same CPUs, driven like the gateway (its certificate: the dev PKI's)."""
     port = args.port + 1
     cmd = [sys.executable, "-m", "benchmarks.gateway_floor", str(port), str(cert), str(key)]
@@ -198,7 +235,8 @@ def measure_floor(args: argparse.Namespace, cert: Path, key: Path, ca: Path) -> 
                 break
             except httpx.TransportError:
                 time.sleep(0.1)
-        return asyncio.run(through_gateway(url, "unused", ca, "floor", args.requests, args.concurrency, floor.pid))
+        driven = asyncio.run(through_gateway(url, "unused", ca, "floor", args.requests, args.concurrency, floor.pid))
+        return driven, saturated(url, "floor", "unused", floor.pid, args)
     finally:
         floor.terminate()
         floor.wait(30)
