@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import itertools
 import logging
@@ -29,7 +30,37 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_Collector = tuple[asyncio.AbstractEventLoop, "asyncio.Queue[RequestOutput | BaseException]"]
+
+class _Mailbox:
+    """One request's deltas on its event loop: a deque and at most one waiter. WHY not asyncio.Queue: it has one
+    reader and an unbounded, never-blocking writer, so the queue's getter/putter machinery was only cost (~2% of
+    the event loop's time per request with max_tokens = 1)."""
+
+    __slots__ = ("items", "waiter")
+
+    def __init__(self) -> None:
+        self.items: collections.deque[RequestOutput | BaseException] = collections.deque()
+        self.waiter: asyncio.Future[None] | None = None
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self.items.append(item)
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    async def take(self) -> list[RequestOutput | BaseException]:
+        """Every item ready now, at least one (waits for it)."""
+        while not self.items:
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        items = list(self.items)
+        self.items.clear()
+        return items
+
+
+_Collector = tuple[asyncio.AbstractEventLoop, _Mailbox]
 # what the step thread hands to an event loop: token outputs still to detokenize, or final items
 _Item = tuple[str, EngineOutput | RequestOutput | BaseException]
 _DEAD = "the engine stopped after an internal error; restart the server"
@@ -150,8 +181,8 @@ class AsyncEngine:
             grammar = await asyncio.to_thread(self._loop.compile, params)
         req = self.core.make_request(request_id, prompt_token_ids, params, cache_salt, grammar)
         self._loop.check(params)
-        q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._collectors[request_id] = (asyncio.get_running_loop(), q)
+        box = _Mailbox()
+        self._collectors[request_id] = (asyncio.get_running_loop(), box)
         if self._dead is not None or self._stop:  # stopped after the checks above: its broadcast may have missed us
             self._collectors.pop(request_id, None)
             raise EngineDeadError(_DEAD if self._dead is not None else _SHUT_DOWN) from self._dead
@@ -160,9 +191,7 @@ class AsyncEngine:
         finished = False
         try:
             while True:
-                items = [await q.get()]
-                while not q.empty():
-                    items.append(q.get_nowait())
+                items = await box.take()
                 ready: list[RequestOutput] = []
                 for item in items:
                     if isinstance(item, BaseException):
@@ -313,7 +342,7 @@ class AsyncEngine:
                 self._loop.processor.drop(req_id)
                 endings.append((req_id, "error", None))
                 item = RequestFailedError(_failed(req_id))
-            collector[1].put_nowait(item)
+            collector[1].put(item)
         if endings:
             self._send("finish", endings)
 
