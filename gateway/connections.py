@@ -218,7 +218,11 @@ class Gate(asyncio.Protocol):
 
 
 class _Tracked:
-    """The app as one connection calls it: complete headers stop the deadline, and the gate knows the scope."""
+    """The app as one connection calls it: complete headers stop the deadline, and the gate knows the scope.
+
+    An error raised after the app's response is complete (Starlette re-raises every unhandled one after its 500
+    is sent, already logged by gateway.errors) stops here: uvicorn would close the connection for it, and the
+    client's next request on that keep-alive connection would fail with no answer at all."""
 
     def __init__(self, app: ASGIApp, gate: Gate) -> None:
         self.app, self.gate = app, gate
@@ -228,8 +232,20 @@ class _Tracked:
         protocol.awaiting_headers = False
         self.gate.disarm()
         self.gate.scopes.append(scope)
+        complete = False
+
+        async def sent(message: Any) -> None:
+            nonlocal complete
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                complete = True
+
         try:
-            await self.app(scope, receive, send)
+            await self.app(scope, receive, sent)
+        except Exception as e:
+            if not complete:
+                raise
+            log.error("an error after the response to %s was complete: %s", scope.get("request_id"), type(e).__name__)
         finally:
             self.gate.scopes.remove(scope)
 

@@ -107,4 +107,10 @@ async def http_exception_handler(request: Request, exc: Exception) -> Response:
 
 async def unhandled_error_handler(request: Request, exc: Exception) -> Response:
     log.error("internal error on %s %s: %s", request.method, request.url.path, type(exc).__name__, exc_info=exc)
-    return error_response(500, "internal server error; the request id in x-request-id identifies it in the logs")
+    # Starlette sends this answer outside RequestContext, which adds the header to every other one
+    request_id = request.scope.get("request_id")
+    return error_response(
+        500,
+        "internal server error; the request id in x-request-id identifies it in the logs",
+        headers={"x-request-id": request_id} if request_id else None,
+    )

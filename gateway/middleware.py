@@ -81,9 +81,11 @@ class RequestContext:
             await self.app(scope, receive, send_wrapper)
         except _ResponseRefused:
             pass
-        except BaseException:
+        except BaseException as e:
             if state.error is None:
                 state.error = "unhandled"
+            if state.status is None and isinstance(e, Exception):  # Starlette answers 500 past send_wrapper
+                state.status = 500
             raise
         finally:
             state.duration_s = time.monotonic() - started

@@ -4,12 +4,15 @@ with an OpenAI-shaped error, never a 5xx, and after each one a normal request is
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
+from http.client import HTTPSConnection
 from typing import Any
 
 import httpx
 import pytest
 
+from gateway import routes
 from security.tls import client_ssl_context
 from tests.gateway_server import RunningGateway, run_gateway
 from tests.tiny_model import build_tiny_chat_model
@@ -294,3 +297,37 @@ def test_values_that_ask_for_nothing_or_sit_on_a_bound_are_served(
 ) -> None:
     r = http.post("/v1/chat/completions", json={**CHAT, "model": gw.model, **extra})
     assert r.status_code == 200, r.text
+
+
+def test_an_internal_error_is_a_clear_500_and_the_connection_serves_the_next_request(
+    gw: RunningGateway, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(*_args: Any) -> Any:
+        raise RuntimeError("a bug")
+
+    conn = HTTPSConnection("127.0.0.1", gw.port, context=client_ssl_context(gw.pki.ca_cert), timeout=60)
+    headers = {"Authorization": f"Bearer {gw.token()}", "Content-Type": "application/json"}
+    body = json.dumps({**CHAT, "model": gw.model})
+    try:
+        with monkeypatch.context() as m:
+            m.setattr(routes, "_parse", broken)
+            conn.request("POST", "/v1/chat/completions", body, headers)
+            r = conn.getresponse()
+            err = json.loads(r.read())["error"]
+        assert r.status == 500 and err["type"] == "server_error" and "a bug" not in err["message"]
+        request_id = r.getheader("x-request-id")
+        assert request_id
+        conn.request("POST", "/v1/chat/completions", body, headers)  # the same keep-alive connection
+        again = conn.getresponse()
+        assert again.status == 200, again.read()
+        assert json.loads(again.read())["choices"][0]["message"]["role"] == "assistant"
+    finally:
+        conn.close()
+    for _ in range(100):  # its audit record, written as the request ends, says 500
+        segments = sorted(gw.settings.audit.spool_dir.glob("seg-*.jsonl"))
+        spooled = [json.loads(line) for f in segments for line in f.read_text().splitlines()]
+        mine = [e for e in spooled if e.get("event", {}).get("id") == request_id]
+        if mine:
+            break
+        time.sleep(0.05)
+    assert [e["http"]["response"]["status_code"] for e in mine] == [500]
