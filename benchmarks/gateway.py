@@ -105,15 +105,19 @@ def chat_body(model: str) -> dict:
 def saturated(url: str, model: str, token: str, pid: int, args: argparse.Namespace) -> wrk.Saturated | None:
     if not args.saturate or not wrk.available():
         return None
-    return wrk.saturate(
-        url + "/v1/chat/completions",
-        chat_body(model),
-        {"Authorization": f"Bearer {token}"},
-        lambda: loop_cpu_s(pid),
-        lambda: process_cpu_s(pid),
-        args.wrk_connections,
-        args.saturate,
-    )
+    try:
+        return wrk.saturate(
+            url + "/v1/chat/completions",
+            chat_body(model),
+            {"Authorization": f"Bearer {token}"},
+            lambda: loop_cpu_s(pid),
+            lambda: process_cpu_s(pid),
+            args.wrk_connections,
+            args.saturate,
+        )
+    except (subprocess.CalledProcessError, ValueError, AttributeError, KeyError) as e:  # the other rows still print
+        print(f"wrk against {url} failed ({type(e).__name__}: {e}); no saturated row for it", file=sys.stderr)
+        return None
 
 
 async def through_gateway(
@@ -213,7 +217,8 @@ def main() -> None:
     if not args.saturate:
         return
     if gw_sat is None or f_sat is None:
-        print("saturated: skipped (wrk is not installed: apt-get install wrk)")
+        why = "see the error above" if wrk.available() else "wrk is not installed: apt-get install wrk"
+        print(f"saturated: skipped ({why})")
         return
     print(f"saturated by wrk ({args.wrk_connections} keep-alive connections, {args.saturate} s, the client's cores):")
     print("  " + gw_sat.line("HTTPS + JWT gateway"))
