@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -14,6 +13,7 @@ from pathlib import Path
 import httpx
 
 from security.devpki import ensure_dev_pki, mint_token
+from tests.audit_spool import spooled
 from tests.gateway_server import free_port
 from tests.tiny_model import build_tiny_chat_model
 
@@ -72,8 +72,7 @@ def test_sigkill_mid_stream_leaves_the_opening_record_and_verify_says_interrupte
         if proc.poll() is None:
             proc.kill()
             proc.wait(30)
-    records = [json.loads(line) for p in sorted(spool.glob("seg-*.jsonl")) for line in p.read_text().splitlines()]
-    mine = [r for r in records if r["event"]["id"] == rid]
+    mine = [r for r in spooled(spool) if r["event"]["id"] == rid]
     assert [r["tianmen"]["phase"] for r in mine] == ["open"]  # durable before the first byte; no close: killed
     assert mine[0]["user"]["id"] == "crash" and mine[0]["http"]["response"]["status_code"] == 200
 

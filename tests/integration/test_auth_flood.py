@@ -3,12 +3,12 @@ still audited, the spool within its quota, and authenticated requests served wit
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import httpx
 
 from security.tls import client_ssl_context
+from tests.audit_spool import spooled
 from tests.gateway_server import run_gateway
 from tests.tiny_model import build_tiny_chat_model
 
@@ -50,9 +50,5 @@ def test_unauthenticated_flood_is_bounded_and_does_not_starve_others(tmp_path: P
         assert flood[:BURST] == [401] * BURST and flood.count(429) >= FLOOD - BURST - 10  # ~1/s refills
         used = spool_bytes(spool)
         assert 0 < used <= QUOTA
-    statuses = [
-        json.loads(line).get("http", {}).get("response", {}).get("status_code")
-        for p in sorted(spool.glob("seg-*.jsonl"))
-        for line in p.read_bytes().splitlines()
-    ]
+    statuses = [e.get("http", {}).get("response", {}).get("status_code") for e in spooled(spool)]
     assert statuses.count(429) == flood.count(429) and statuses.count(401) == flood.count(401)  # each one audited

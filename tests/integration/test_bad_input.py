@@ -14,6 +14,7 @@ import pytest
 
 from gateway import routes
 from security.tls import client_ssl_context
+from tests.audit_spool import spooled
 from tests.gateway_server import RunningGateway, run_gateway
 from tests.tiny_model import build_tiny_chat_model
 
@@ -324,9 +325,7 @@ def test_an_internal_error_is_a_clear_500_and_the_connection_serves_the_next_req
     finally:
         conn.close()
     for _ in range(100):  # its audit record, written as the request ends, says 500
-        segments = sorted(gw.settings.audit.spool_dir.glob("seg-*.jsonl"))
-        spooled = [json.loads(line) for f in segments for line in f.read_text().splitlines()]
-        mine = [e for e in spooled if e.get("event", {}).get("id") == request_id]
+        mine = [e for e in spooled(gw.settings.audit.spool_dir) if e.get("event", {}).get("id") == request_id]
         if mine:
             break
         time.sleep(0.05)

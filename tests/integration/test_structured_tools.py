@@ -17,6 +17,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from security.tls import client_ssl_context
+from tests.audit_spool import spooled
 from tests.gateway_server import RunningGateway, run_gateway
 from tests.structured_schemas import SCHEMAS
 from tests.tiny_model import build_tiny_chat_model
@@ -330,8 +331,7 @@ def test_audit_records_tool_names_and_constraint(gw: RunningGateway) -> None:
     spool = Path(gw.settings.audit.spool_dir)  # type: ignore[arg-type]
 
     def chats() -> list[dict[str, Any]]:
-        events = [json.loads(line) for p in sorted(spool.glob("seg-*.jsonl")) for line in p.read_text().splitlines()]
-        return [e["tianmen"] for e in events if e.get("user", {}).get("id") == "auditor-tools"]
+        return [e["tianmen"] for e in spooled(spool) if e.get("user", {}).get("id") == "auditor-tools"]
 
     for _ in range(HANG_GUARD):  # the stream's close record is written just after its last byte
         if any(t["phase"] == "close" and t.get("tool_calls") for t in chats()):
