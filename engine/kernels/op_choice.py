@@ -79,9 +79,13 @@ def rope_wins(
                   lambda: apply_rotary(x, cos, sin), timer, cache)  # fmt: skip
 
 
-def argmax_wins(k: PointwiseKernels, vocab: int, timer: Timer | None, cache: PlanCache | None) -> bool:
-    logits = torch.randn(ROWS, vocab)
-    return faster(f"op argmax {ROWS}x{vocab}", lambda: k.argmax(logits), lambda: logits.argmax(dim=-1), timer, cache)
+def argmax_wins(
+    k: PointwiseKernels, vocab: int, dtype: torch.dtype, timer: Timer | None, cache: PlanCache | None
+) -> bool:
+    """In the LM head's dtype: greedy rows take their token from the head's output as it is (engine.sampler)."""
+    logits = torch.randn(ROWS, vocab).to(dtype)
+    return faster(f"op argmax {ROWS}x{vocab} {dtype}", lambda: k.argmax(logits), lambda: logits.argmax(dim=-1),
+                  timer, cache)  # fmt: skip
 
 
 def sample_wins(k: PointwiseKernels, vocab: int, timer: Timer | None, cache: PlanCache | None) -> bool:
@@ -535,7 +539,7 @@ def choose_kernels(
             pw, layer.num_heads + layer.num_kv_heads, layer.head_dim, dtype, timer, cache
         ):
             k.rope = pw
-        if head is not None and argmax_wins(pw, head.out_features, timer, cache):
+        if head is not None and argmax_wins(pw, head.out_features, dtype, timer, cache):
             k.argmax = pw
         if head is not None and sample_wins(pw, head.out_features, timer, cache):
             k.sample = pw

@@ -1,5 +1,6 @@
 """Small row-wise ops fused for CPU (engine/kernels/pointwise.c), beside the torch code each replaces:
-residual add + RMSNorm (`rms_norm`), rotary embeddings (`apply_rotary`) and greedy sampling's torch.argmax.
+residual add + RMSNorm (`rms_norm`), rotary embeddings (`apply_rotary`) and greedy sampling's torch.argmax (over
+float32 or bf16 logits: greedy rows read the LM head's output in its own dtype, engine.sampler).
 
 At decode's few rows the eager versions are a handful of torch ops whose dispatch dwarfs the arithmetic: add +
 RMSNorm took 0.11 ms a call for 32 x 896 in the model on a 2-core Zen 4 (`python -m benchmarks.step_profile
@@ -49,14 +50,17 @@ class PointwiseKernels:
         self.lib = lib
         for f in (lib.rmsnorm_f32, lib.rmsnorm_bf16):
             f.argtypes = [_i64, _i64, _ptr, _ptr, _ptr, _f32, _ptr, _ptr, _int]
-        lib.argmax_f32.argtypes = [_i64, _i64, _ptr, _ptr, _int]
+        for f in (lib.argmax_f32, lib.argmax_bf16):
+            f.argtypes = [_i64, _i64, _ptr, _ptr, _int]
         lib.sample_f32.argtypes = [_i64, _i64, _ptr, _ptr, _ptr, _int]
         for f in (lib.rope_f32, lib.rope_bf16):
             f.argtypes = [_i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _int]
-        for f in (lib.rmsnorm_f32, lib.rmsnorm_bf16, lib.argmax_f32, lib.sample_f32, lib.rope_f32, lib.rope_bf16):
-            f.restype = None
+        entries = ("rmsnorm_f32", "rmsnorm_bf16", "argmax_f32", "argmax_bf16", "sample_f32", "rope_f32", "rope_bf16")
+        for name in entries:
+            getattr(lib, name).restype = None
         self._norm = {torch.float32: lib.rmsnorm_f32, torch.bfloat16: lib.rmsnorm_bf16}
         self._rope = {torch.float32: lib.rope_f32, torch.bfloat16: lib.rope_bf16}
+        self._argmax = {torch.float32: lib.argmax_f32, torch.bfloat16: lib.argmax_bf16}
 
     @classmethod
     def build(cls, flags: tuple[str, ...] = ("-march=native",)) -> PointwiseKernels:
@@ -91,12 +95,13 @@ class PointwiseKernels:
         return x
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
-        """torch.argmax(logits, dim=-1) for [B, V] float32 logits."""
-        if logits.dtype != torch.float32 or logits.dim() != 2 or logits.device.type != "cpu":
+        """torch.argmax(logits, dim=-1) for [B, V] float32 or bf16 logits."""
+        fn = self._argmax.get(logits.dtype)
+        if fn is None or logits.dim() != 2 or logits.device.type != "cpu":
             return logits.argmax(dim=-1)
         x = logits.contiguous()
         out = torch.empty(x.shape[0], dtype=torch.int64)
-        self.lib.argmax_f32(x.shape[0], x.shape[1], x.data_ptr(), out.data_ptr(), torch.get_num_threads())
+        fn(x.shape[0], x.shape[1], x.data_ptr(), out.data_ptr(), torch.get_num_threads())
         return out
 
     def sample(self, logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -156,8 +161,9 @@ def self_check(k: PointwiseKernels) -> None:
     logits = torch.randn(5, 1000, generator=g)
     logits[1, 7] = logits[1, 900] = 1e9  # a tie: the first wins
     logits[3, 500] = float("nan")  # a NaN wins, as in torch
-    if not torch.equal(k.argmax(logits), logits.argmax(dim=-1)):
-        raise SelfCheckError("self-check failed for argmax")
+    for x in (logits, logits.bfloat16()):
+        if not torch.equal(k.argmax(x), x.argmax(dim=-1)):
+            raise SelfCheckError(f"self-check failed for argmax over {x.dtype}")
     check_sample(k)
 
 

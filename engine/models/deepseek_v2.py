@@ -189,7 +189,7 @@ class DeepseekV2ForCausalLM(nn.Module):
         return self.model(input_ids, cos, sin)  # [T, hidden]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return gather_logits(self.lm_head(hidden).float(), self.args.vocab_size, self.group)  # [B, vocab]
+        return gather_logits(self.lm_head(hidden), self.args.vocab_size, self.group)  # [B, vocab], the head's dtype
 
     def held_elsewhere(self, name: str) -> bool:
         """Expert parallel: a checkpoint tensor of a routed expert that another rank holds."""

@@ -140,7 +140,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, cos, sin)  # [T, hidden]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return gather_logits(self.lm_head(hidden).float(), self.args.vocab_size, self.group)  # [B, vocab]
+        return gather_logits(self.lm_head(hidden), self.args.vocab_size, self.group)  # [B, vocab], the head's dtype
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> list[tuple[str, tuple[int, ...]]]:
         """Per attention layer, the cache tensors it owns: K and V of [blocks, block_size, KV heads, head_dim]

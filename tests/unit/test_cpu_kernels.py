@@ -100,13 +100,15 @@ def test_rotary_falls_back_to_torch_for_layouts_it_does_not_take(pw: PointwiseKe
 
 # ---- argmax --------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(("rows", "n"), [(1, 1), (1, 151936), (32, 151936), (5, 1000), (3, 17)])
-def test_argmax_equals_torch(pw: PointwiseKernels, rows: int, n: int) -> None:
-    x = _randn(rows, n, seed=5)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_equals_torch(pw: PointwiseKernels, rows: int, n: int, dtype: torch.dtype) -> None:
+    x = _randn(rows, n, seed=5).to(dtype)
     assert torch.equal(pw.argmax(x), x.argmax(dim=-1))
 
 
-def test_argmax_ties_nan_and_infinities_as_torch(pw: PointwiseKernels) -> None:
-    x = _randn(6, 100, seed=6)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_ties_nan_and_infinities_as_torch(pw: PointwiseKernels, dtype: torch.dtype) -> None:
+    x = _randn(6, 100, seed=6).to(dtype)
     x[0, 3] = x[0, 90] = 50.0  # a tie: the first wins
     x[1, 40] = float("nan")  # a NaN wins
     x[1, 60] = float("inf")
@@ -115,6 +117,14 @@ def test_argmax_ties_nan_and_infinities_as_torch(pw: PointwiseKernels) -> None:
     x[4, 99] = float("inf")  # the maximum in the tail
     x[5, :] = 1.0  # all equal: index 0
     assert torch.equal(pw.argmax(x), x.argmax(dim=-1))
+
+
+def test_argmax_of_bf16_logits_is_the_argmax_of_their_float32_widening(pw: PointwiseKernels) -> None:
+    """Greedy rows read the LM head's bf16 output as it is (engine.sampler): bf16 rounds many logits to one value,
+    so ties are common, and the first of them must win as it does over the widened copy."""
+    x = (_randn(16, 151936, seed=8) * 4).bfloat16()
+    assert torch.equal(pw.argmax(x), pw.argmax(x.float()))
+    assert torch.equal(pw.argmax(x), x.float().argmax(dim=-1))
 
 
 def test_greedy_sampler_uses_the_kernel_with_the_same_tokens(pw: PointwiseKernels) -> None:

@@ -158,3 +158,26 @@ def test_inverse_cdf_follows_a_large_vocabulary() -> None:
     for t in top.tolist():  # the likeliest tokens come up as often as their probability says (4 sigma)
         p = probs[t].item()
         assert abs((tokens == t).float().mean().item() - p) < 4 * math.sqrt(p * (1 - p) / n)
+
+
+def test_bf16_logits_give_the_tokens_and_logprobs_of_their_float32_widening() -> None:
+    """The runner passes the LM head's output in its own dtype: greedy rows that nothing else reads take their
+    argmax as it is; every other path (logprobs, penalties, bias, sampling) works on the exact float32 copy."""
+    torch.manual_seed(3)
+    logits = (torch.randn(4, 300) * 3).bfloat16()
+    wide = logits.float()
+    cases = [
+        [SamplingParams(temperature=0)] * 4,
+        [SamplingParams(temperature=0, logprobs=3)] * 4,
+        [SamplingParams(temperature=0, repetition_penalty=1.5)] * 4,
+        [SamplingParams(temperature=0, logit_bias={5: 3.0})] * 4,
+    ]
+    for params in cases:
+        got, got_lp = Sampler()(logits, params, [None] * 4, [[1, 2]] * 4, [[5]] * 4)
+        want, want_lp = Sampler()(wide, params, [None] * 4, [[1, 2]] * 4, [[5]] * 4)
+        assert got == want
+        assert got_lp == want_lp
+    sampled = [SamplingParams(temperature=0.8, seed=1)] * 4
+    gens = [torch.Generator().manual_seed(i) for i in range(4)]
+    gens2 = [torch.Generator().manual_seed(i) for i in range(4)]
+    assert Sampler()(logits, sampled, gens)[0] == Sampler()(wide, sampled, gens2)[0]
