@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,12 +19,27 @@ DONE = b"data: [DONE]\n\n"
 MIN_LOGPROB = -9999.0  # what OpenAI and vLLM report for a token of probability 0 (JSON has no -Infinity)
 
 
+# The characters JSON leaves raw that Python's str.splitlines takes for line ends (the C0 ones JSON escapes itself).
+# WHY: SSE ends lines at CR and LF only, but httpx's aiter_lines and requests' iter_lines split as splitlines does:
+# a chunk whose text held one came to such a client as two lines, neither of them JSON ("Unterminated string": one
+# request of 256 in `python -m benchmarks.serving`). Escaped, the JSON means the same and no line reader splits it.
+_LINE_ENDS = re.compile("[\x85\u2028\u2029]")
+
+
 def _dumps(obj: dict[str, Any]) -> str:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
 
 
+def _sse_json(obj: dict[str, Any]) -> bytes:
+    """`obj` as JSON for one SSE data line: no character in it that any line reader takes for a line end."""
+    text = _dumps(obj)
+    if _LINE_ENDS.search(text) is not None:
+        text = _LINE_ENDS.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+    return text.encode()
+
+
 def sse(obj: dict[str, Any]) -> bytes:
-    return b"data: " + _dumps(obj).encode() + b"\n\n"
+    return b"data: " + _sse_json(obj) + b"\n\n"
 
 
 def finish_reason(reason: str | None) -> str | None:
@@ -102,7 +118,7 @@ class ResponseBuilder:
             "model": model,
             "system_fingerprint": None,
         }
-        self._chunk_head = b"data: " + _dumps(fixed)[:-1].encode() + b',"choices":['
+        self._chunk_head = b"data: " + _sse_json(fixed)[:-1] + b',"choices":['
 
     def add(self, index: int, out: RequestOutput) -> Choice:
         c = self.choices[index]
@@ -209,7 +225,7 @@ class ResponseBuilder:
             }
         c.started = True
         # the chunk's fixed fields are encoded once per response; this encodes only the choice
-        return self._chunk_head + _dumps(choice).encode() + (b'],"usage":null}\n\n' if include_usage else b"]}\n\n")
+        return self._chunk_head + _sse_json(choice) + (b'],"usage":null}\n\n' if include_usage else b"]}\n\n")
 
     def _tool_delta(self, c: Choice, new_text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
         """A tool-calling stream's delta: content and tool-call fragments, as OpenAI sends them."""

@@ -57,3 +57,24 @@ def test_merged_deltas_carry_the_same_text_tokens_and_logprobs(chat: bool) -> No
     assert {**merged.body(True), "created": 0} == {**one.body(True), "created": 0}
     single = deltas()[:1]
     assert merge(single) is single[0]
+
+
+@pytest.mark.parametrize("char", ["\x85", "\u2028", "\u2029", "\x0b", "\x0c", "\x1c", "\x1d", "\x1e"])
+@pytest.mark.parametrize("chat", [True, False])
+def test_text_with_a_unicode_line_end_stays_on_one_sse_line(chat: bool, char: str) -> None:
+    """SSE ends lines at CR and LF only, but httpx's aiter_lines and requests' iter_lines split as str.splitlines
+    does: every character it splits at must reach the client escaped, and decode to itself."""
+    text = f"a{char}b"
+    b = ResponseBuilder(chat, "chatcmpl-1", f"m{char}", 1, lambda t: text)
+    out = RequestOutput("r", [1], text, logprobs=[Logprob(1, -0.5, [(1, -0.5)])])
+    b.add(0, out)
+    chunk, plain = b.chunk(0, out, True, True), sse({"text": text})
+    for raw in (chunk, plain):
+        lines = raw.decode().splitlines()
+        assert lines[1:] == [""] and lines[0].startswith("data: ")
+    assert json.loads(plain[6:]) == {"text": text}  # decoded, each string is what the model wrote
+    obj = json.loads(chunk[6:])
+    choice = obj["choices"][0]
+    assert obj["model"] == f"m{char}" and (choice["delta"]["content"] if chat else choice["text"]) == text
+    tokens = choice["logprobs"]["content"][0]["token"] if chat else choice["logprobs"]["tokens"][0]
+    assert tokens == text
