@@ -202,14 +202,20 @@ def run_bf16(
     """One of a bf16 kernel's entry points (bf16mm.c, amxmm.c: M, N, K, x, packed, bias, y, threads) over
     x [..., K] → [..., out_cols] bf16."""
     k = x.shape[-1]
-    x2 = x.reshape(-1, k).to(torch.bfloat16).contiguous()
+    # NOTE: each torch call here costs about a microsecond, a GEMM call of decode a few tens: at a 30-layer
+    # model's 120 calls a step, the conversions are only made where they change something
+    x2 = x if x.dim() == 2 else x.reshape(-1, k)
+    if x2.dtype != torch.bfloat16 or not x2.is_contiguous():
+        x2 = x2.to(torch.bfloat16).contiguous()
     y = torch.empty(x2.shape[0], out_cols, dtype=torch.bfloat16)
-    b = bias.to(torch.bfloat16).contiguous() if bias is not None else None  # held until the call returns
+    b = bias
+    if b is not None and (b.dtype != torch.bfloat16 or not b.is_contiguous()):
+        b = b.to(torch.bfloat16).contiguous()  # held until the call returns
     fn(
         x2.shape[0], n, k, x2.data_ptr(), packed.data_ptr(), b.data_ptr() if b is not None else None,
         y.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
-    return y.view(*x.shape[:-1], out_cols)
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], out_cols)
 
 
 def interleave_halves(t: torch.Tensor) -> torch.Tensor:
