@@ -12,8 +12,8 @@
 // [N/64][K/4][64][4] holds, for a 64-column block, 64 k as 16 rows of 256 bytes whose bytes 64c .. 64c + 63 are
 // columns 16c .. 16c + 15 x 4 k: a weight tile is loaded in place with a row stride of 256. K must be a multiple
 // of 64 (i8amx.py checks).
-#if !defined(__AMX_TILE__) || !defined(__AMX_INT8__) || !defined(__AVX512VNNI__)
-#error "this kernel needs AMX-INT8 (-march=native on a CPU without it: i8mm or oneDNN is used instead)"
+#if !defined(__AMX_TILE__) || !defined(__AMX_INT8__) || !defined(__AVX512VNNI__) || !defined(__AVX512BF16__)
+#error "this kernel needs AMX-INT8 and AVX512-BF16 (-march=native on a CPU without: i8mm or oneDNN are used)"
 #endif
 #include <immintrin.h>
 #include <stdint.h>
@@ -23,6 +23,7 @@
 #define NB 64
 
 #include "amx_tiles.h"
+#include "avx512_math.h"
 #include "i8_rows.h"
 
 // Weight k-steps (64 k) asked for ahead: AMX tile loads do not draw the hardware prefetcher along (amxmm.c). Set
@@ -71,10 +72,11 @@ static void block_rows(int mr, int64_t K, const uint8_t *xq, const uint8_t *w, i
     }
 }
 
-// x [M][K] (bf16 when bf16, else float32) → y [M][N] of the same type. w: the packed weight; colsum, ws, b:
-// int32 / float [ceil(N/64) * 64] (b may be NULL). Returns 0, or -1 without memory for the quantized rows.
-int i8amx_linear(int64_t M, int64_t N, int64_t K, const void *x, int bf16, const uint8_t *w, const int32_t *colsum,
-                 const float *ws, const float *b, void *y, int nthreads) {
+// x [M][K] (bf16 when bf16, else float32) → y [M][N] of the same type (with silu_mul, bf16 only: y [M][N / 2], see
+// i8amx_linear_silu_mul). w: the packed weight; colsum, ws, b: int32 / float [ceil(N/64) * 64] (b may be NULL).
+// Returns 0, or -1 without memory for the quantized rows.
+static int linear(int64_t M, int64_t N, int64_t K, const void *x, int bf16, const uint8_t *w, const int32_t *colsum,
+                  const float *ws, const float *b, void *y, int nthreads, const int silu_mul) {
     const int64_t nblocks = (N + NB - 1) / NB;
     if (M <= 0) return 0;
     float *xs;
@@ -99,12 +101,34 @@ int i8amx_linear(int64_t M, int64_t N, int64_t K, const void *x, int bf16, const
                 for (int r = 0; r < mr; r++) {
                     __m512i a[4];
                     for (int j = 0; j < 4; j++) a[j] = _mm512_load_si512((const void *)(acc + r * NB + 16 * j));
-                    store_row(a, colsum + n0, ws + n0, b ? b + n0 : zeros, xs[m0 + r], y, bf16, (m0 + r) * N + n0,
-                              nn);
+                    const float *bias = b ? b + n0 : zeros;
+                    if (!silu_mul) {
+                        store_row(a, colsum + n0, ws + n0, bias, xs[m0 + r], y, bf16, (m0 + r) * N + n0, nn);
+                        continue;
+                    }
+                    float o[NB];  // 32 gate then 32 up columns (N % 64 == 0: whole blocks), as i8mm's epilogue
+                    store_row(a, colsum + n0, ws + n0, bias, xs[m0 + r], o, 0, 0, NB);
+                    store_silu_mul_block(o, (uint16_t *)y + (m0 + r) * (N / 2) + n0 / 2);
                 }
             }
         }
         if (configured != -1) _tile_release();
     }
     return 0;
+}
+
+int i8amx_linear(int64_t M, int64_t N, int64_t K, const void *x, int bf16, const uint8_t *w, const int32_t *colsum,
+                 const float *ws, const float *b, void *y, int nthreads) {
+    return linear(M, N, K, x, bf16, w, colsum, ws, b, y, nthreads, 0);
+}
+
+// i8amx_linear over a gated MLP's [gate; up] weight packed with its rows (and their column sums, scales and bias)
+// interleaved in blocks of 32, i8mm_linear_silu_mul's copy (N % 64 == 0, checked by the caller): bf16 x [M][K] →
+// y [M][N / 2] = silu(gate) * up, the same bits as i8mm's fused entry. WHY: on AMX the [gate; up] projection held
+// i8mm's interleaved copy for decode, and the prefill class took the second copy a weight may hold, oneDNN's int8
+// GEMM, which ran Qwen2-0.5B's 4,096-row prefill at 73.6 ms a layer (a 2-core AMX Xeon) where these tiles run
+// down_proj's half as many FLOPs in 16.4. Returns 0, or -1 without memory for the quantized rows.
+int i8amx_linear_silu_mul(int64_t M, int64_t N, int64_t K, const uint16_t *x, const uint8_t *w,
+                          const int32_t *colsum, const float *ws, const float *b, uint16_t *y, int nthreads) {
+    return linear(M, N, K, x, 1, w, colsum, ws, b, y, nthreads, 1);
 }

@@ -11,12 +11,16 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from engine.kernels.cbuild import Once, SelfCheckError, build, cpu_flags
 from engine.kernels.gemm import interleave_halves
+
+if TYPE_CHECKING:
+    from engine.kernels.i8amx import I8AMX
 from engine.quant.weights import Int8Weight
 
 log = logging.getLogger(__name__)
@@ -78,14 +82,20 @@ class I8MM:
     def linear_silu_mul(self, x: torch.Tensor, w: PackedInt8) -> torch.Tensor:
         """x [..., K] → silu(gate) * up, [..., N / 2] bf16, over a gated MLP's [gate; up] weight packed with its
         rows interleaved in blocks of 32 (interleave_halves; N % 64 == 0), rounded as the unfused bf16 code."""
+        return self.run_silu_mul(self.lib.i8mm_linear_silu_mul, x, w, "i8mm")
+
+    @staticmethod
+    def run_silu_mul(fn: ctypes._CFuncPtr, x: torch.Tensor, w: PackedInt8, name: str) -> torch.Tensor:
+        """Calls a fused gated-MLP entry point over the interleaved copy (i8mm's, i8amx's): fn(M, N, K, x, packed,
+        colsum, scale, b, y, threads) → 0, or -1 without memory for the quantized rows; y [..., N / 2] bf16."""
         x2 = x.reshape(-1, w.k).to(torch.bfloat16).contiguous()
         y = torch.empty(x2.shape[0], w.n // 2, dtype=torch.bfloat16)
-        rc = self.lib.i8mm_linear_silu_mul(
+        rc = fn(
             x2.shape[0], w.n, w.k, x2.data_ptr(), w.packed.data_ptr(), w.colsum.data_ptr(), w.scale.data_ptr(),
             w.bias.data_ptr() if w.bias is not None else None, y.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         if rc != 0:
-            raise MemoryError("i8mm: no memory for the quantized rows")
+            raise MemoryError(f"{name}: no memory for the quantized rows")
         return y.view(*x.shape[:-1], w.n // 2)
 
     def grouped(
@@ -131,7 +141,7 @@ def self_check(kernel: I8MM) -> None:
         check_int8_silu_mul(kernel, ((1, 128, 33), (7, 256, 64), (200, 64, 96)))
 
 
-def check_int8_silu_mul(kernel: I8MM, shapes: tuple[tuple[int, int, int], ...]) -> None:
+def check_int8_silu_mul(kernel: I8MM | I8AMX, shapes: tuple[tuple[int, int, int], ...], name: str = "i8mm") -> None:
     """The fused silu(gate) * up entry against the unfused entry then the bf16 torch code, at (M, 2I, K) shapes
     with a bias: the same int32 sums, so they may differ only where silu's last bit rounds the other way."""
     g = torch.Generator().manual_seed(1)
@@ -144,7 +154,7 @@ def check_int8_silu_mul(kernel: I8MM, shapes: tuple[tuple[int, int, int], ...]) 
         i = interleave_halves
         got = kernel.linear_silu_mul(x, I8MM.pack(i(q), i(scale), i(bias))).float()
         if got.shape != want.shape or not torch.allclose(got, want, rtol=1 / 128, atol=1e-3 * want.abs().max().item()):
-            raise SelfCheckError(f"i8mm fused SiLU self-check failed at {m}x{n}x{k}")
+            raise SelfCheckError(f"{name} fused SiLU self-check failed at {m}x{n}x{k}")
 
 
 def check_int8_kernel(

@@ -195,18 +195,20 @@ _PACKED_INT8: dict[tuple[int, int], PackedInt8] = {}  # (int8 values' id, bias' 
 
 
 class I8MMSiluPath:
-    """A gated MLP's [gate; up] projection through engine.kernels.i8mm's fused entry: silu(gate) * up comes out
-    of the epilogue (bf16 math), as w4mm-silu-mul's does for W4A16. Only for SiLU MLPs, whose act it replaces; its
-    packed copy has the rows interleaved (a layout of its own)."""
+    """A gated MLP's [gate; up] projection through engine.kernels.i8mm's fused entry (or i8amx's, on AMX tiles over
+    the same copy): silu(gate) * up comes out of the epilogue (bf16 math), as w4mm-silu-mul's does for W4A16. Only
+    for SiLU MLPs, whose act it replaces; its packed copy has the rows interleaved (a layout of its own)."""
 
     layout = "i8mm-silu"
 
-    def __init__(self, kernel: I8MM, name: str = "i8mm-silu-mul") -> None:
+    def __init__(self, kernel: I8MM | I8AMX, name: str = "i8mm-silu-mul") -> None:
         self.kernel, self.name, self.available = kernel, name, kernel.has_silu_mul
 
     def accepts(self, weight: object, act: Act | None) -> bool:
         silu = getattr(act, "is_silu_and_mul", False)
-        return self.available and silu and isinstance(weight, Int8Weight) and weight.shape[0] % 64 == 0
+        if not (self.available and silu and isinstance(weight, Int8Weight) and weight.shape[0] % 64 == 0):
+            return False
+        return not isinstance(self.kernel, I8AMX) or I8AMX.accepts(weight.shape[1])
 
     def prepare(self, weight: Int8Weight, bias: torch.Tensor | None, act: Act | None) -> Run:  # type: ignore[override]
         def pack() -> PackedInt8:
@@ -422,8 +424,12 @@ def quant_paths(dtype: torch.dtype) -> list[GemmPath]:
                 fast.append(I8MMSiluPath(plain, "i8mm-silu-mul-noprefetch"))
     if (k8x := i8amx.kernel()) is not None:
         fast.append(I8MMPath(k8x, "i8mm-amx"))
+        if dtype == torch.bfloat16:
+            fast.append(I8MMSiluPath(k8x, "i8mm-amx-silu-mul"))
         if (plain8x := i8amx.kernel_without_prefetch()) is not None:
             fast.append(I8MMPath(plain8x, "i8mm-amx-noprefetch"))
+            if dtype == torch.bfloat16:
+                fast.append(I8MMSiluPath(plain8x, "i8mm-amx-silu-mul-noprefetch"))
     if dtype == torch.bfloat16 and (k4 := w4mm.kernel()) is not None:
         fast += [W4MMPath(k4, entry) for entry in W4MM_ENTRIES] + [Int4DensePath(k4)]
         fast += [W4MMSiluPath(k4, entry) for entry in W4MM_SILU_ENTRIES]

@@ -2,18 +2,21 @@
 same copy) its answer equals the reference (engine.quant.weights.Int8Weight) within float rounding at the row
 counts where its tiles change shape, its activations are quantized exactly as compressed-tensors defines it (ties
 to even included), its int32 sums are exact at the int8 extremes, and its path plugs into the measured selection.
-Needs AMX-INT8: skipped on other CPUs, where i8mm, oneDNN or torch._int_mm run W8A8 layers (test_i8mm.py)."""
+Its fused gated-MLP entry gives i8mm's fused bits. Needs AMX-INT8: skipped on other CPUs, where i8mm, oneDNN or torch._int_mm run W8A8 layers (test_i8mm.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from engine.kernels import i8amx, i8mm
+from engine.kernels.gemm import interleave_halves
 from engine.kernels.i8amx import I8AMX
 from engine.kernels.i8mm import I8MM, PackedInt8
 from engine.kernels.select import _matches_reference
-from engine.quant.paths import I8MMPath, quant_paths
+from engine.layers.activation import ActAndMul
+from engine.quant.paths import I8MMPath, I8MMSiluPath, quant_paths
 from engine.quant.weights import Int8Weight, quantize_tokens
 from tests.int8_kernels import (
     assert_an_all_zero_row_gives_zero_alone,
@@ -97,3 +100,36 @@ def test_its_path_shares_i8mms_packed_copy_and_is_a_timed_candidate(kernel: I8AM
     for rows in (1, 8, 33):
         for dtype in (torch.float32, torch.bfloat16):
             assert _matches_reference(runs[0], torch.randn(rows, 256).to(dtype), w, bias, None)
+
+
+@pytest.mark.parametrize(("n", "k"), [(128, 256), (64, 576), (1024, 128)])
+def test_the_fused_gated_mlp_entry_gives_i8mms_bits(kernel: I8AMX, n: int, k: int) -> None:
+    """silu(gate) * up over the interleaved [gate; up] copy i8mm's fused entry packs: the same int32 sums and the
+    same epilogue, so the same bf16 bits, at the row counts where the tiles change shape."""
+    w = int8_weight(n, k)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(2))
+    i = interleave_halves
+    packed = I8MM.pack(i(w.q), i(w.scale), i(bias))
+    vnni = i8mm.kernel()
+    assert vnni is not None and vnni.has_silu_mul and kernel.has_silu_mul
+    for rows in (1, 15, 16, 17, 32, 33, 100):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        got = kernel.linear_silu_mul(x, packed)
+        assert got.shape == (rows, n // 2) and got.dtype == torch.bfloat16
+        assert torch.equal(got, vnni.linear_silu_mul(x, packed))
+        gate, up = kernel.linear(x, I8MM.pack(w.q, w.scale, bias)).chunk(2, dim=-1)  # unfused, then torch's act
+        assert torch.allclose(got.float(), (F.silu(gate) * up).float(), rtol=1 / 64, atol=1e-2)
+
+
+def test_the_fused_entry_is_a_timed_candidate_on_the_interleaved_copy(kernel: I8AMX) -> None:
+    names = [p.name for p in quant_paths(torch.bfloat16)]
+    assert "i8mm-amx-silu-mul" in names and "i8mm-amx-silu-mul-noprefetch" in names
+    assert "i8mm-amx-silu-mul" not in [p.name for p in quant_paths(torch.float32)]  # its epilogue rounds to bf16
+    act = ActAndMul("silu")
+    amx, vnni = I8MMSiluPath(kernel, "i8mm-amx-silu-mul"), I8MMSiluPath(i8mm.kernel())  # type: ignore[arg-type]
+    assert amx.layout == vnni.layout == "i8mm-silu"
+    assert amx.accepts(int8_weight(128, 128), act) and not amx.accepts(int8_weight(128, 96), act)  # 64-input steps
+    assert not amx.accepts(int8_weight(128, 128), None)  # only where it replaces a SiLU act
+    w = int8_weight(128, 256)
+    x = torch.randn(5, 256).bfloat16()
+    assert torch.equal(amx.prepare(w, None, act)(x), vnni.prepare(w, None, act)(x))
