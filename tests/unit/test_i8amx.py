@@ -1,8 +1,9 @@
 """The W8A8 kernel on AMX-INT8 tiles (engine.kernels.i8amx), compiled here with gcc: over i8mm's packed weight (the
 same copy) its answer equals the reference (engine.quant.weights.Int8Weight) within float rounding at the row
 counts where its tiles change shape, its activations are quantized exactly as compressed-tensors defines it (ties
-to even included), its int32 sums are exact at the int8 extremes, and its path plugs into the measured selection.
-Its fused gated-MLP entry gives i8mm's fused bits. Needs AMX-INT8: skipped on other CPUs, where i8mm, oneDNN or torch._int_mm run W8A8 layers (test_i8mm.py)."""
+to even included), its int32 sums are exact at the int8 extremes, and its path plugs into the measured selection;
+its fused gated-MLP entry gives i8mm's fused bits. Needs AMX-INT8: skipped on other CPUs, where i8mm, oneDNN or
+torch._int_mm run W8A8 layers (test_i8mm.py)."""
 
 from __future__ import annotations
 
