@@ -102,9 +102,11 @@ static void scale_into(int mr, const float *restrict c, const float *restrict sc
     }
 }
 
-// Returns 0, or -1 where a buffer could not be had (y is then incomplete).
-int w4amx_linear(int64_t M, int64_t N, int64_t K, int64_t G, const uint16_t *x, const uint8_t *wq, const float *sc,
-                 const uint16_t *b, uint16_t *y, int nthreads) {
+// A group at a time (the header). With silu_mul, w is a gated MLP's [gate; up] packed with its rows interleaved in
+// blocks of 32 (w4mm_linear_silu_mul's copy, N % 64 == 0: checked by the caller) and y [M][N / 2] = silu(gate) *
+// up, w4mm's fused epilogue. Returns 0, or -1 where a buffer could not be had (y is then incomplete).
+static int by_group(int64_t M, int64_t N, int64_t K, int64_t G, const uint16_t *x, const uint8_t *wq, const float *sc,
+                    const uint16_t *b, uint16_t *y, int nthreads, const int silu_mul) {
     const int64_t nblocks = (N + NB - 1) / NB, groups = K / G;
     if (M <= 0) return 0;
     float *xs = sums_for(M * groups);
@@ -142,7 +144,7 @@ int w4amx_linear(int64_t M, int64_t N, int64_t K, int64_t G, const uint16_t *x, 
                         scale_into(mr, c, sb + g * 128, xs + (m0 + r) * groups + g, groups, out + r * NB);
                     }
                 }
-                for (int64_t r = 0; r < mc; r++) store_row(out + r * NB, bias, y + (m0 + r) * N + n0, nn);
+                for (int64_t r = 0; r < mc; r++) store_out(out + r * NB, bias, y, m0 + r, N, n0, nn, silu_mul);
             }
         }
         if (configured != -1) _tile_release();
@@ -150,9 +152,9 @@ int w4amx_linear(int64_t M, int64_t N, int64_t K, int64_t G, const uint16_t *x, 
     return failed ? -1 : 0;
 }
 
-// Returns 0, or -1 where a buffer could not be had (y is then incomplete).
-int w4amx_linear_dequant(int64_t M, int64_t N, int64_t K, int64_t G, const uint16_t *x, const uint8_t *wq,
-                         const float *sc, const uint16_t *b, uint16_t *y, int nthreads) {
+// A whole block dequantized at a time (the header); silu_mul as by_group's.
+static int dequantized(int64_t M, int64_t N, int64_t K, int64_t G, const uint16_t *x, const uint8_t *wq,
+                       const float *sc, const uint16_t *b, uint16_t *y, int nthreads, const int silu_mul) {
     const int64_t nblocks = (N + NB - 1) / NB, groups = K / G;
     if (M <= 0) return 0;
     int failed = 0;
@@ -176,10 +178,32 @@ int w4amx_linear_dequant(int64_t M, int64_t N, int64_t K, int64_t G, const uint1
                     configured = mr;
                 }
                 tile_rows(mr, K, K / 32, x + m0 * K, wb, out);
-                for (int r = 0; r < mr; r++) store_row(out + r * NB, bias, y + (m0 + r) * N + n0, nn);
+                for (int r = 0; r < mr; r++) store_out(out + r * NB, bias, y, m0 + r, N, n0, nn, silu_mul);
             }
         }
         if (configured != -1) _tile_release();
     }
     return failed ? -1 : 0;
+}
+
+int w4amx_linear(int64_t M, int64_t N, int64_t K, int64_t G, const uint16_t *x, const uint8_t *wq, const float *sc,
+                 const uint16_t *b, uint16_t *y, int nthreads) {
+    return by_group(M, N, K, G, x, wq, sc, b, y, nthreads, 0);
+}
+
+int w4amx_linear_dequant(int64_t M, int64_t N, int64_t K, int64_t G, const uint16_t *x, const uint8_t *wq,
+                         const float *sc, const uint16_t *b, uint16_t *y, int nthreads) {
+    return dequantized(M, N, K, G, x, wq, sc, b, y, nthreads, 0);
+}
+
+// The fused gated-MLP entries (by_group's note). WHY: unfused, the [M, 2I] projection went to memory and torch's
+// SiLU and product read it back, a pass the bf16 model's amxmm-silu and the AVX-512 w4mm-silu-mul do not make.
+int w4amx_linear_silu_mul(int64_t M, int64_t N, int64_t K, int64_t G, const uint16_t *x, const uint8_t *wq,
+                          const float *sc, const uint16_t *b, uint16_t *y, int nthreads) {
+    return by_group(M, N, K, G, x, wq, sc, b, y, nthreads, 1);
+}
+
+int w4amx_linear_dequant_silu_mul(int64_t M, int64_t N, int64_t K, int64_t G, const uint16_t *x, const uint8_t *wq,
+                                  const float *sc, const uint16_t *b, uint16_t *y, int nthreads) {
+    return dequantized(M, N, K, G, x, wq, sc, b, y, nthreads, 1);
 }

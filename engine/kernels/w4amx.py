@@ -16,7 +16,7 @@ import torch
 
 from engine.kernels import amxmm
 from engine.kernels.cbuild import BuildError, Once, build
-from engine.kernels.w4mm import W4MM, PackedInt4, check_int4_kernel
+from engine.kernels.w4mm import W4MM, PackedInt4, check_int4_kernel, check_int4_silu_mul
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +31,8 @@ class W4AMX:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib = lib
-        for f in (lib.w4amx_linear, lib.w4amx_linear_dequant):
+        entries = (lib.w4amx_linear, lib.w4amx_linear_dequant, lib.w4amx_linear_silu_mul)
+        for f in (*entries, lib.w4amx_linear_dequant_silu_mul):
             f.argtypes = [_i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _int]
             f.restype = _int
         lib.w4amx_init.restype = _int
@@ -54,11 +55,22 @@ class W4AMX:
         """The same, each 64-column block dequantized to bf16 whole and summed over all of K in the tiles."""
         return W4MM.run(self.lib.w4amx_linear_dequant, x, w, bias, "w4amx")
 
+    def amx_silu_mul(self, x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None) -> torch.Tensor:
+        """`amx` over a gated MLP's [gate; up] weight packed with its rows interleaved in blocks of 32
+        (interleave_halves; N % 64 == 0) → silu(gate) * up, [..., N / 2], w4mm's fused epilogue."""
+        return W4MM.run(self.lib.w4amx_linear_silu_mul, x, w, bias, "w4amx", w.n // 2)
+
+    def amx_dequant_silu_mul(self, x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None) -> torch.Tensor:
+        """`amx-dequant` over such a weight, the same fused output."""
+        return W4MM.run(self.lib.w4amx_linear_dequant_silu_mul, x, w, bias, "w4amx", w.n // 2)
+
 
 def self_check(kernel: W4AMX) -> None:
     """Row tails under 16, 16-32 and past a 32-row step and a pass of rows, column tails, several groups."""
     entries = {"amx": kernel.amx, "amx-dequant": kernel.amx_dequant}
     check_int4_kernel("w4amx", entries, ((1, 70, 64, 32), (17, 130, 256, 128), (200, 64, 96, 32), (40, 16, 128, 64)))
+    fused = {"amx-silu-mul": kernel.amx_silu_mul, "amx-dequant-silu-mul": kernel.amx_dequant_silu_mul}
+    check_int4_silu_mul("w4amx", fused, ((1, 128, 64, 32), (17, 256, 256, 128), (40, 64, 96, 32)))
 
 
 _once = Once(W4AMX.build, log, "W4A16 layers will not run on AMX tiles (w4mm still can)", check=self_check)

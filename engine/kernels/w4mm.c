@@ -79,19 +79,6 @@ static void qtile_any(int mr, int64_t K, int64_t G, const uint16_t *x, const uin
     }
 }
 
-// One row's 64 sums of a block plus its bias → y: N wide, or with silu_mul (a gated MLP's [gate; up] rows
-// interleaved in blocks of 32, N % 64 == 0: checked by the caller) its 32 outputs silu(gate) * up, N / 2 wide.
-static inline void store_out(float *o, const float *bias, uint16_t *y, int64_t row, int64_t N, int64_t n0,
-                             int64_t nn, const int silu_mul) {
-    if (!silu_mul) {
-        store_row(o, bias, y + row * N + n0, nn);
-        return;
-    }
-    for (int c = 0; c < 4; c++)
-        _mm512_storeu_ps(o + 16 * c, _mm512_add_ps(_mm512_loadu_ps(o + 16 * c), _mm512_loadu_ps(bias + 16 * c)));
-    store_silu_mul_block(o, y + row * (N / 2) + n0 / 2);
-}
-
 static int direct(int64_t M, int64_t N, int64_t K, int64_t G, const uint16_t *x, const uint8_t *wq, const float *sc,
                   const uint16_t *b, uint16_t *y, int nthreads, const int silu_mul) {
     const int64_t nblocks = (N + NB - 1) / NB, groups = K / G;

@@ -1,6 +1,7 @@
 // What the W4A16 kernels over w4mm's packed layout share (w4mm.c for AVX512-BF16, w4amx.c for AMX): widening
-// nibbles to bf16, the rows' sums per group, the thread's buffers, the rows' store. Include after bf16mm_block.h
-// (NB, to_bf16); cbuild.py hashes them, and thread_buffer.h, with every source that includes them.
+// nibbles to bf16, the rows' sums per group, the thread's buffers, the rows' store (plain or the fused gated
+// MLP's). Include after bf16mm_block.h (NB, to_bf16); cbuild.py hashes them, and thread_buffer.h, with every
+// source that includes them.
 #ifndef W4MM_COMMON_H
 #define W4MM_COMMON_H
 #include <immintrin.h>
@@ -8,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "avx512_math.h"
 #include "thread_buffer.h"
 
 // How far ahead of the nibbles being widened the kernels ask for the next ones (past a block: the next block's,
@@ -118,6 +120,19 @@ static void store_row(const float *o, const float *bias, uint16_t *yr, int64_t n
     for (int c = 0; c < 4; c++) v[c] = _mm512_add_ps(_mm512_loadu_ps(o + 16 * c), _mm512_loadu_ps(bias + 16 * c));
     _mm512_storeu_si512((void *)yr, (__m512i)_mm512_cvtne2ps_pbh(v[1], v[0]));
     _mm512_storeu_si512((void *)(yr + 32), (__m512i)_mm512_cvtne2ps_pbh(v[3], v[2]));
+}
+
+// One row's 64 sums of a block plus its bias → y: N wide, or with silu_mul (a gated MLP's [gate; up] rows
+// interleaved in blocks of 32, N % 64 == 0: checked by the caller) its 32 outputs silu(gate) * up, N / 2 wide.
+static inline void store_out(float *o, const float *bias, uint16_t *y, int64_t row, int64_t N, int64_t n0,
+                             int64_t nn, const int silu_mul) {
+    if (!silu_mul) {
+        store_row(o, bias, y + row * N + n0, nn);
+        return;
+    }
+    for (int c = 0; c < 4; c++)
+        _mm512_storeu_ps(o + 16 * c, _mm512_add_ps(_mm512_loadu_ps(o + 16 * c), _mm512_loadu_ps(bias + 16 * c)));
+    store_silu_mul_block(o, y + row * (N / 2) + n0 / 2);
 }
 
 static void load_bias(const uint16_t *b, int64_t n0, int64_t nn, float bias[NB]) {

@@ -372,6 +372,18 @@ class W4AMXPath(W4MMPath):
         return W4AMX.accepts(*weight.shape, weight.group_size)
 
 
+class W4AMXSiluPath(W4MMSiluPath):
+    """w4amx's fused gated-MLP entries (`amx-silu-mul`, `amx-dequant-silu-mul`) over w4mm-silu-mul's interleaved
+    copy: AMX's bf16 products, and silu(gate) * up out of the epilogue."""
+
+    @staticmethod
+    def fits(weight: Int4Weight) -> bool:
+        return W4AMX.accepts(*weight.shape, weight.group_size)
+
+
+W4AMX_SILU_ENTRIES = ("amx-silu-mul", "amx-dequant-silu-mul")
+
+
 class Int4DensePath:
     """engine.kernels.w4mm's `dense`: each call dequantizes the weight as stored into bf16 rows (a scratch buffer,
     not a copy per weight) and runs oneDNN's GEMM over them; for prefill, where that GEMM's blocking outruns the
@@ -438,8 +450,10 @@ def quant_paths(dtype: torch.dtype) -> list[GemmPath]:
             fast += [W4MMSiluPath(plain4, entry, "-noprefetch") for entry in W4MM_SILU_ENTRIES]
     if dtype == torch.bfloat16 and (k4a := w4amx.kernel()) is not None:
         fast += [W4AMXPath(k4a, "amx"), W4AMXPath(k4a, "amx-dequant")]
+        fast += [W4AMXSiluPath(k4a, entry) for entry in W4AMX_SILU_ENTRIES]
         if (plain4a := w4amx.kernel_without_prefetch()) is not None:
             fast += [W4AMXPath(plain4a, "amx", "-noprefetch"), W4AMXPath(plain4a, "amx-dequant", "-noprefetch")]
+            fast += [W4AMXSiluPath(plain4a, entry, "-noprefetch") for entry in W4AMX_SILU_ENTRIES]
     if dtype == torch.float32 and (k8a := i8avx2.kernel()) is not None:
         fast += [I8AVX2Path(k8a), I8AVX2Path(k8a, "i8avx2-panel", "panel")]
         if (plain8 := i8avx2.kernel_without_prefetch()) is not None:  # its prefetch distance was set on one CPU

@@ -1,18 +1,22 @@
-"""The W4A16 kernel on AMX tiles (engine.kernels.w4amx), compiled here with gcc: both entry points equal the
-float32 dequantize-then-matmul reference within bf16 rounding over w4mm's packed weight (the same copy), at the
-row counts where its tiles change shape, and its paths plug into the engine's measured selection. Needs AMX:
-skipped on other CPUs, where w4mm and torch's int4 GEMM run W4A16 layers (tests/unit/test_w4mm.py)."""
+"""The W4A16 kernel on AMX tiles (engine.kernels.w4amx), compiled here with gcc: both entry points equal the float32
+dequantize-then-matmul reference within bf16 rounding over w4mm's packed weight (the same copy), at the row counts
+where its tiles change shape, its fused gated-MLP entries equal the unfused ones followed by torch's act, and its
+paths plug into the engine's measured selection. Needs AMX: skipped on other CPUs, where w4mm and torch's int4 GEMM
+run W4A16 layers (tests/unit/test_w4mm.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from engine.kernels import amxmm, w4amx, w4mm
+from engine.kernels.gemm import interleave_halves
 from engine.kernels.select import _matches_reference
 from engine.kernels.w4amx import W4AMX
 from engine.kernels.w4mm import W4MM, PackedInt4
-from engine.quant.paths import W4AMXPath, W4MMPath, quant_paths
+from engine.layers.activation import ActAndMul
+from engine.quant.paths import W4AMXPath, W4AMXSiluPath, W4MMPath, W4MMSiluPath, interleaved, quant_paths
 from tests.int4_kernels import assert_the_selection_keeps_the_fastest_entry, int4_weight
 
 pytestmark = pytest.mark.skipif(not amxmm.supported(), reason="this CPU has no AMX")
@@ -91,3 +95,43 @@ def test_the_selection_times_them_among_the_bf16_candidates_and_keeps_the_fastes
         assert name in names
     assert names[-1] == "torch-dequant"
     assert_the_selection_keeps_the_fastest_entry(kernel, W4AMXPath, torch.bfloat16, ENTRIES)
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+@pytest.mark.parametrize(("n", "k", "g"), [(128, 256, 128), (64, 96, 32), (1024, 128, 64)])
+def test_the_fused_gated_mlp_entries_equal_the_unfused_entry_then_torchs_act(
+    kernel: W4AMX, entry: str, n: int, k: int, g: int
+) -> None:
+    """silu(gate) * up out of the epilogue, over the [gate; up] rows interleaved in blocks of 32 (the copy
+    w4mm-silu-mul packs): the same tile sums as the unfused entry over the plain copy, so torch's bf16 SiLU and
+    product over that entry's output give it, to the last bit of SiLU's rounding."""
+    w = int4_weight(n, k, g, symmetric=False)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(3)).bfloat16()
+    plain = W4MMPath.pack(w)
+    fused = W4MMPath.pack(interleaved(w))
+    run, run_fused = getattr(kernel, entry.replace("-", "_")), getattr(kernel, f"{entry.replace('-', '_')}_silu_mul")
+    for rows in (1, 15, 16, 17, 32, 33, 100):  # one 16-row slice, two, past a 32-row block
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        got = run_fused(x, fused, interleave_halves(bias))
+        gate, up = run(x, plain, bias).chunk(2, dim=-1)
+        want = F.silu(gate) * up
+        assert got.shape == (rows, n // 2) and got.dtype == torch.bfloat16
+        assert torch.allclose(got.float(), want.float(), rtol=1 / 64, atol=1e-3 * want.float().abs().max().item())
+
+
+def test_the_fused_entries_are_timed_candidates_over_w4mm_silu_muls_copy(kernel: W4AMX) -> None:
+    names = [p.name for p in quant_paths(torch.bfloat16)]
+    for name in ("w4mm-amx-silu-mul", "w4mm-amx-dequant-silu-mul", "w4mm-amx-silu-mul-noprefetch"):
+        assert name in names
+    k4 = w4mm.kernel()
+    assert k4 is not None
+    act, w = ActAndMul("silu"), int4_weight(128, 128, 32, symmetric=True)
+    amx, avx = W4AMXSiluPath(kernel, "amx-silu-mul"), W4MMSiluPath(k4, "silu-mul")
+    assert amx.layout == avx.layout == "w4mm-silu"
+    assert amx.accepts(w, act) and not amx.accepts(w, None)  # only where it replaces a SiLU act
+    assert not amx.accepts(int4_weight(128, 64, 16, symmetric=True), act)  # a tile step is 32 inputs
+    runs = [p.prepare(w, None, act) for p in (amx, avx)]
+    cells = [
+        {id(c.cell_contents) for c in r.__closure__ or () if isinstance(c.cell_contents, PackedInt4)} for r in runs
+    ]
+    assert cells[0] and cells[0] == cells[1]
