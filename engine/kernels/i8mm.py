@@ -18,10 +18,10 @@ import torch.nn.functional as F
 
 from engine.kernels.cbuild import Once, SelfCheckError, build, cpu_flags
 from engine.kernels.gemm import interleave_halves
+from engine.quant.weights import Int8Weight
 
 if TYPE_CHECKING:
     from engine.kernels.i8amx import I8AMX
-from engine.quant.weights import Int8Weight
 
 log = logging.getLogger(__name__)
 
