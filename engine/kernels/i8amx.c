@@ -12,8 +12,8 @@
 // [N/64][K/4][64][4] holds, for a 64-column block, 64 k as 16 rows of 256 bytes whose bytes 64c .. 64c + 63 are
 // columns 16c .. 16c + 15 x 4 k: a weight tile is loaded in place with a row stride of 256. K must be a multiple
 // of 64 (i8amx.py checks).
-#if !defined(__AMX_TILE__) || !defined(__AMX_INT8__) || !defined(__AVX512VNNI__) || !defined(__AVX512BF16__)
-#error "this kernel needs AMX-INT8 and AVX512-BF16 (-march=native on a CPU without: i8mm or oneDNN are used)"
+#if !defined(__AMX_TILE__) || !defined(__AMX_INT8__) || !defined(__AVX512VNNI__)
+#error "this kernel needs AMX-INT8 (-march=native on a CPU without it: i8mm or oneDNN is used instead)"
 #endif
 #include <immintrin.h>
 #include <stdint.h>
@@ -23,8 +23,10 @@
 #define NB 64
 
 #include "amx_tiles.h"
-#include "avx512_math.h"
 #include "i8_rows.h"
+#ifdef __AVX512BF16__  // the fused gated-MLP entry's epilogue rounds to bf16 (i8amx_linear_silu_mul), as i8mm's
+#include "avx512_math.h"
+#endif
 
 // Weight k-steps (64 k) asked for ahead: AMX tile loads do not draw the hardware prefetcher along (amxmm.c). Set
 // on one AMX Xeon (model 167): the library is also built with -DPF=0 and the selection times both.
@@ -106,9 +108,11 @@ static int linear(int64_t M, int64_t N, int64_t K, const void *x, int bf16, cons
                         store_row(a, colsum + n0, ws + n0, bias, xs[m0 + r], y, bf16, (m0 + r) * N + n0, nn);
                         continue;
                     }
+#ifdef __AVX512BF16__
                     float o[NB];  // 32 gate then 32 up columns (N % 64 == 0: whole blocks), as i8mm's epilogue
                     store_row(a, colsum + n0, ws + n0, bias, xs[m0 + r], o, 0, 0, NB);
                     store_silu_mul_block(o, (uint16_t *)y + (m0 + r) * (N / 2) + n0 / 2);
+#endif
                 }
             }
         }
@@ -122,6 +126,7 @@ int i8amx_linear(int64_t M, int64_t N, int64_t K, const void *x, int bf16, const
     return linear(M, N, K, x, bf16, w, colsum, ws, b, y, nthreads, 0);
 }
 
+#ifdef __AVX512BF16__
 // i8amx_linear over a gated MLP's [gate; up] weight packed with its rows (and their column sums, scales and bias)
 // interleaved in blocks of 32, i8mm_linear_silu_mul's copy (N % 64 == 0, checked by the caller): bf16 x [M][K] →
 // y [M][N / 2] = silu(gate) * up, the same bits as i8mm's fused entry. WHY: on AMX the [gate; up] projection held
@@ -132,3 +137,4 @@ int i8amx_linear_silu_mul(int64_t M, int64_t N, int64_t K, const uint16_t *x, co
                           const int32_t *colsum, const float *ws, const float *b, uint16_t *y, int nthreads) {
     return linear(M, N, K, x, 1, w, colsum, ws, b, y, nthreads, 1);
 }
+#endif

@@ -31,9 +31,11 @@ class I8AMX:
         self.lib = lib
         lib.i8amx_linear.argtypes = [_i64, _i64, _i64, _ptr, _int, _ptr, _ptr, _ptr, _ptr, _ptr, _int]
         lib.i8amx_linear.restype = _int
-        lib.i8amx_linear_silu_mul.argtypes = [_i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _int]
-        lib.i8amx_linear_silu_mul.restype = _int
-        self.has_silu_mul = True  # as i8mm's fused entry (engine.quant.paths.I8MMSiluPath), over its copy
+        # as i8mm's fused entry (engine.quant.paths.I8MMSiluPath), over its copy; built where the CPU has AVX512-BF16
+        self.has_silu_mul = hasattr(lib, "i8amx_linear_silu_mul")
+        if self.has_silu_mul:
+            lib.i8amx_linear_silu_mul.argtypes = [_i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _int]
+            lib.i8amx_linear_silu_mul.restype = _int
         lib.i8amx_init.restype = _int
         if lib.i8amx_init() != 0:
             raise BuildError("the kernel cannot use AMX: Linux refused the tile state (arch_prctl)")
@@ -56,15 +58,15 @@ class I8AMX:
 
 
 def supported() -> bool:
-    """AMX-INT8 tiles (and VNNI and AVX512-BF16, which every AMX CPU has: the quantized rows' layout is i8mm's,
-    and the fused gated-MLP epilogue rounds to bf16)."""
-    return amxmm.supported() and {"amx_int8", "avx512_vnni", "avx512_bf16"} <= cpu_flags()
+    """AMX-INT8 tiles (and VNNI, which every AMX CPU has: the quantized rows' layout is i8mm's)."""
+    return amxmm.supported() and {"amx_int8", "avx512_vnni"} <= cpu_flags()
 
 
 def self_check(kernel: I8AMX) -> None:
     """Row tails under 16, 16-32 and past 32, a column tail, several k-steps, both input types."""
     check_int8_kernel("i8amx", kernel.linear, ((1, 70, 64), (17, 130, 128), (40, 64, 192), (13, 16, 256)))
-    check_int8_silu_mul(kernel, ((1, 128, 64), (17, 256, 128), (40, 64, 192)), "i8amx")
+    if kernel.has_silu_mul:
+        check_int8_silu_mul(kernel, ((1, 128, 64), (17, 256, 128), (40, 64, 192)), "i8amx")
 
 
 _once = Once(I8AMX.build, log, "W8A8 layers will not run on AMX tiles (i8mm still can)", check=self_check)
