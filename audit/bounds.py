@@ -37,6 +37,8 @@ class Truncation:
 def cut_utf8(text: str, limit: int) -> tuple[str, int | None]:
     """`text` in at most `limit` UTF-8 bytes, cut on a character boundary, and its original byte
     length when it was cut (else None). Lone surrogates (valid JSON, not UTF-8) become U+FFFD."""
+    if text.isascii():  # the usual field (O(1) in CPython): a byte a character, no surrogate possible
+        return (text, None) if len(text) <= limit else (text[:limit], len(text))
     try:
         data = text.encode("utf-8")
     except UnicodeEncodeError:

@@ -59,6 +59,27 @@ class Chain:
         self.last_seq, self.last_hash = seq, h
         return record
 
+    def link_encoded(self, event: Mapping[str, Any]) -> bytes:
+        """`canonical_json(self.link(event))`, encoding the record once instead of twice.
+
+        The hashed encoding is the record's without `chain.hash`; with sorted keys "hash" is the chain object's
+        first key, so the record's encoding is the hashed one with `"hash":"…",` put after `"chain":{`. The
+        chain object's opening (its prev hash included) can occur only once: every other quote inside a string
+        is escaped. Should it not be found exactly once, the record is encoded again."""
+        seq = self.last_seq + 1
+        tianmen = {**(event.get("tianmen") or {}), "chain": {"writer": self.writer, "seq": seq, "prev": self.last_hash}}
+        record = {**event, "tianmen": tianmen}
+        hashed = canonical_json(record)
+        h = sm3_hex(hashed)
+        opening = b'"chain":{"prev":"' + self.last_hash.encode() + b'",'
+        at = hashed.find(opening)
+        self.last_seq, self.last_hash = seq, h
+        if at < 0 or hashed.find(opening, at + 1) >= 0:
+            tianmen["chain"]["hash"] = h
+            return canonical_json(record)
+        cut = at + len(b'"chain":{')
+        return b"".join((hashed[:cut], b'"hash":"', h.encode(), b'",', hashed[cut:]))
+
     def checkpoint(self, signer: Sm2Signer, now: datetime) -> dict[str, Any]:
         """A signed event covering the latest (seq, hash); it is itself linked into the chain."""
         covered_seq, covered_hash = self.last_seq, self.last_hash

@@ -34,9 +34,13 @@ def _pick_sm3() -> Callable[[bytes], str]:
 sm3_hex: Callable[[bytes], str] = _pick_sm3()
 
 
+# one encoder for every call: json.dumps builds a new one per call when given options
+_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
 def canonical_json(obj: Any) -> bytes:
     """Sorted keys, no spaces, UTF-8, no NaN: the bytes the chain hashes (and the spool stores)."""
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+    return _CANONICAL.encode(obj).encode()
 
 
 def sm3_text(text: str | bytes) -> str:

@@ -145,12 +145,14 @@ def _finite(x: float | None) -> float | None:
 
 
 def _prune(d: dict[str, Any]) -> dict[str, Any]:
+    """`d` without None values and without objects left empty; one per request, so kept lean."""
     out: dict[str, Any] = {}
     for k, v in d.items():
-        if isinstance(v, dict):
+        if v is None:
+            continue
+        if type(v) is dict:  # the documents built above hold plain dicts only
             v = _prune(v)
             if not v:
                 continue
-        if v is not None:
-            out[k] = v
+        out[k] = v
     return out

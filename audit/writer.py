@@ -163,7 +163,7 @@ class SpoolWriter:
     def _link(self, event: Mapping[str, Any], fut: asyncio.Future[None]) -> bytes | None:
         before = self.chain.snapshot()
         try:
-            line = canonical_json(self.chain.link(event)) + b"\n"
+            line = self.chain.link_encoded(event) + b"\n"
             self.spool.reserve(len(line))
             return line
         except SpoolFull as e:

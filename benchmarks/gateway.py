@@ -38,6 +38,7 @@ from security.devpki import ensure_dev_pki, mint_token
 from security.tls import client_ssl_context
 
 PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
+ENGINE_THREAD = "tianmen-engine"  # engine.step_thread names its thread so in the OS
 
 
 def loop_cpu_s(pid: int) -> float:
@@ -49,6 +50,21 @@ def process_cpu_s(pid: int) -> float:
     """User + system CPU seconds of every thread of the process (clock-tick resolution)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def threads_cpu_s(pid: int, name: str) -> float:
+    """User + system CPU seconds of the process's threads named `name` (the engine names its step thread, and
+    the OpenMP workers it starts inherit the name)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            if (task / "comm").read_text().strip() != name:
+                continue
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def pin(cpus: str | None):  # type: ignore[no-untyped-def]
@@ -114,6 +130,7 @@ def saturated(url: str, model: str, token: str, pid: int, args: argparse.Namespa
             lambda: process_cpu_s(pid),
             args.wrk_connections,
             args.saturate,
+            lambda: threads_cpu_s(pid, ENGINE_THREAD),
         )
     except (subprocess.CalledProcessError, ValueError, AttributeError, KeyError) as e:  # the other rows still print
         print(f"wrk against {url} failed ({type(e).__name__}: {e}); no saturated row for it", file=sys.stderr)

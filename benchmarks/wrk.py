@@ -29,11 +29,16 @@ class Saturated:
     p50_ms: float
     p99_ms: float
     failed: int  # non-2xx answers and socket errors: must be 0 for the figures to mean anything
+    engine_ms: float | None = None  # the engine's step thread's CPU per request, where it could be told apart
 
     def line(self, what: str) -> str:
+        own = ""
+        if self.engine_ms is not None:  # the gateway's own: every thread but the engine's (scheduling, forward)
+            own = f"; without the engine's step thread ({self.engine_ms:.3f} ms) "
+            own += f"{self.process_ms - self.engine_ms:.3f} ms"
         return (
             f"{what}: {self.requests_per_s:,.0f} req/s, event loop {self.loop_ms:.3f} ms and whole process "
-            f"{self.process_ms:.3f} ms a request ({self.busy:.2f} cores busy), p50 {self.p50_ms:.1f} ms, "
+            f"{self.process_ms:.3f} ms a request{own} ({self.busy:.2f} cores busy), p50 {self.p50_ms:.1f} ms, "
             f"p99 {self.p99_ms:.1f} ms" + (f", {self.failed} FAILED" if self.failed else "")
         )
 
@@ -73,15 +78,17 @@ def saturate(
     process_cpu_s: Callable[[], float],
     connections: int = 64,
     seconds: int = 15,
+    engine_cpu_s: Callable[[], float] | None = None,
 ) -> Saturated:
     """wrk POSTs `body` to `url` on `connections` keep-alive connections for `seconds` (after 3 s of warm-up);
     the two clocks read the server's CPU seconds. wrk runs on this process's CPUs (see --server-cpus)."""
     with tempfile.TemporaryDirectory(prefix="tianmen-wrk-") as tmp:
         cmd = ["wrk", "-t1", f"-c{connections}", "-s", str(_script(Path(tmp) / "post.lua", body, headers)), "--latency"]
         subprocess.run([*cmd, "-d3s", url], capture_output=True, check=True)
-        loop0, proc0, t0 = loop_cpu_s(), process_cpu_s(), time.perf_counter()
+        engine = engine_cpu_s or (lambda: 0.0)
+        loop0, proc0, eng0, t0 = loop_cpu_s(), process_cpu_s(), engine(), time.perf_counter()
         out = subprocess.run([*cmd, f"-d{seconds}s", url], capture_output=True, text=True, check=True).stdout
-        loop1, proc1, t1 = loop_cpu_s(), process_cpu_s(), time.perf_counter()
+        loop1, proc1, eng1, t1 = loop_cpu_s(), process_cpu_s(), engine(), time.perf_counter()
     done = int(re.search(r"(\d+) requests in", out).group(1))  # type: ignore[union-attr]
     failed = int(re.search(r"failed (\d+)", out).group(1))  # type: ignore[union-attr]
     non2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
@@ -94,4 +101,5 @@ def saturate(
         _ms(lat["50"]),
         _ms(lat["99"]),
         failed + (int(non2xx.group(1)) if non2xx else 0),
+        (eng1 - eng0) / done * 1e3 if engine_cpu_s is not None else None,
     )

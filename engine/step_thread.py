@@ -14,8 +14,11 @@ shared cores is what they would do anyway, each with all of the cores.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import ctypes
 import logging
 import queue
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
@@ -24,6 +27,15 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 _Job = tuple[Callable[[], Any], "concurrent.futures.Future[Any]"] | None
+
+
+def name_os_thread(name: str) -> None:
+    """Give the calling thread `name` in the OS too (Linux: up to 15 bytes), so `top -H`, `ps -L` and /proc tell
+    the engine's CPU apart from the gateway's (Python 3.11 names only its own Thread objects)."""
+    if not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError, AttributeError):  # no libc symbol to call: the name is only cosmetic
+        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # 15: PR_SET_NAME
 
 
 class Stepper(Protocol):
@@ -53,6 +65,7 @@ class StepThread:
         self._thread.start()
 
     def _serve(self) -> None:
+        name_os_thread(self._thread.name)
         while True:
             self._run_jobs()
             busy = False

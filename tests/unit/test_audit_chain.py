@@ -44,6 +44,27 @@ def test_link_numbers_and_chains_events_without_touching_the_input() -> None:
     assert chain.last_hash == b["tianmen"]["chain"]["hash"] == event_hash(b)
 
 
+def test_link_encoded_is_the_linked_record_encoded() -> None:
+    """The spool's line, spliced from the hashed encoding, is byte for byte the record's canonical JSON, even
+    when client-controlled strings hold the chain object's opening, quotes, escapes and non-ASCII text."""
+    events = [
+        ev(0),
+        ev(1, tianmen={"model": "m", "content_policy": "full", "prompt": {"text": '"chain":{"prev":"' + GENESIS}}),
+        ev(2, user_agent={"original": 'a"chain":{"prev":"x",\\"'}, tianmen={"tool_calls": ["天门", "\u2028"]}),
+        ev(3, tianmen={"chain": {"writer": "forged", "seq": 99, "prev": "0", "hash": "1"}, "ttft_ms": 1e-05}),
+        {"@timestamp": "t", "event": {"id": "r4"}, "tianmen": None},
+    ]
+    a, b = Chain("w1"), Chain("w1")
+    for event in events:
+        before = copy.deepcopy(event)
+        assert b.link_encoded(event) == canonical_json(a.link(event))
+        assert event == before
+        assert (a.last_seq, a.last_hash) == (b.last_seq, b.last_hash)
+    # an object of the event's own that opens like the chain object: found twice, so encoded again
+    twin = ev(5, a={"chain": {"prev": GENESIS, "seq": 0}})
+    assert Chain("w1").link_encoded(twin) == canonical_json(Chain("w1").link(twin))
+
+
 def test_hash_covers_every_field_but_itself() -> None:
     rec = Chain("w1").link(ev(0, user={"id": "alice"}))
     h = rec["tianmen"]["chain"]["hash"]
