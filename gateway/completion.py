@@ -130,14 +130,19 @@ async def run(
 
     try:
         completed = await _until_disconnect(request, collect())
+    except BaseException:
+        _record(state, builder, None, guard)  # what came before the failure, for the audit trail
+        raise
     finally:
         await stream.aclose()
-        _record(state, builder, None, guard)
     if not completed:
+        _record(state, builder, None, guard)
         state.finish_reason = "client_disconnected"
         return Response(status_code=499)  # nobody is listening any more; recorded for the audit trail
-    response = builder.body(want_lp)
-    _record(state, builder, None, guard)  # again: parsing the answer for tool calls may have changed its finish reason
+    try:
+        response = builder.body(want_lp)
+    finally:  # after the body: parsing the answer for tool calls may have changed its finish reason
+        _record(state, builder, None, guard)
     return JSONResponse(response, headers=headers)
 
 

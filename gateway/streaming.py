@@ -111,14 +111,20 @@ class ResponseBuilder:
         self.choices = [Choice(tools=tools.stream() if tools is not None else None) for _ in range(n)]
         self.token_text = token_text
         self.object = "chat.completion" if chat else "text_completion"
-        fixed = {
-            "id": req_id,
-            "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": self.created,
-            "model": model,
-            "system_fingerprint": None,
-        }
-        self._chunk_head = b"data: " + _sse_json(fixed)[:-1] + b',"choices":['
+        self._head: bytes | None = None  # a stream's chunks' fixed fields, encoded at its first chunk
+
+    @property
+    def _chunk_head(self) -> bytes:
+        if self._head is None:
+            fixed = {
+                "id": self.id,
+                "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created,
+                "model": self.model,
+                "system_fingerprint": None,
+            }
+            self._head = b"data: " + _sse_json(fixed)[:-1] + b',"choices":['
+        return self._head
 
     def add(self, index: int, out: RequestOutput) -> Choice:
         c = self.choices[index]
