@@ -29,6 +29,26 @@ SHAPES: dict[str, dict] = {
         "eos_token_id": 151645,
         "torch_dtype": "bfloat16",
     },
+    # Qwen2-0.5B's layers and calls with almost nothing in them (hidden 128, a 1,024-token vocabulary): its decode
+    # step is the engine's own cost around the kernels, the part of a batch-1 token that is not streaming weights
+    "qwen2-0.5b-hollow": {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "hidden_size": 128,
+        "intermediate_size": 128,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "vocab_size": 1024,
+        "max_position_embeddings": 32768,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+        "hidden_act": "silu",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": "bfloat16",
+    },
     # the demo model's (SmolLM2-135M-Instruct) shape: the serving benchmark's engine work without the server
     "smollm2-135m": {
         "architectures": ["LlamaForCausalLM"],

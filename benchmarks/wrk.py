@@ -33,7 +33,7 @@ class Saturated:
 
     def line(self, what: str) -> str:
         own = ""
-        if self.engine_ms is not None:  # the gateway's own: every thread but the engine's (scheduling, forward)
+        if self.engine_ms:  # the gateway's own: every thread but the engine's (scheduling, forward); none: the floor
             own = f"; without the engine's step thread ({self.engine_ms:.3f} ms) "
             own += f"{self.process_ms - self.engine_ms:.3f} ms"
         return (
