@@ -11,10 +11,17 @@ from typing import Any
 def _pick_sm3() -> Callable[[bytes], str]:
     if "sm3" in hashlib.algorithms_available:
         try:
-            hashlib.new("sm3")
-            return lambda data: hashlib.new("sm3", data).hexdigest()
+            base = hashlib.new("sm3")
         except ValueError:  # listed but disabled (FIPS builds)
             pass
+        else:
+
+            def via_hashlib(data: bytes) -> str:
+                h = base.copy()  # a copy skips OpenSSL's fetch of the algorithm by name: a third of a short hash
+                h.update(data)
+                return h.hexdigest()
+
+            return via_hashlib
     try:
         from cryptography.hazmat.primitives import hashes
 
