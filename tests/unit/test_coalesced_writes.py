@@ -1,10 +1,10 @@
-"""gateway.connections.Coalesced: the writes of one event-loop pass leave as one write, in order, and none is lost."""
+"""gateway.coalesced.Coalesced: the writes of one event-loop pass leave as one write, in order, and none is lost."""
 
 from __future__ import annotations
 
 import asyncio
 
-from gateway.connections import Coalesced
+from gateway.coalesced import Coalesced
 
 
 class FakeTransport:
