@@ -22,6 +22,17 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_chat_model(tmp_path_factory.mktemp("m") / "tiny")
 
 
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="thread names in the OS are read from Linux /proc")
+def test_the_thread_carries_its_name_in_the_os() -> None:
+    """`top -H` and benchmarks.gateway tell the engine's CPU from the gateway's by this name (at most 15 bytes)."""
+    thread = StepThread("tianmen-engine-long-name")
+    tid = thread.call(threading.get_native_id)
+    assert Path(f"/proc/self/task/{tid}/comm").read_text().strip() == "tianmen-engine-"
+    assert Path(f"/proc/self/task/{threading.get_native_id()}/comm").read_text().strip() != "tianmen-engine-"
+    thread.finish()
+    thread.join(10)
+
+
 def test_runs_jobs_in_order_on_one_thread_and_hands_back_results_and_errors() -> None:
     thread = StepThread("test-step")
     seen: list[tuple[int, int]] = []
