@@ -52,12 +52,15 @@ class Chain:
 
     def link(self, event: Mapping[str, Any]) -> dict[str, Any]:
         """A copy of `event` with `tianmen.chain` {writer, seq, prev, hash}; advances the chain."""
-        seq = self.last_seq + 1
-        tianmen = {**(event.get("tianmen") or {}), "chain": {"writer": self.writer, "seq": seq, "prev": self.last_hash}}
-        record = {**event, "tianmen": tianmen}
+        record = self._next(event)
         record["tianmen"]["chain"]["hash"] = h = event_hash(record)
-        self.last_seq, self.last_hash = seq, h
+        self.last_seq, self.last_hash = record["tianmen"]["chain"]["seq"], h
         return record
+
+    def _next(self, event: Mapping[str, Any]) -> dict[str, Any]:
+        """A copy of `event` with the next `tianmen.chain` {writer, seq, prev}, not yet hashed; the chain unmoved."""
+        chain = {"writer": self.writer, "seq": self.last_seq + 1, "prev": self.last_hash}
+        return {**event, "tianmen": {**(event.get("tianmen") or {}), "chain": chain}}
 
     def link_encoded(self, event: Mapping[str, Any]) -> bytes:
         """`canonical_json(self.link(event))`, encoding the record once instead of twice.
@@ -66,16 +69,14 @@ class Chain:
         first key, so the record's encoding is the hashed one with `"hash":"…",` put after `"chain":{`. The
         chain object's opening (its prev hash included) can occur only once: every other quote inside a string
         is escaped. Should it not be found exactly once, the record is encoded again."""
-        seq = self.last_seq + 1
-        tianmen = {**(event.get("tianmen") or {}), "chain": {"writer": self.writer, "seq": seq, "prev": self.last_hash}}
-        record = {**event, "tianmen": tianmen}
+        record = self._next(event)
         hashed = canonical_json(record)
         h = sm3_hex(hashed)
         opening = b'"chain":{"prev":"' + self.last_hash.encode() + b'",'
         at = hashed.find(opening)
-        self.last_seq, self.last_hash = seq, h
+        self.last_seq, self.last_hash = record["tianmen"]["chain"]["seq"], h
         if at < 0 or hashed.find(opening, at + 1) >= 0:
-            tianmen["chain"]["hash"] = h
+            record["tianmen"]["chain"]["hash"] = h
             return canonical_json(record)
         cut = at + len(b'"chain":{')
         return b"".join((hashed[:cut], b'"hash":"', h.encode(), b'",', hashed[cut:]))

@@ -150,7 +150,7 @@ def _prune(d: dict[str, Any]) -> dict[str, Any]:
     for k, v in d.items():
         if v is None:
             continue
-        if type(v) is dict:  # the documents built above hold plain dicts only
+        if isinstance(v, dict):
             v = _prune(v)
             if not v:
                 continue

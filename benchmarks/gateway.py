@@ -31,6 +31,7 @@ import httpx
 
 from benchmarks import wrk
 from engine import SamplingParams
+from engine.step_thread import ENGINE_THREAD_NAME
 from gateway.demo import dev_key_spec, ensure_demo_model
 from gateway.server import build_engine
 from gateway.settings import Settings, load_settings
@@ -38,7 +39,6 @@ from security.devpki import ensure_dev_pki, mint_token
 from security.tls import client_ssl_context
 
 PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
-ENGINE_THREAD = "tianmen-engine"  # engine.step_thread names its thread so in the OS
 
 
 def loop_cpu_s(pid: int) -> float:
@@ -46,25 +46,28 @@ def loop_cpu_s(pid: int) -> float:
     return int(Path(f"/proc/{pid}/task/{pid}/schedstat").read_text().split()[0]) / 1e9
 
 
-def process_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of every thread of the process (clock-tick resolution)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+def _stat_cpu_s(stat: Path) -> float:
+    """User + system CPU seconds from a /proc .../stat file (clock-tick resolution)."""
+    fields = stat.read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def threads_cpu_s(pid: int, name: str) -> float:
-    """User + system CPU seconds of the process's threads named `name` (the engine names its step thread, and
-    the OpenMP workers it starts inherit the name)."""
-    total = 0
+def process_cpu_s(pid: int) -> float:
+    """Every thread of the process."""
+    return _stat_cpu_s(Path(f"/proc/{pid}/stat"))
+
+
+def threads_cpu_s(pid: int, prefix: str) -> float:
+    """The process's threads whose OS name starts with `prefix` (the engine names its step threads, and the
+    OpenMP workers they start inherit the name)."""
+    total = 0.0
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
-            if (task / "comm").read_text().strip() != name:
-                continue
-            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            if (task / "comm").read_text().startswith(prefix):
+                total += _stat_cpu_s(task / "stat")
         except OSError:  # the thread ended meanwhile
             continue
-        total += int(fields[11]) + int(fields[12])
-    return total / os.sysconf("SC_CLK_TCK")
+    return total
 
 
 def pin(cpus: str | None):  # type: ignore[no-untyped-def]
@@ -130,7 +133,7 @@ def saturated(url: str, model: str, token: str, pid: int, args: argparse.Namespa
             lambda: process_cpu_s(pid),
             args.wrk_connections,
             args.saturate,
-            lambda: threads_cpu_s(pid, ENGINE_THREAD),
+            lambda: threads_cpu_s(pid, ENGINE_THREAD_NAME),
         )
     except (subprocess.CalledProcessError, ValueError, AttributeError, KeyError) as e:  # the other rows still print
         print(f"wrk against {url} failed ({type(e).__name__}: {e}); no saturated row for it", file=sys.stderr)

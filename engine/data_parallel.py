@@ -24,7 +24,7 @@ from engine.outputs import RequestOutput
 from engine.parallel.launch import torchrun_rank
 from engine.params import SamplingParams
 from engine.sampler import SamplerFn
-from engine.step_thread import StepThread
+from engine.step_thread import ENGINE_THREAD_NAME, StepThread
 from engine.tokenizer import Tokenizer
 
 _SUMMED = (
@@ -71,7 +71,7 @@ class DataParallelEngine:
         threads: list[StepThread] = []
         try:
             for i in range(config.data_parallel_size):
-                threads.append(StepThread(f"tianmen-engine-{i}"))  # each replica built on the thread that steps it
+                threads.append(StepThread(f"{ENGINE_THREAD_NAME}-{i}"))  # each replica built on its stepping thread
                 cores.append(threads[-1].call(lambda i=i: EngineCore(replica_config(config, i), files, sampler)))  # type: ignore[misc]
             tokenizer = Tokenizer.from_files(cores[0].files.read)
             replicas = [AsyncEngine(core, tokenizer, thread) for core, thread in zip(cores, threads, strict=True)]

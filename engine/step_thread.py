@@ -26,6 +26,8 @@ from typing import Any, Protocol, TypeVar
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 
+ENGINE_THREAD_NAME = "tianmen-engine"  # in the OS too (name_os_thread); data-parallel replicas add "-<i>"
+
 _Job = tuple[Callable[[], Any], "concurrent.futures.Future[Any]"] | None
 
 
@@ -56,7 +58,7 @@ class StepThread:
     attached Stepper a turn while any has work; it sleeps on `wake` when none has. It ends once `finish()` was
     called and every stepper is done."""
 
-    def __init__(self, name: str = "tianmen-engine") -> None:
+    def __init__(self, name: str = ENGINE_THREAD_NAME) -> None:
         self.wake = threading.Event()  # set by anyone who gave a job or a stepper something to do
         self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
         self._steppers: list[Stepper] = []  # touched on the thread only

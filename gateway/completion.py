@@ -236,7 +236,7 @@ async def _until_disconnect(request: Request, work: Any, watch_after_s: float = 
     request). One watcher task, which cancels this one: cheaper than running `work` as a task of its own.
 
     WHY the watcher starts only after `watch_after_s`: most answers are done sooner, and a task made and
-    cancelled per request cost the event loop ~4% of its CPU at saturation (a timer costs a fraction of it); a
+    cancelled per request cost the event loop ~3% of its CPU at saturation (a timer costs a fraction of it); a
     client that leaves is still noticed, at most that much later."""
     task = asyncio.current_task()
     assert task is not None
