@@ -10,6 +10,7 @@ from engine.errors import ConfigError
 
 GEMM_PATHS = ("auto", "onednn", "torch", "bf16mm", "amxmm", "wbf16")
 QUANTIZATIONS = ("auto", "none", "w8a8", "w4a16")
+DECODE_PROGRAM_MODES = ("auto", "program", "layers")
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
@@ -67,6 +68,10 @@ class EngineConfig:
     # With cpu_kernels False only torch is honoured (oneDNN otherwise): F.linear, and quantized layers dequantized
     gemm_path: str = "auto"
     gemm_layouts: int = 2  # at most this many packed copies of a weight, each run for the batch sizes it wins
+    # CPU, bf16 Llama-family models: a decode step's kernels as one C call (engine.models.llama_program). auto:
+    # where it measured faster than the layers' Python on the first steps of each batch class; program | layers
+    # force one way (debugging, tests)
+    decode_program: str = "auto"
     # what the checkpoint's quantization_config holds (engine.quant): auto takes it; none | w8a8 | w4a16 insist on
     # it (a checkpoint holding something else is refused). After loading: what was loaded, never auto
     quantization: str = "auto"
@@ -105,6 +110,9 @@ class EngineConfig:
             raise ConfigError(f"gemm_path must be one of {', '.join(GEMM_PATHS)}; got {self.gemm_path!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {self.quantization!r}")
+        if self.decode_program not in DECODE_PROGRAM_MODES:
+            modes = ", ".join(DECODE_PROGRAM_MODES)
+            raise ConfigError(f"decode_program must be one of {modes}; got {self.decode_program!r}")
         if self.gemm_layouts < 1:
             raise ConfigError(f"gemm_layouts must be >= 1; got {self.gemm_layouts}")
         for name in ("tensor_parallel_size", "data_parallel_size"):

@@ -108,6 +108,7 @@ class EngineSettings:
     cpu_kernels: bool = True
     gemm_path: str = "auto"  # auto: measured per weight shape on this CPU; onednn|torch|bf16mm|amxmm|wbf16 forces one
     gemm_layouts: int = 2  # at most this many packed copies of one weight
+    decode_program: str = "auto"  # auto: a decode step as one C call where measured faster | program | layers
     seed: int = 0
     tensor_parallel_size: int = 1  # ranks the model is split over (local worker processes, or torchrun's ranks)
     enable_expert_parallel: bool = False  # DeepSeek MoE: routed experts spread over the ranks

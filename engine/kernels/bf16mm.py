@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -60,6 +61,11 @@ class BF16MM:
     def linear(self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., K] bf16 → x W^T + b, [..., N] bf16."""
         return run_bf16(self.lib.bf16mm_linear, x, packed, n, bias, n)
+
+    def bf16_entry(self, n: int, bias: torch.Tensor | None) -> tuple[Any, int, torch.Tensor | None]:
+        """engine.kernels.gemm.KernelRun.bf16_entry."""
+        b = bias.to(torch.bfloat16).contiguous() if bias is not None else None
+        return self.lib.bf16mm_linear, n, b
 
     def grouped(
         self, counts: ctypes.Array, n: int, k: int, x: torch.Tensor, weights: ctypes.Array, y: torch.Tensor,

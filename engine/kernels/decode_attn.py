@@ -48,6 +48,10 @@ class DecodeAttention:
     def build(cls, flags: tuple[str, ...] = ("-march=native",)) -> DecodeAttention:
         return cls(build(SOURCE, flags))
 
+    def entry(self, dtype: torch.dtype) -> Any | None:
+        """The C entry point for caches of `dtype` (engine.kernels.program calls it directly), or None."""
+        return self._fn.get(dtype)
+
     def takes(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, block_size: int = 16) -> bool:
         """The shapes the kernel is written for (decode_attn.c; any block size): others keep gather + SDPA."""
         return (

@@ -150,9 +150,8 @@ class KernelPath:
 
     def prepare(self, weight: torch.Tensor, bias: torch.Tensor | None, act: Act | None) -> Run:
         packed = packed_once(_PACKED, (self.layout, id(weight)), weight, lambda: self.kernel.pack(weight))
-        n, kernel = weight.shape[0], self.kernel
         b = bias.to(self.dtype) if bias is not None else None
-        return with_act(lambda x: kernel.linear(x, packed, n, b), act)
+        return with_act(KernelRun(self.kernel, packed, weight.shape[0], b), act)
 
 
 class FusedSiluPath:
@@ -167,8 +166,26 @@ class FusedSiluPath:
 
     def prepare(self, weight: torch.Tensor, bias: torch.Tensor | None, act: Act | None) -> Run:
         packed = packed_once(_PACKED, (self.layout, id(weight)), weight, lambda: self.kernel.pack(weight))
-        n, kernel = weight.shape[0], self.kernel
-        return lambda x: kernel.linear(x, packed, n, bias)
+        return KernelRun(self.kernel, packed, weight.shape[0], bias)
+
+
+class KernelRun:
+    """A prepared call of a compiled kernel: x → kernel.linear(x, packed, n, bias). A decode program
+    (engine.kernels.program) reads its parts to call the kernel's entry point itself."""
+
+    __slots__ = ("bias", "kernel", "n", "packed")
+
+    def __init__(self, kernel: GemmKernel, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> None:
+        self.kernel, self.packed, self.n, self.bias = kernel, packed, n, bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel.linear(x, self.packed, self.n, self.bias)
+
+    def bf16_entry(self) -> tuple[Any, int, torch.Tensor | None] | None:
+        """(entry point, output columns, bias as the entry takes it) where the kernel's entry takes run_bf16's
+        arguments over bf16 activations; None for any other kernel."""
+        entry = getattr(self.kernel, "bf16_entry", None)
+        return entry(self.n, self.bias) if entry is not None else None
 
 
 def check_bf16_gemm(kernel: GemmKernel, shapes: tuple[tuple[int, int, int], ...]) -> None:
@@ -242,3 +259,8 @@ class SiluMulKernel:
         """x [..., K] → silu(x Wg^T + bg) * (x Wu^T + bu), [..., n / 2]."""
         b = interleave_halves(bias) if bias is not None else None
         return run_bf16(self.fn, x, packed, n, b, n // 2)
+
+    def bf16_entry(self, n: int, bias: torch.Tensor | None) -> tuple[Any, int, torch.Tensor | None]:
+        """KernelRun.bf16_entry: the fused entry point, n / 2 columns out, the bias interleaved as its rows are."""
+        b = interleave_halves(bias).to(torch.bfloat16).contiguous() if bias is not None else None
+        return self.fn, n // 2, b

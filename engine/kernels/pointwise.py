@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -65,6 +66,14 @@ class PointwiseKernels:
     @classmethod
     def build(cls, flags: tuple[str, ...] = ("-march=native",)) -> PointwiseKernels:
         return cls(build(SOURCE, flags))
+
+    def norm_entry(self, dtype: torch.dtype) -> Any | None:
+        """The add + RMSNorm C entry point for `dtype` (engine.kernels.program calls it directly), or None."""
+        return self._norm.get(dtype)
+
+    def rope_entry(self, dtype: torch.dtype) -> Any | None:
+        """The in-place RoPE C entry point for `dtype`, or None."""
+        return self._rope.get(dtype)
 
     @staticmethod
     def takes(x: torch.Tensor, *others: torch.Tensor) -> bool:

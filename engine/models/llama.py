@@ -7,11 +7,13 @@ all-reduce each (engine.layers.parallel)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from engine.kernels import program
 from engine.kernels.pointwise import PointwiseKernels
 from engine.layers.attention import PagedAttention
 from engine.layers.linear import MergedLinear
@@ -19,6 +21,8 @@ from engine.layers.mlp import GatedMLP
 from engine.layers.norm import RMSNorm
 from engine.layers.parallel import VocabEmbedding, gather_logits, row_linear, split_heads, vocab_head
 from engine.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+from engine.models import llama_program
+from engine.models.decode_program import DecodePrograms
 from engine.models.decoder import DecoderLayer, DecoderModel
 from engine.parallel.group import Group, SingleGroup
 
@@ -134,9 +138,17 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = vocab_head(a.hidden_size, a.vocab_size, self.group)
         if a.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.programs: DecodePrograms | None = None  # decode steps as one C call (engine.models.llama_program)
+
+    def bind_kernels(self, kernels: CpuKernels) -> None:
+        # the executor is compiled now, not at the first request's decode step
+        usable = kernels.rms_norm is not None and program.library() is not None
+        self.programs = DecodePrograms(partial(llama_program.build, self)) if usable else None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         cos, sin = self.rotary(positions, self.model.norm.weight.dtype)
+        if self.programs is not None:
+            return self.programs.forward(self.model, input_ids, cos, sin)
         return self.model(input_ids, cos, sin)  # [T, hidden]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,132 @@
+"""A fixed list of kernel calls run by one C call (engine/kernels/program.c): a decode step without Python.
+
+At batch 1 a small model's kernels take a few microseconds each, and reaching each of them from Python took
+longer than running it: module calls, argument checks, a `torch.empty` per output and the ctypes call came to
+~100 us a layer on a Zen 4 (`qwen2-0.5b-hollow`, docs/PERFORMANCE.md). A `Program` records the calls once, with
+their weights, caches and buffers, and replays them in C; what changes between steps (the rows, the block tables,
+the context lengths, the cache slots, the rotary angles, the input) is read from a handful of step values.
+
+The entry points are the kernels' own (bf16mm.c or amxmm.c, pointwise.c, decode_attn*.c), called with the same
+arguments as from Python, so a program computes exactly what the layers compute.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.kernels.cbuild import Once, build
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("program.c")
+OP_WIDTH = 20  # as in program.c
+OP_GEMM, OP_NORM, OP_ROPE, OP_STORE, OP_ATTN = 1, 2, 3, 4, 5
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """An argument read from the step's values when the program runs (its index among them)."""
+
+    index: int
+
+
+ROWS, TABLES, TABLE_WIDTH, LENS, SLOTS, COS, SIN, THREADS, INPUT = (Step(i) for i in range(9))
+NUM_STEP_VALUES = 9
+Arg = int | Step | None
+
+
+def f32_bits(value: float) -> int:
+    return struct.unpack("<I", struct.pack("<f", value))[0]
+
+
+def address(fn: Any) -> int:
+    """A ctypes function's entry point."""
+    return ctypes.cast(fn, ctypes.c_void_p).value or 0
+
+
+class ProgramBuilder:
+    """Ops in the order they run. Pointers are plain ints: whoever builds a program keeps what they point to alive
+    (`keep`)."""
+
+    def __init__(self) -> None:
+        self.rows: list[list[int]] = []
+        self.keep: list[torch.Tensor] = []
+
+    def _op(self, kind: int, fn: int, *args: Arg) -> None:
+        assert len(args) <= OP_WIDTH - 3
+        row = [kind, fn, 0] + [0] * (OP_WIDTH - 3)
+        for j, a in enumerate(args):
+            if isinstance(a, Step):
+                row[2] |= 1 << j
+                row[3 + j] = a.index
+            else:
+                row[3 + j] = 0 if a is None else int(a)
+        self.rows.append(row)
+
+    def gemm(self, fn: int, n: int, k: int, x: Arg, w: int, bias: int | None, y: int) -> None:
+        """y[rows, n] = x[rows, k] through a bf16 kernel's entry point (engine.kernels.gemm.run_bf16's arguments)."""
+        self._op(OP_GEMM, fn, ROWS, n, k, x, w, bias, y, THREADS)
+
+    def norm(self, fn: int, dim: int, x: Arg, residual: Arg, w: int, eps: float, out: int, total: Arg) -> None:
+        """out = RMSNorm(x + residual), total = x + residual (pointwise.c; `total` may be `residual` itself)."""
+        self._op(OP_NORM, fn, ROWS, dim, x, residual, w, f32_bits(eps), out, total, THREADS)
+
+    def rope(self, fn: int, heads: int, head_dim: int, x: int, ld: int) -> None:
+        """RoPE in place over [rows][heads][head_dim], rows `ld` elements apart (pointwise.c)."""
+        self._op(OP_ROPE, fn, ROWS, heads, head_dim, x, ld, COS, SIN, THREADS)
+
+    def store(
+        self, ld: int, q: int, q_bytes: int, q_out: int, k: int, v: int, kv_bytes: int, k_cache: int, v_cache: int
+    ) -> None:
+        """K and V rows into the cache at the step's slots; the query rows into a dense buffer (bytes)."""
+        self._op(OP_STORE, 0, ROWS, ld, q, q_bytes, q_out, k, v, kv_bytes, k_cache, v_cache, SLOTS)
+
+    def attention(
+        self, fn: int, heads: int, kv_heads: int, head_dim: int, q: int, k_cache: int, v_cache: int, block_size: int,
+        scale: float, out: int,
+    ) -> None:  # fmt: skip
+        """Decode attention over the paged cache (decode_attn*.c's arguments)."""
+        args = (ROWS, heads, kv_heads, head_dim, q, k_cache, v_cache, block_size, TABLES, TABLE_WIDTH, LENS)
+        self._op(OP_ATTN, fn, *args, f32_bits(scale), out, THREADS)
+
+    def buffer(self, *shape: int, dtype: torch.dtype) -> torch.Tensor:
+        t = torch.empty(*shape, dtype=dtype)
+        self.keep.append(t)
+        return t
+
+    def build(self, lib: ctypes.CDLL, output: torch.Tensor) -> Program:
+        return Program(lib, torch.tensor(self.rows, dtype=torch.int64), self.keep, output)
+
+
+class Program:
+    """The ops, and `output`: the buffer whose first rows hold the result after a call."""
+
+    def __init__(self, lib: ctypes.CDLL, table: torch.Tensor, keep: list[torch.Tensor], output: torch.Tensor) -> None:
+        self.lib, self.table, self.keep, self.output = lib, table, keep, output
+        self.n = table.shape[0]
+        self._ops = table.data_ptr()
+
+    def __call__(self, step: Sequence[int]) -> None:
+        values = (ctypes.c_int64 * NUM_STEP_VALUES)(*step)
+        done = self.lib.program_run(self._ops, self.n, values)
+        if done != self.n:  # a table this module wrote cannot hold another kind: a bug, never input
+            raise RuntimeError(f"program op {done} has an unknown kind {int(self.table[done, 0])}")
+
+
+def _load() -> ctypes.CDLL:
+    lib = build(SOURCE, ("-march=native",))
+    lib.program_run.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    lib.program_run.restype = ctypes.c_int64
+    return lib
+
+
+# the executor is a loop and a switch: checked through the programs' own parity with the layers (tests)
+library = Once(_load, log, "decode steps will call each kernel from Python (slower at small batches)")
