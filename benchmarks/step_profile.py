@@ -8,7 +8,8 @@ up, then once timed, wrapping Linear, attention, RMSNorm, DeepSeek's MoE and MLA
 with wall-clock timers. Prints
 one row per (module, shape) with its total, call count and ms per call; rows with more than 64 input rows
 are the prefill's. The wrappers cost a little themselves; compare runs of this command with each other, and
-throughput with benchmarks.throughput.
+throughput with benchmarks.throughput. Decode steps run through the layers unless --decode-program says
+otherwise: a step run as one program (engine.models.llama_program) has no module calls to time.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 from benchmarks.shapes import SHAPES, checkpoint
 from benchmarks.throughput import quantized
 from engine import LLM, EngineConfig, SamplingParams
-from engine.config import GEMM_PATHS
+from engine.config import DECODE_PROGRAM_MODES, GEMM_PATHS
 from engine.kernels.decode_attn import DecodeAttention
 from engine.kernels.grouped import GroupedExperts
 from engine.kernels.select import GemmPlan, row_class
@@ -72,6 +73,12 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--no-cpu-kernels", action="store_true", help="cpu_kernels = false: oneDNN and torch only")
     ap.add_argument("--gemm-path", default="auto", choices=GEMM_PATHS, help="force one GEMM path (default: measured)")
+    ap.add_argument(
+        "--decode-program",
+        default="layers",
+        choices=DECODE_PROGRAM_MODES,
+        help="decode steps through the layers (default: each module timed) or as one C call (its steps are one row)",
+    )
     ap.add_argument("--quantization", choices=["w8a8", "w4a16"], help="profile the shape's quantized copy")
     ap.add_argument("--group-size", type=int, default=128, help="w4a16's group size")
     ap.add_argument("--quantize-lm-head", action="store_true", help="with the LM head quantized too")
@@ -101,6 +108,7 @@ def main() -> None:
         enable_prefix_caching=False,
         cpu_kernels=not args.no_cpu_kernels,
         gemm_path=args.gemm_path,
+        decode_program=args.decode_program,
     )
     llm = LLM(config)
     rng = random.Random(0)

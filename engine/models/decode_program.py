@@ -28,15 +28,15 @@ TRIALS = 6  # timed steps of each way per class, after one untimed step each
 
 
 class _Choice:
-    def __init__(self, program: Program | None) -> None:
-        self.program = program
+    def __init__(self, program: Program | str) -> None:
+        self.program = program if isinstance(program, Program) else None
         self.use: bool | None = None if program is not None else False  # None: still measuring
         self.times: tuple[list[float], list[float]] = ([], [])  # seconds a step: (layers, program)
 
 
 class DecodePrograms:
-    def __init__(self, build: Callable[[int], Program | None], mode: str = "auto") -> None:
-        """`build(rows)`: the program for decode steps of that many rows' class, or None."""
+    def __init__(self, build: Callable[[int], Program | str], mode: str = "auto") -> None:
+        """`build(rows)`: the program for decode steps of that many rows' class, or why there is none."""
         assert mode in DECODE_PROGRAM_MODES
         self.build, self.mode = build, mode
         self._choices: dict[int, _Choice] = {}
@@ -53,10 +53,10 @@ class DecodePrograms:
         cls = row_class(rows)
         choice = self._choices.get(cls)
         if choice is None:
-            choice = self._choices[cls] = _Choice(self.build(rows))
-            if choice.program is None:
-                log.info("decode steps of %s rows run through the layers: some part has no kernel a program calls",
-                         CLASSES[cls])  # fmt: skip
+            built = self.build(rows)
+            choice = self._choices[cls] = _Choice(built)
+            if isinstance(built, str):
+                log.info("decode steps of %s rows run through the layers: %s", CLASSES[cls], built)
         if choice.program is None or choice.use is False:
             return decoder(input_ids, cos, sin)
         if choice.use or self.mode == "program":

@@ -49,20 +49,24 @@ def _norm_entry(norm: RMSNorm, dtype: torch.dtype) -> int | None:
     return address(fn) if fn is not None else None
 
 
-def build(model: LlamaForCausalLM, rows: int) -> Program | None:
-    """The program for decode steps of `rows`' batch class, or None where some part is not programmable."""
+def build(model: LlamaForCausalLM, rows: int) -> Program | str:
+    """The program for decode steps of `rows`' batch class, or what keeps one from being built (for the log).
+
+    Only kernels the layers themselves run are called: a program computes what they compute, bit for bit."""
     lib = program.library()
     a, decoder = model.args, model.model
     dtype = decoder.norm.weight.dtype
     cls = row_class(rows)
-    if lib is None or dtype != torch.bfloat16 or model.group.size != 1 or cls >= len(DECODE_ROWS):
-        return None
+    if lib is None:
+        return "the program executor did not build"
+    if dtype != torch.bfloat16 or model.group.size != 1 or cls >= len(DECODE_ROWS):
+        return "programs are built for bf16 math on one rank, up to 128 rows"
     width = DECODE_ROWS[cls]  # the most rows a step of this class has
     b = ProgramBuilder()
     hidden, esize = a.hidden_size, torch.empty(0, dtype=dtype).element_size()
     final = _norm_entry(decoder.norm, dtype)
     if final is None:
-        return None
+        return "the final RMSNorm runs in torch"
     ptr = torch.Tensor.data_ptr
     norm_out = b.buffer(width, hidden, dtype=dtype)
     residual = b.buffer(width, hidden, dtype=dtype)
@@ -87,16 +91,21 @@ def build(model: LlamaForCausalLM, rows: int) -> Program | None:
         rope = attn.kernel.rope_entry(dtype) if isinstance(attn.kernel, PointwiseKernels) else None
         fits = isinstance(pa.kernel, DecodeAttention) and pa.in_place(width)
         attn_fn = pa.kernel.entry(dtype) if fits else None  # type: ignore[union-attr]
-        parts = (n1, n2, qkv, o, gate_up, down, rope, attn_fn)
-        if any(p is None for p in parts) or pa.k_cache.dtype != dtype or pa.k_cache.dim() != 4:
-            return None
+        parts = {"RMSNorm": n1 and n2, "the QKV GEMM": qkv, "the O GEMM": o, "the gate/up GEMM": gate_up,
+                 "the down GEMM": down, "RoPE": rope, "decode attention": attn_fn}  # fmt: skip
+        missing = [name for name, part in parts.items() if part is None]
+        if missing:
+            return f"{missing[0]} has no C kernel here (torch, oneDNN or a kernel of another signature runs it)"
         assert qkv is not None and o is not None and gate_up is not None and down is not None  # (for the types)
         h, kv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
         q_cols, kv_cols = h * d, kv * d
-        if qkv[1] != q_cols + 2 * kv_cols or o[1] != hidden or down[1] != hidden:
-            return None
-        if attn.o_proj.in_features != q_cols or mlp.down_proj.in_features != gate_up[1]:
-            return None
+        shapes = (qkv[1], o[1], down[1], attn.o_proj.in_features, mlp.down_proj.in_features)
+        if (
+            pa.k_cache.dtype != dtype
+            or pa.k_cache.dim() != 4
+            or shapes != (q_cols + 2 * kv_cols, hidden, hidden, q_cols, gate_up[1])
+        ):
+            return "a layer's shapes are not the plain Llama layout"
         qkv_buf, q_buf = shared("qkv", qkv[1]), shared("q", q_cols)
         a_buf, act_buf = shared("attention", q_cols), shared("act", gate_up[1])
         for bias in (qkv[4], o[4], gate_up[4], down[4]):

@@ -69,6 +69,8 @@ if bf16mm.supported():
     CONFIGS["bf16mm"] = {"gemm_path": "bf16mm"}
 if amxmm.supported():
     CONFIGS["amxmm"] = {"gemm_path": "amxmm"}
+if bf16mm.supported() or amxmm.supported():  # every decode step one C call (engine.models.llama_program)
+    CONFIGS["program"] = {"gemm_path": "bf16mm" if bf16mm.supported() else "amxmm", "decode_program": "program"}
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
