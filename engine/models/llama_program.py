@@ -103,6 +103,7 @@ def build(model: LlamaForCausalLM, rows: int) -> Program | str:
         if (
             pa.k_cache.dtype != dtype
             or pa.k_cache.dim() != 4
+            or not (pa.k_cache.is_contiguous() and pa.v_cache.is_contiguous())
             or shapes != (q_cols + 2 * kv_cols, hidden, hidden, q_cols, gate_up[1])
         ):
             return "a layer's shapes are not the plain Llama layout"
