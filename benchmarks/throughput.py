@@ -2,6 +2,7 @@
 
     python -m benchmarks.throughput [--shape qwen2-0.5b|deepseek-v2-tiny] [--num-prompts 32] [--prompt-len 128]
                                     [--output-len 128] [--vllm /path/to/vllm-venv/bin/python] [--onednn-row]
+                                    [--layers-row]
                                     [--quantization w8a8|w4a16 [--group-size 128] [--quantize-lm-head] [--rotate]]
                                     [--device cpu|cuda] [--llamacpp DIR]
 
@@ -16,6 +17,9 @@ each ratio against our row of the same precision (benchmarks.llamacpp_peer).
 With --vllm, vLLM's CPU build runs twice: plain (both cores bound) and with tcmalloc + Intel OpenMP preloaded
 (its docs' advice, when both are installed); the better is reported as "vLLM". The machine bound (measured GEMM
 peak and read bandwidth, benchmarks.bound) is printed beside the rows.
+
+With --layers-row, a "tianmen-layers" row runs every decode step through the layers' Python instead of as one
+program (engine.models.llama_program), which the default row uses wherever it measured faster.
 
 Batch: N prompts of random token ids, greedy, EOS ignored → output tok/s. Batch-1: ms per decoded token. Each
 tianmen row first prints its process's resident memory once the engine is loaded (weights as packed for the
@@ -45,10 +49,17 @@ import torch
 from benchmarks.bound import Machine, Workload
 from benchmarks.shapes import SHAPES, checkpoint
 from engine import LLM, EngineConfig, SamplingParams
+from engine.models.decode_program import TRIALS
 
 
 def ours(
-    path: str, prompts: list[list[int]], n: int, dtype: str, cpu_kernels: bool = True, device: str = "auto"
+    path: str,
+    prompts: list[list[int]],
+    n: int,
+    dtype: str,
+    cpu_kernels: bool = True,
+    device: str = "auto",
+    decode_program: str = "auto",
 ) -> tuple[float, float]:
     config = EngineConfig(
         model=path,
@@ -57,11 +68,15 @@ def ours(
         max_num_seqs=max(len(prompts), 1),
         max_model_len=1024,
         cpu_kernels=cpu_kernels,
+        decode_program=decode_program,
     )
     llm = LLM(config)
     print(f"{Path(path).name}: {resident_mib():.0f} MiB resident after load", flush=True)  # weights, layouts, KV
     params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
-    llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
+    # warm-up, long enough for batch-1 decode steps to settle whether they run as one program (the batch's steps
+    # settle within their first 2 * TRIALS + 2 of the timed run)
+    warm = SamplingParams(max_tokens=2 * TRIALS + 4, temperature=0, ignore_eos=True)
+    llm.generate([prompts[0][:16]], warm)
     t = time.perf_counter()
     outs = llm.generate(prompts, params)
     batch_s = time.perf_counter() - t
@@ -157,6 +172,9 @@ def main() -> None:
     ap.add_argument(
         "--onednn-row", action="store_true", help="also run tianmen with cpu_kernels off (every GEMM in oneDNN)"
     )
+    ap.add_argument(
+        "--layers-row", action="store_true", help="also run tianmen with every decode step through the layers' Python"
+    )
     ap.add_argument("--vllm", metavar="PYTHON", help="also run vLLM's CPU build with this venv's python")
     ap.add_argument("--quantization", choices=["w8a8", "w4a16"], help="also run tianmen on a quantized copy")
     ap.add_argument("--group-size", type=int, default=128, help="W4A16's group size")
@@ -179,6 +197,9 @@ def main() -> None:
     work = [("tianmen", lambda: isolated(ours, path, chosen, args.output_len, dname, True, dev))]
     if args.onednn_row:
         work.append(("tianmen-onednn", lambda: isolated(ours, path, chosen, args.output_len, dname, False, dev)))
+    if args.layers_row:
+        layers = ("tianmen-layers", lambda: isolated(ours, path, chosen, args.output_len, dname, True, dev, "layers"))
+        work.append(layers)
     if args.quantization:
         qpath = str(quantized(Path(path), args.quantization, args.group_size, args.quantize_lm_head))
         qname = f"tianmen {args.quantization}" + (" +head" if args.quantize_lm_head else "")
