@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from engine.structured import StructuredOutputs
@@ -91,12 +91,19 @@ async def openapi(request: Request) -> Response:
 
 
 async def _body(request: Request) -> bytes:
-    try:
-        return await request.body()
-    except ClientDisconnect:  # gone before the body was in (or cut by the shutdown): nobody to answer, no trace
-        raise APIError(
-            400, "the connection closed before the request body was complete", code="client_disconnected"
-        ) from None
+    """The request's body, read from its ASGI messages here: Starlette's `Request.body()` goes through an async
+    generator closed by `aclosing`, about 3% of a short request's time on the event loop (py-spy, Zen 4)."""
+    chunks: list[bytes] = []
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.request":
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        elif message["type"] == "http.disconnect":  # gone before the body was in (or cut by the shutdown)
+            raise APIError(
+                400, "the connection closed before the request body was complete", code="client_disconnected"
+            )
 
 
 def _route(models: ModelRegistry, principal: Principal, model: str) -> ServedModel:
