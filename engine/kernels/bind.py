@@ -82,6 +82,8 @@ def gemm_paths(dtype: torch.dtype, batch_hint: int, use_kernels: bool, bf16_weig
             paths += [KernelPath("amxmm" + TIMED_ONLY, ap, dtype, "amxmm"), plain_silu]
     if dtype == torch.float32 and bf16_weights and (w := wbf16.kernel()) is not None:
         paths.append(KernelPath("wbf16", w, dtype))
+        if (silu := wbf16.silu_mul_kernel()) is not None:
+            paths.append(FusedSiluPath(silu, "wbf16-silu"))
     return paths
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -53,7 +54,19 @@ class GemmPath(Protocol):
 
 def with_act(run: Run, act: Act | None) -> Run:
     """`run`, then a gated MLP's act on its output where there is one (a path that does not fuse it)."""
-    return run if act is None else lambda x: act(run(x))
+    return run if act is None else WithAct(run, act)
+
+
+class WithAct:
+    """act(run(x)): a GEMM, then the gated MLP's act in torch (a decode program calls the two apart)."""
+
+    __slots__ = ("act", "run")
+
+    def __init__(self, run: Run, act: Act) -> None:
+        self.run, self.act = run, act
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.run(x))
 
 
 class TorchPath:
@@ -169,6 +182,17 @@ class FusedSiluPath:
         return KernelRun(self.kernel, packed, weight.shape[0], bias)
 
 
+@dataclass(frozen=True, slots=True)
+class CEntry:
+    """How a decode program (engine.kernels.program) calls a prepared GEMM: `fn(M, N, K, x, packed, bias, y,
+    threads)` writes `cols` columns of `dtype` (the activations' dtype in and out); `bias` as the entry takes it."""
+
+    fn: Any
+    cols: int
+    bias: torch.Tensor | None
+    dtype: torch.dtype
+
+
 class KernelRun:
     """A prepared call of a compiled kernel: x → kernel.linear(x, packed, n, bias). A decode program
     (engine.kernels.program) reads its parts to call the kernel's entry point itself."""
@@ -181,10 +205,10 @@ class KernelRun:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernel.linear(x, self.packed, self.n, self.bias)
 
-    def bf16_entry(self) -> tuple[Any, int, torch.Tensor | None] | None:
-        """(entry point, output columns, bias as the entry takes it) where the kernel's entry takes run_bf16's
-        arguments over bf16 activations; None for any other kernel."""
-        entry = getattr(self.kernel, "bf16_entry", None)
+    def c_entry(self) -> CEntry | None:
+        """The kernel's C entry point for this call where it takes run_bf16's arguments (M, N, K, x, packed, bias,
+        y, threads) over activations of one dtype; None for any other kernel."""
+        entry = getattr(self.kernel, "c_entry", None)
         return entry(self.n, self.bias) if entry is not None else None
 
 
@@ -246,6 +270,8 @@ class SiluMulKernel:
     is silu(gate) * up, [..., I], with the roundings of the unfused bf16 torch code. The weight's rows are
     interleaved in blocks of 32 (interleave_halves), so I must be a multiple of 32."""
 
+    dtype = torch.bfloat16  # the activations' (a float32 kernel's subclass says so)
+
     def __init__(self, base: GemmKernel, fn: Callable[..., None]) -> None:
         self.base, self.fn = base, fn
 
@@ -260,7 +286,7 @@ class SiluMulKernel:
         b = interleave_halves(bias) if bias is not None else None
         return run_bf16(self.fn, x, packed, n, b, n // 2)
 
-    def bf16_entry(self, n: int, bias: torch.Tensor | None) -> tuple[Any, int, torch.Tensor | None]:
-        """KernelRun.bf16_entry: the fused entry point, n / 2 columns out, the bias interleaved as its rows are."""
-        b = interleave_halves(bias).to(torch.bfloat16).contiguous() if bias is not None else None
-        return self.fn, n // 2, b
+    def c_entry(self, n: int, bias: torch.Tensor | None) -> CEntry:
+        """KernelRun.c_entry: the fused entry point, n / 2 columns out, the bias interleaved as its rows are."""
+        b = interleave_halves(bias).to(self.dtype).contiguous() if bias is not None else None
+        return CEntry(self.fn, n // 2, b, self.dtype)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,6 +41,7 @@ class Step:
 ROWS, TABLES, TABLE_WIDTH, LENS, SLOTS, COS, SIN, THREADS, INPUT = (Step(i) for i in range(9))
 NUM_STEP_VALUES = 9
 Arg = int | Step | None
+Hook = Callable[[int], object]  # Python between two runs of C calls, given the step's rows
 
 
 def f32_bits(value: float) -> int:
@@ -59,6 +60,7 @@ class ProgramBuilder:
     def __init__(self) -> None:
         self.rows: list[list[int]] = []
         self.keep: list[torch.Tensor] = []
+        self.hooks: list[tuple[int, Hook]] = []  # (ops before it, the Python to run there)
 
     def _op(self, kind: int, fn: int, *args: Arg) -> None:
         assert len(args) <= OP_WIDTH - 3
@@ -97,28 +99,51 @@ class ProgramBuilder:
         args = (ROWS, heads, kv_heads, head_dim, q, k_cache, v_cache, block_size, TABLES, TABLE_WIDTH, LENS)
         self._op(OP_ATTN, fn, *args, f32_bits(scale), out, THREADS)
 
+    def python(self, hook: Hook) -> None:
+        """Stop the C calls here for `hook(rows)` (torch code that has no C kernel), then go on."""
+        self.hooks.append((len(self.rows), hook))
+
     def buffer(self, *shape: int, dtype: torch.dtype) -> torch.Tensor:
         t = torch.empty(*shape, dtype=dtype)
         self.keep.append(t)
         return t
 
     def build(self, lib: ctypes.CDLL, output: torch.Tensor) -> Program:
-        return Program(lib, torch.tensor(self.rows, dtype=torch.int64), self.keep, output)
+        return Program(lib, torch.tensor(self.rows, dtype=torch.int64), self.keep, output, self.hooks)
 
 
 class Program:
-    """The ops, and `output`: the buffer whose first rows hold the result after a call."""
+    """The ops, and `output`: the buffer whose first rows hold the result after a call. `hooks`: Python run
+    between the C calls, each after the ops before it."""
 
-    def __init__(self, lib: ctypes.CDLL, table: torch.Tensor, keep: list[torch.Tensor], output: torch.Tensor) -> None:
+    def __init__(
+        self,
+        lib: ctypes.CDLL,
+        table: torch.Tensor,
+        keep: list[torch.Tensor],
+        output: torch.Tensor,
+        hooks: Sequence[tuple[int, Hook]] = (),
+    ) -> None:
         self.lib, self.table, self.keep, self.output = lib, table, keep, output
         self.n = table.shape[0]
-        self._ops = table.data_ptr()
+        segments: list[tuple[int, int, Hook | None]] = []
+        start = 0
+        for at, hook in hooks:
+            segments.append((start, at - start, hook))
+            start = at
+        segments.append((start, self.n - start, None))
+        row_bytes = table.element_size() * OP_WIDTH
+        self._segments = [(table.data_ptr() + a * row_bytes, a, n, hook) for a, n, hook in segments]
+        self.hooks = len(segments) - 1  # Python calls a run makes between its C calls
 
     def __call__(self, step: Sequence[int]) -> None:
         values = (ctypes.c_int64 * NUM_STEP_VALUES)(*step)
-        done = self.lib.program_run(self._ops, self.n, values)
-        if done != self.n:  # a table this module wrote cannot hold another kind: a bug, never input
-            raise RuntimeError(f"program op {done} has an unknown kind {int(self.table[done, 0])}")
+        for ops, first, n, hook in self._segments:
+            done = self.lib.program_run(ops, n, values)
+            if done != n:  # a table this module wrote cannot hold another kind: a bug, never input
+                raise RuntimeError(f"program op {first + done} has an unknown kind {int(self.table[first + done, 0])}")
+            if hook is not None:
+                hook(step[ROWS.index])
 
 
 def _load() -> ctypes.CDLL:

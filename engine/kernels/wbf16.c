@@ -214,6 +214,32 @@ void wbf16_linear(int64_t M, int64_t N, int64_t K, const float *x, const uint16_
     }
 }
 
+// A gated MLP's [gate; up] projection with silu(gate) * up in the epilogue: W's N = 2I rows interleaved in blocks
+// of 32 (engine.kernels.gemm.interleave_halves; N a multiple of 64), b likewise; y [M][N / 2] gets
+// silu(x Wg^T + bg) * (x Wu^T + bu) in float32, SiLU as x / (1 + exp(-x)) (wbf16_grouped's). WHY: no [M][2I]
+// intermediate, no separate SiLU and multiply, and a decode program (engine.kernels.program) can call it.
+void wbf16_linear_silu_mul(int64_t M, int64_t N, int64_t K, const float *x, const uint16_t *w, const float *b,
+                           float *y, int nthreads) {
+    const int64_t nblocks = N / NB, width = N / 2;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t nb = 0; nb < nblocks; nb++) {
+        const uint16_t *wb = w + nb * K * NB;
+        float out[MR * NB];
+        for (int64_t m0 = 0; m0 < M; m0 += MR) {
+            const int mr = M - m0 < MR ? (int)(M - m0) : MR;
+            tile_any(mr, K, x + m0 * K, K, wb, out);
+            for (int r = 0; r < mr; r++) {
+                const float *o = out + r * NB;
+                float *yr = y + (m0 + r) * width + nb * NB / 2;
+                for (int64_t j = 0; j < NB / 2; j++) {
+                    const float g = o[j] + (b ? b[nb * NB + j] : 0.0f), u = o[NB / 2 + j] + (b ? b[nb * NB + NB / 2 + j] : 0.0f);
+                    yr[j] = g / (1.0f + expf(-g)) * u;
+                }
+            }
+        }
+    }
+}
+
 // One whole 64-column block (wb: its packed K x 64) for m rows of x (row stride K) into out[m][64].
 static void block_into(int64_t m, int64_t K, const float *x, const uint16_t *wb, float *out) {
 #ifdef BLOCK_ROWS_FIRST

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from engine.kernels.cbuild import Once, SelfCheckError, build
+from engine.kernels.cbuild import BuildError, Once, SelfCheckError, build
+from engine.kernels.gemm import CEntry, SiluMulKernel, interleave_halves
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +81,11 @@ class WBF16:
         self.lib.wbf16_linear(m, n, k, x2.data_ptr(), packed.data_ptr(), b, y.data_ptr(), torch.get_num_threads())
         return y.view(*x.shape[:-1], n)
 
+    def c_entry(self, n: int, bias: torch.Tensor | None) -> CEntry:
+        """engine.kernels.gemm.KernelRun.c_entry (a decode program's rows are far below BLAS_ROWS)."""
+        b = bias.to(torch.float32).contiguous() if bias is not None else None
+        return CEntry(self.lib.wbf16_linear, n, b, torch.float32)
+
     def grouped(
         self, counts: ctypes.Array, n: int, k: int, x: torch.Tensor, weights: ctypes.Array, y: torch.Tensor,
         silu_mul: bool,
@@ -87,6 +93,54 @@ class WBF16:
         """engine.kernels.grouped.GroupedKernel.grouped, float32 rows in and out."""
         self.lib.wbf16_grouped(len(counts), counts, n, k, x.data_ptr(), weights, y.data_ptr(),
                                torch.get_num_threads(), int(silu_mul))  # fmt: skip
+
+
+class SiluMulWBF16(SiluMulKernel):
+    """wbf16.c's fused gated-MLP entry point in float32 math: silu(gate) * up straight out of the projection (no
+    [T, 2I] intermediate, no separate SiLU and multiply), SiLU as x / (1 + exp(-x)). At prefill sizes the rows go
+    through BLAS as WBF16.linear's do, then the same SiLU in torch."""
+
+    dtype = torch.float32
+
+    def __init__(self, base: WBF16) -> None:
+        base.lib.wbf16_linear_silu_mul.argtypes = base.lib.wbf16_linear.argtypes
+        base.lib.wbf16_linear_silu_mul.restype = None
+        super().__init__(base, base.lib.wbf16_linear_silu_mul)
+        self.wide = base
+
+    def linear(self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [..., K] fp32 → silu(x Wg^T + bg) * (x Wu^T + bu), [..., n / 2] fp32."""
+        k = x.shape[-1]
+        x2 = x.reshape(-1, k).to(torch.float32).contiguous()
+        m = x2.shape[0]
+        b = interleave_halves(bias).to(torch.float32).contiguous() if bias is not None else None
+        if m >= BLAS_ROWS:
+            wt = self.wide.widen_t(packed, n, k)
+            z = (torch.addmm(b, x2, wt) if b is not None else torch.mm(x2, wt)).view(m, -1, 2, 32)
+            gate, up = z[:, :, 0], z[:, :, 1]
+            return (gate / (1 + torch.exp(-gate)) * up).reshape(*x.shape[:-1], n // 2)
+        y = torch.empty(m, n // 2, dtype=torch.float32)
+        bp = b.data_ptr() if b is not None else None
+        self.fn(m, n, k, x2.data_ptr(), packed.data_ptr(), bp, y.data_ptr(), torch.get_num_threads())
+        return y.view(*x.shape[:-1], n // 2)
+
+
+def check_silu_mul_f32(kernel: SiluMulWBF16) -> None:
+    """The fused entry against float32 torch (projection, SiLU, product) on awkward row counts, with a bias."""
+    g = torch.Generator().manual_seed(2)
+    for m, n, k in ((1, 64, 33), (7, 128, 64), (13, 192, 5)):
+        w = torch.randn(n, k, generator=g).bfloat16().float()
+        x, b = torch.randn(m, k, generator=g), torch.randn(n, generator=g)
+        gate, up = torch.addmm(b, x, w.t()).chunk(2, dim=-1)
+        want = torch.nn.functional.silu(gate) * up
+        got = kernel.linear(x, kernel.pack(w), n, b)
+        if not torch.allclose(got, want, rtol=1e-4, atol=1e-4):
+            raise SelfCheckError(f"fused SiLU self-check failed at {m}x{n}x{k}")
+
+
+def silu_mul_kernel() -> SiluMulWBF16 | None:
+    """The fused entry over the process-wide kernel, self-checked once; None where either cannot run."""
+    return _silu_once()
 
 
 def bf16_exact(weight: torch.Tensor) -> bool:
@@ -111,3 +165,16 @@ def self_check(kernel: WBF16) -> None:
 kernel = Once(
     WBF16.build, log, "bf16 weights will be widened to float32 (twice the memory, slower decode)", check=self_check
 )
+_silu_once = Once(
+    lambda: SiluMulWBF16(_checked_kernel()),
+    log,
+    "float32 gated MLPs will run their SiLU apart from the projection",
+    check=check_silu_mul_f32,
+)
+
+
+def _checked_kernel() -> WBF16:
+    k = kernel()
+    if k is None:
+        raise BuildError("the wbf16 kernel is not available")
+    return k

@@ -2,8 +2,9 @@
 
 Built for one decode batch class (1, <= 8, <= 32, <= 128 rows) when every part of every layer runs a kernel the
 program can call at that class: RMSNorm and RoPE from pointwise.c, the paged decode attention, and each linear
-layer's GEMM through a bf16 kernel's entry point (bf16mm, amxmm; the gated MLP through its fused SiLU entry).
-Anything else (float32 math, oneDNN or quantized GEMMs, tensor parallel ranks) keeps the layers' Python path.
+layer's GEMM through a C kernel's entry point (bf16mm or amxmm in bf16 math, wbf16 in float32; the gated MLP
+through its fused SiLU entry). Anything else (oneDNN or quantized GEMMs, tensor parallel ranks) keeps the layers'
+Python path.
 
 Per layer, over the program's own buffers (rows x width):
     norm(x, residual) → n          qkv = n Wqkv^T + b       RoPE(q, k) in place      k, v → cache; q → dense
@@ -13,13 +14,15 @@ Per layer, over the program's own buffers (rows x width):
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from engine.kernels import program
 from engine.kernels.decode_attn import DECODE_ROWS, DecodeAttention
-from engine.kernels.gemm import KernelRun
+from engine.kernels.gemm import Act, KernelRun, WithAct
 from engine.kernels.pointwise import PointwiseKernels
 from engine.kernels.program import INPUT, Program, ProgramBuilder, address
 from engine.kernels.select import row_class
@@ -29,18 +32,29 @@ if TYPE_CHECKING:
     from engine.models.llama import LlamaForCausalLM
 
 
-def _gemm(plan: object, cls: int) -> tuple[int, int, int, int, torch.Tensor | None] | None:
-    """(entry point, output columns, the entry's N (the weight's rows), packed weight, bias) of the run a GemmPlan
-    makes at batch class `cls`."""
+@dataclass(frozen=True, slots=True)
+class _Gemm:
+    fn: int  # the C entry point
+    cols: int  # the columns it writes
+    n: int  # the weight's rows (the entry's N)
+    packed: int
+    bias: torch.Tensor | None
+    act: Act | None  # a gated MLP's act, run in torch after the GEMM (a path that does not fuse it)
+
+
+def _gemm(plan: object, cls: int, dtype: torch.dtype) -> _Gemm | None:
+    """The run a GemmPlan makes at batch class `cls`, where that is a C kernel over `dtype` activations (then,
+    perhaps, a gated MLP's act in torch)."""
     runs = getattr(plan, "runs", None)
     if runs is None:
         return None
-    run = runs[cls]
-    entry = run.bf16_entry() if isinstance(run, KernelRun) else None
-    if entry is None:
+    run, act = runs[cls], None
+    if isinstance(run, WithAct):
+        run, act = run.run, run.act
+    entry = run.c_entry() if isinstance(run, KernelRun) else None
+    if entry is None or entry.dtype != dtype:
         return None
-    fn, cols, bias = entry
-    return address(fn), cols, run.n, run.packed.data_ptr(), bias
+    return _Gemm(address(entry.fn), entry.cols, run.n, run.packed.data_ptr(), entry.bias, act)
 
 
 def _norm_entry(norm: RMSNorm, dtype: torch.dtype) -> int | None:
@@ -59,8 +73,8 @@ def build(model: LlamaForCausalLM, rows: int) -> Program | str:
     cls = row_class(rows)
     if lib is None:
         return "the program executor did not build"
-    if dtype != torch.bfloat16 or model.group.size != 1 or cls >= len(DECODE_ROWS):
-        return "programs are built for bf16 math on one rank, up to 128 rows"
+    if dtype not in (torch.bfloat16, torch.float32) or model.group.size != 1 or cls >= len(DECODE_ROWS):
+        return "programs are built for bf16 or float32 math on one rank, up to 128 rows"
     width = DECODE_ROWS[cls]  # the most rows a step of this class has
     b = ProgramBuilder()
     hidden, esize = a.hidden_size, torch.empty(0, dtype=dtype).element_size()
@@ -86,8 +100,8 @@ def build(model: LlamaForCausalLM, rows: int) -> Program | str:
         attn, mlp = layer.self_attn, layer.mlp
         pa = attn.attn
         n1, n2 = _norm_entry(layer.input_layernorm, dtype), _norm_entry(layer.post_attention_layernorm, dtype)
-        qkv, o = _gemm(attn.qkv_proj.plan, cls), _gemm(attn.o_proj.plan, cls)
-        gate_up, down = _gemm(mlp.gate_up_act, cls), _gemm(mlp.down_proj.plan, cls)
+        qkv, o = _gemm(attn.qkv_proj.plan, cls, dtype), _gemm(attn.o_proj.plan, cls, dtype)
+        gate_up, down = _gemm(mlp.gate_up_act, cls, dtype), _gemm(mlp.down_proj.plan, cls, dtype)
         rope = attn.kernel.rope_entry(dtype) if isinstance(attn.kernel, PointwiseKernels) else None
         fits = isinstance(pa.kernel, DecodeAttention) and pa.in_place(width)
         attn_fn = pa.kernel.entry(dtype) if fits else None  # type: ignore[union-attr]
@@ -99,39 +113,50 @@ def build(model: LlamaForCausalLM, rows: int) -> Program | str:
         assert qkv is not None and o is not None and gate_up is not None and down is not None  # (for the types)
         h, kv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
         q_cols, kv_cols = h * d, kv * d
-        shapes = (qkv[1], o[1], down[1], attn.o_proj.in_features, mlp.down_proj.in_features)
+        inter = gate_up.cols // 2 if gate_up.act is not None else gate_up.cols  # the act's output columns
+        shapes = (qkv.cols, o.cols, down.cols, attn.o_proj.in_features, mlp.down_proj.in_features)
         if (
             pa.k_cache.dtype != dtype
             or pa.k_cache.dim() != 4
             or not (pa.k_cache.is_contiguous() and pa.v_cache.is_contiguous())
-            or shapes != (q_cols + 2 * kv_cols, hidden, hidden, q_cols, gate_up[1])
+            or shapes != (q_cols + 2 * kv_cols, hidden, hidden, q_cols, inter)
+            or qkv.act is not None
+            or o.act is not None
+            or down.act is not None
         ):
             return "a layer's shapes are not the plain Llama layout"
-        qkv_buf, q_buf = shared("qkv", qkv[1]), shared("q", q_cols)
-        a_buf, act_buf = shared("attention", q_cols), shared("act", gate_up[1])
-        for bias in (qkv[4], o[4], gate_up[4], down[4]):
-            if bias is not None:
-                b.keep.append(bias)
+        qkv_buf, q_buf = shared("qkv", qkv.cols), shared("q", q_cols)
+        a_buf, act_buf = shared("attention", q_cols), shared("act", inter)
+        b.keep += [g.bias for g in (qkv, o, gate_up, down) if g.bias is not None]
         b.norm(n1, hidden, x, res, ptr(layer.input_layernorm.weight), layer.input_layernorm.eps, ptr(norm_out), res)  # type: ignore[arg-type]
         res = x if res is None else res  # without a residual, the first norm's input is the residual from then on
-        b.gemm(qkv[0], qkv[2], hidden, ptr(norm_out), qkv[3], _ptr(qkv[4]), ptr(qkv_buf))
-        b.rope(address(rope), h + kv, d, ptr(qkv_buf), qkv[1])
-        b.store(qkv[1] * esize, ptr(qkv_buf), q_cols * esize, ptr(q_buf), ptr(qkv_buf) + q_cols * esize,
+        b.gemm(qkv.fn, qkv.n, hidden, ptr(norm_out), qkv.packed, _ptr(qkv.bias), ptr(qkv_buf))
+        b.rope(address(rope), h + kv, d, ptr(qkv_buf), qkv.cols)
+        b.store(qkv.cols * esize, ptr(qkv_buf), q_cols * esize, ptr(q_buf), ptr(qkv_buf) + q_cols * esize,
                 ptr(qkv_buf) + (q_cols + kv_cols) * esize, kv_cols * esize, pa.k_cache.data_ptr(),
                 pa.v_cache.data_ptr())  # fmt: skip
         b.attention(address(attn_fn), h, kv, d, ptr(q_buf), pa.k_cache.data_ptr(), pa.v_cache.data_ptr(),
                     pa.k_cache.shape[1], pa.scale, ptr(a_buf))  # fmt: skip
-        b.gemm(o[0], o[2], q_cols, ptr(a_buf), o[3], _ptr(o[4]), ptr(o_buf))
+        b.gemm(o.fn, o.n, q_cols, ptr(a_buf), o.packed, _ptr(o.bias), ptr(o_buf))
         # the residual sum lands in the program's own buffer: the first layer's came from the step's input
         post = layer.post_attention_layernorm
         b.norm(n2, hidden, ptr(o_buf), res, ptr(post.weight), post.eps, ptr(norm_out), ptr(residual))  # type: ignore[arg-type]
         res = ptr(residual)
-        b.gemm(gate_up[0], gate_up[2], hidden, ptr(norm_out), gate_up[3], _ptr(gate_up[4]), ptr(act_buf))
-        b.gemm(down[0], down[2], gate_up[1], ptr(act_buf), down[3], _ptr(down[4]), ptr(x_buf))
+        if gate_up.act is None:  # the fused entry writes silu(gate) * up itself
+            b.gemm(gate_up.fn, gate_up.n, hidden, ptr(norm_out), gate_up.packed, _ptr(gate_up.bias), ptr(act_buf))
+        else:  # [gate | up], then the layers' own act in torch between two C calls: the same bits as the layers
+            gu_buf = shared("gate_up", gate_up.cols)
+            b.gemm(gate_up.fn, gate_up.n, hidden, ptr(norm_out), gate_up.packed, _ptr(gate_up.bias), ptr(gu_buf))
+            b.python(_act_hook(gate_up.act, gu_buf, act_buf))
+        b.gemm(down.fn, down.n, inter, ptr(act_buf), down.packed, _ptr(down.bias), ptr(x_buf))
         x = ptr(x_buf)
         b.keep += [pa.k_cache, pa.v_cache]
     b.norm(final, hidden, x, res, ptr(decoder.norm.weight), decoder.norm.eps, ptr(norm_out), ptr(residual))
     return b.build(lib, norm_out)
+
+
+def _act_hook(act: Act, gate_up: torch.Tensor, out: torch.Tensor) -> Callable[[int], object]:
+    return lambda rows: out[:rows].copy_(act(gate_up[:rows]))
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

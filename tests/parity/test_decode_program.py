@@ -1,9 +1,9 @@
-"""Decode steps as one C call (engine.models.llama_program) on bf16 Llama, Qwen2 (qkv bias) and Mistral models:
-the same logits, bit for bit, as the layers compute with the same kernels, at every batch class a step has; the
-greedy tokens transformers' bf16 choices (tests/parity/test_bf16_math.py runs that with the program forced too).
+"""Decode steps as one C call (engine.models.llama_program) on Llama, Qwen2 (qkv bias) and Mistral models from
+bf16 checkpoints: the same logits, bit for bit, as the layers compute with the same kernels, at every batch class
+a step has, in bf16 math (bf16mm / amxmm) and in float32 math (wbf16, every CPU), with the gated MLP's fused
+GEMM or with its GEMM and then the layers' own act in torch; greedy tokens transformers' (float32) choices.
 
-The program calls bf16 GEMM kernels (bf16mm, amxmm): CPUs without AVX512-BF16 have none, so no program builds
-there, which the last test checks on every CPU."""
+Without a C kernel for some part (oneDNN's GEMMs here) no program builds and the layers run."""
 
 from __future__ import annotations
 
@@ -13,66 +13,99 @@ from pathlib import Path
 import pytest
 import torch
 
+import engine.model_runner
 from engine.kernels import amxmm, bf16mm
+from engine.kernels.bind import gemm_paths
+from engine.kernels.gemm import FusedSiluPath
 from engine.models.decode_program import TRIALS
-from tests.parity.conftest import make_core, mixed_prompts, run_core, step_logits
+from tests.parity.conftest import hf_expected, make_core, mixed_prompts, run_core, step_logits
 
 BF16_GEMM = "bf16mm" if bf16mm.supported() else "amxmm" if amxmm.supported() else None
-needs_bf16_gemm = pytest.mark.skipif(not BF16_GEMM, reason="this CPU has no bf16 GEMM kernel (AVX512-BF16 or AMX)")
+# dtype, the forced GEMM path (which binds every other kernel too, untimed: on these tiny shapes torch's RoPE may
+# win the timing, and a program calls only kernels the layers run), whether the gated MLP's GEMM is the fused one
+VARIANTS = {
+    "float32": ("float32", "wbf16", True),
+    "float32-unfused": ("float32", "wbf16", False),
+    "bf16": ("bfloat16", BF16_GEMM, True),
+    "bf16-unfused": ("bfloat16", BF16_GEMM, False),
+}
 
 
-def _core(path: Path, **over: object):  # type: ignore[no-untyped-def]
-    """A forced GEMM path binds every other kernel too, untimed (on these tiny shapes torch's RoPE may win the
-    timing, and a program calls only kernels the layers run)."""
-    return make_core(path, dtype="bfloat16", **{"gemm_path": BF16_GEMM or "auto", **over})
+def _core(path: Path, variant: str, monkeypatch: pytest.MonkeyPatch, **over: object):  # type: ignore[no-untyped-def]
+    dtype, gemm, fused = VARIANTS[variant]
+    if gemm is None:
+        pytest.skip("this CPU has no bf16 GEMM kernel (AVX512-BF16 or AMX): no bf16 program to build")
+    if not fused:  # the gated MLP's GEMM without its SiLU epilogue: the act runs in torch, between two C calls
+        with monkeypatch.context() as m:
+            m.setattr(engine.model_runner, "gemm_paths", _without_fused)
+            return make_core(path, dtype=dtype, gemm_path=gemm, **over)
+    return make_core(path, dtype=dtype, gemm_path=gemm, **over)
 
 
-def _programs_run(core) -> list[str]:  # type: ignore[no-untyped-def]
-    """The batch classes whose steps ran through a program."""
+def _without_fused(*args: object) -> list:
+    return [p for p in gemm_paths(*args) if not isinstance(p, FusedSiluPath)]  # type: ignore[arg-type]
+
+
+def _programs_run(core, variant: str | None = None) -> list[str]:  # type: ignore[no-untyped-def]
+    """The batch classes whose steps ran through a program; with `variant`, each program's Python calls are
+    checked: one act per layer where the gated MLP's GEMM is not the fused one, none otherwise."""
     from engine.kernels.select import CLASSES
 
-    choices = core.runner.model.programs._choices
-    return [CLASSES[c] for c, choice in choices.items() if choice.program is not None]
+    model = core.runner.model
+    programs = {c: choice.program for c, choice in model.programs._choices.items() if choice.program is not None}
+    if variant is not None:
+        acts = 0 if VARIANTS[variant][2] else len(model.model.layers)
+        assert all(p.hooks == acts for p in programs.values()), [p.hooks for p in programs.values()]
+    return [CLASSES[c] for c in programs]
 
 
-@needs_bf16_gemm
-def test_a_programmed_step_gives_the_layers_logits_bit_for_bit(bf16_dir: Path) -> None:
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_a_programmed_step_gives_the_layers_logits_bit_for_bit(
+    bf16_dir: Path, variant: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     prompts = mixed_prompts(8)  # decode steps of 8 rows down to 1 as requests end, prefills between them
-    programmed = _core(bf16_dir, decode_program="program")
+    programmed = _core(bf16_dir, variant, monkeypatch, decode_program="program")
     got = step_logits(programmed, prompts, 12)
-    want = step_logits(_core(bf16_dir, decode_program="layers"), prompts, 12)
+    want = step_logits(_core(bf16_dir, variant, monkeypatch, decode_program="layers"), prompts, 12)
     assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
-    assert set(_programs_run(programmed)) >= {"<=8"}
-    solo = _core(bf16_dir, decode_program="program")
+    assert "<=8" in _programs_run(programmed, variant)
     one = {"solo": prompts["r1"]}
-    assert all(torch.equal(a, b) for a, b in zip(step_logits(solo, one, 12), want_solo(bf16_dir, one), strict=True))
-    assert "1" in _programs_run(solo)
+    solo = _core(bf16_dir, variant, monkeypatch, decode_program="program")
+    got = step_logits(solo, one, 12)
+    want = step_logits(_core(bf16_dir, variant, monkeypatch, decode_program="layers"), one, 12)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)) and "1" in _programs_run(solo, variant)
 
 
-def want_solo(path: Path, prompts: dict[str, list[int]]) -> list[torch.Tensor]:
-    return step_logits(_core(path, decode_program="layers"), prompts, 12)
+@pytest.mark.parametrize("variant", ["float32", "float32-unfused"])
+def test_programmed_greedy_tokens_are_transformers(
+    bf16_dir: Path, hf_models: dict, variant: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prompts = mixed_prompts(6)
+    core = _core(bf16_dir, variant, monkeypatch, decode_program="program")
+    assert run_core(core, prompts, 24) == hf_expected(hf_models, bf16_dir, prompts, 24)
+    assert _programs_run(core)
 
 
-@needs_bf16_gemm
 def test_auto_times_both_ways_then_keeps_one_with_the_same_tokens(
-    bf16_dir: Path, caplog: pytest.LogCaptureFixture
+    bf16_dir: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The first steps of a class alternate between the program and the layers (the same bits), then the faster
     stays; the choice is logged once."""
     prompt = {"solo": mixed_prompts(1)["r0"]}
     steps = 2 * (TRIALS + 1) + 8
     with caplog.at_level(logging.INFO, logger="engine.models.decode_program"):
-        auto = run_core(_core(bf16_dir), prompt, steps)
-    assert auto == run_core(_core(bf16_dir, decode_program="layers"), prompt, steps)
+        auto = run_core(_core(bf16_dir, "float32", monkeypatch), prompt, steps)
+    assert auto == run_core(_core(bf16_dir, "float32", monkeypatch, decode_program="layers"), prompt, steps)
     chosen = [r.getMessage() for r in caplog.records if "one program call" in r.getMessage()]
     assert len(chosen) == 1 and chosen[0].startswith("decode steps of 1 rows"), chosen
 
 
-def test_without_a_bf16_gemm_kernel_no_program_builds_and_the_layers_run(bf16_dir: Path) -> None:
-    """oneDNN's GEMMs (forced here; every GEMM on CPUs without AVX512-BF16) are not C entry points a program can
-    call: every step runs through the layers, with the tokens they give."""
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_without_a_c_gemm_no_program_builds_and_the_layers_run(bf16_dir: Path, dtype: str) -> None:
+    """oneDNN's GEMMs (forced here; every GEMM where no kernel of ours builds) are not C entry points a program
+    can call: every step runs through the layers, with the tokens they give."""
     prompts = mixed_prompts(3)
-    core = _core(bf16_dir, gemm_path="onednn", decode_program="program")
+    core = make_core(bf16_dir, dtype=dtype, gemm_path="onednn", decode_program="program")
     got = run_core(core, prompts, 8)
     assert _programs_run(core) == []
-    assert got == run_core(_core(bf16_dir, gemm_path="onednn", decode_program="layers"), prompts, 8)
+    assert got == run_core(make_core(bf16_dir, dtype=dtype, gemm_path="onednn", decode_program="layers"), prompts, 8)

@@ -110,3 +110,30 @@ def test_self_check_catches_a_wrong_kernel(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr(k, "linear", lambda x, p, n, b: torch.zeros(x.shape[0], n))
     with pytest.raises(cbuild.SelfCheckError, match="self-check failed"):
         wbf16.self_check(k)
+
+
+@pytest.mark.parametrize("m", [1, 5, 6, 7, 13, 33])
+@pytest.mark.parametrize(("n", "k", "bias"), [(64, 17, True), (192, 96, False), (128, 5, True)])
+def test_fused_silu_mul_equals_float32_math(kernel: WBF16, m: int, n: int, k: int, bias: bool) -> None:
+    """The gated MLP's [gate; up] projection with silu(gate) * up in the epilogue (its rows interleaved in blocks
+    of 32 by the pack), against the unfused float32 torch code, on every build (AVX-512, AVX2, generic)."""
+    fused = wbf16.SiluMulWBF16(kernel)
+    w, x = _weight(n, k), torch.randn(m, k)
+    b = torch.randn(n) if bias else None
+    z = x @ w.t() + (b if b is not None else 0)
+    gate, up = z.chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    got = fused.linear(x, fused.pack(w), n, b)
+    assert got.shape == (m, n // 2) and got.dtype == torch.float32
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-4)
+    entry = fused.c_entry(n, b)  # what a decode program calls: the same entry, half the columns, f32 rows
+    assert (entry.cols, entry.dtype) == (n // 2, torch.float32) and entry.fn is fused.fn
+
+
+def test_fused_silu_mul_takes_blas_at_large_batches_with_the_same_result(kernel: WBF16) -> None:
+    fused = wbf16.SiluMulWBF16(kernel)
+    w, x, b = _weight(128, 40), torch.randn(BLAS_ROWS + 3, 40), torch.randn(128)
+    gate, up = torch.addmm(b, x, w.t()).chunk(2, dim=-1)
+    got = fused.linear(x, fused.pack(w), 128, b)
+    assert torch.allclose(got, torch.nn.functional.silu(gate) * up, rtol=1e-4, atol=1e-4)
+    assert torch.allclose(got[:7], fused.linear(x[:7], fused.pack(w), 128, b), rtol=1e-5, atol=1e-5)
