@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from engine.layers.linear import Linear
+from engine.layers.mlp import GatedMLP
 from tests.parity.conftest import (
     hf_expected,
     hf_model,
@@ -28,7 +29,10 @@ def _linears(core) -> list[Linear]:  # type: ignore[no-untyped-def]
 
 def test_kernel_holds_every_weight_as_bf16(bf16_dir: Path) -> None:
     core = make_core(bf16_dir, gemm_path="wbf16")
-    linears = _linears(core)
+    mlps = [m for m in core.runner.model.modules() if isinstance(m, GatedMLP)]
+    # the gated MLPs' [gate; up] projection through the fused entry (silu(gate) * up in its epilogue)
+    assert mlps and all(m.gate_up_act is not None and set(m.gate_up_act.names) == {"wbf16-silu"} for m in mlps)
+    linears = [m for m in _linears(core) if not any(m is g.gate_up_proj for g in mlps)]
     assert linears and all(m.plan is not None and set(m.plan.names) == {"wbf16"} for m in linears)
     assert core.runner.model.model.embed_tokens.weight.dtype == torch.bfloat16
     assert core.runner.model.model.norm.weight.dtype == torch.float32  # the math stays float32

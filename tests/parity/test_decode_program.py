@@ -82,7 +82,7 @@ def test_programmed_greedy_tokens_are_transformers(
 ) -> None:
     prompts = mixed_prompts(6)
     core = _core(bf16_dir, variant, monkeypatch, decode_program="program")
-    assert run_core(core, prompts, 24) == hf_expected(hf_models, bf16_dir, prompts, 24)
+    assert run_core(core, prompts, 32) == hf_expected(hf_models, bf16_dir, prompts, 32)  # (32: as cached by others)
     assert _programs_run(core)
 
 
