@@ -30,7 +30,7 @@ TRIALS = 6  # timed steps of each way per class, after one untimed step each
 class _Choice:
     def __init__(self, program: Program | str) -> None:
         self.program = program if isinstance(program, Program) else None
-        self.use: bool | None = None if program is not None else False  # None: still measuring
+        self.use: bool | None = None if self.program is not None else False  # None: still measuring
         self.times: tuple[list[float], list[float]] = ([], [])  # seconds a step: (layers, program)
 
 
