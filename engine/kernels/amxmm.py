@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from engine.kernels.cbuild import BuildError, Once, build
-from engine.kernels.gemm import CEntry, SiluMulKernel, check_bf16_gemm, check_silu_mul, run_bf16
+from engine.kernels.gemm import CEntry, SiluMulKernel, check_bf16_gemm, check_silu_mul, gemm_entry, run_bf16
 
 log = logging.getLogger(__name__)
 
@@ -62,10 +62,10 @@ class AMXMM:
         """x [..., K] bf16 → x W^T + b, [..., N] bf16."""
         return run_bf16(self.lib.amxmm_linear, x, packed, n, bias, n)
 
-    def c_entry(self, n: int, bias: torch.Tensor | None) -> CEntry:
+    def c_entry(self, n: int, bias: torch.Tensor | None, packed: torch.Tensor) -> CEntry:
         """engine.kernels.gemm.KernelRun.c_entry."""
         b = bias.to(torch.bfloat16).contiguous() if bias is not None else None
-        return CEntry(self.lib.amxmm_linear, n, b, torch.bfloat16)
+        return gemm_entry(self.lib.amxmm_linear, n, n, packed, b, torch.bfloat16)
 
     def grouped(
         self, counts: ctypes.Array, n: int, k: int, x: torch.Tensor, weights: ctypes.Array, y: torch.Tensor,

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels.cbuild import SelfCheckError
+from engine.kernels.program import ProgramBuilder, address
 
 log = logging.getLogger(__name__)
 
@@ -184,13 +185,40 @@ class FusedSiluPath:
 
 @dataclass(frozen=True, slots=True)
 class CEntry:
-    """How a decode program (engine.kernels.program) calls a prepared GEMM: `fn(M, N, K, x, packed, bias, y,
-    threads)` writes `cols` columns of `dtype` (the activations' dtype in and out); `bias` as the entry takes it."""
+    """How a decode program (engine.kernels.program) makes a prepared GEMM's call itself: `emit(builder, K, x, y)`
+    adds the kernel's own C call, rows of `dtype` in and `cols` columns of it out; `keep`: what it points to."""
 
-    fn: Any
     cols: int
-    bias: torch.Tensor | None
     dtype: torch.dtype
+    emit: Callable[[ProgramBuilder, int, int, int], None]
+    keep: tuple[torch.Tensor, ...] = ()
+
+
+def gemm_entry(
+    fn: Any, n: int, cols: int, packed: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
+) -> CEntry:
+    """The entry of a kernel that takes run_bf16's arguments (M, N, K, x, packed, bias, y, threads)."""
+    b = bias.data_ptr() if bias is not None else None
+
+    def emit(builder: ProgramBuilder, k: int, x: int, y: int) -> None:
+        builder.gemm(address(fn), n, k, x, packed.data_ptr(), b, y)
+
+    return CEntry(cols, dtype, emit, (packed,) if bias is None else (packed, bias))
+
+
+class EntryRun:
+    """A prepared call of any path, with the C entry a decode program makes instead (None: it has none)."""
+
+    __slots__ = ("call", "entry")
+
+    def __init__(self, call: Run, entry: CEntry | None) -> None:
+        self.call, self.entry = call, entry
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.call(x)
+
+    def c_entry(self) -> CEntry | None:
+        return self.entry
 
 
 class KernelRun:
@@ -206,10 +234,9 @@ class KernelRun:
         return self.kernel.linear(x, self.packed, self.n, self.bias)
 
     def c_entry(self) -> CEntry | None:
-        """The kernel's C entry point for this call where it takes run_bf16's arguments (M, N, K, x, packed, bias,
-        y, threads) over activations of one dtype; None for any other kernel."""
+        """The kernel's C entry for this call (CEntry), where it has one."""
         entry = getattr(self.kernel, "c_entry", None)
-        return entry(self.n, self.bias) if entry is not None else None
+        return entry(self.n, self.bias, self.packed) if entry is not None else None
 
 
 def check_bf16_gemm(kernel: GemmKernel, shapes: tuple[tuple[int, int, int], ...]) -> None:
@@ -286,7 +313,7 @@ class SiluMulKernel:
         b = interleave_halves(bias) if bias is not None else None
         return run_bf16(self.fn, x, packed, n, b, n // 2)
 
-    def c_entry(self, n: int, bias: torch.Tensor | None) -> CEntry:
+    def c_entry(self, n: int, bias: torch.Tensor | None, packed: torch.Tensor) -> CEntry:
         """KernelRun.c_entry: the fused entry point, n / 2 columns out, the bias interleaved as its rows are."""
         b = interleave_halves(bias).to(self.dtype).contiguous() if bias is not None else None
-        return CEntry(self.fn, n // 2, b, self.dtype)
+        return gemm_entry(self.fn, n, n // 2, packed, b, self.dtype)

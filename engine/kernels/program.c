@@ -13,7 +13,7 @@
 #define OP_WIDTH 20
 #define MAX_ARGS (OP_WIDTH - 3)
 
-enum { OP_GEMM = 1, OP_NORM = 2, OP_ROPE = 3, OP_STORE = 4, OP_ATTN = 5 };
+enum { OP_GEMM = 1, OP_NORM = 2, OP_ROPE = 3, OP_STORE = 4, OP_ATTN = 5, OP_I8 = 6, OP_I8_SILU = 7, OP_W4 = 8 };
 
 // the entry points' signatures: bf16mm.c / amxmm.c, pointwise.c, decode_attn*.c
 typedef void (*gemm_fn)(int64_t, int64_t, int64_t, const void *, const void *, const void *, void *, int);
@@ -21,6 +21,13 @@ typedef void (*norm_fn)(int64_t, int64_t, const void *, const void *, const void
 typedef void (*rope_fn)(int64_t, int64_t, int64_t, void *, int64_t, const void *, const void *, int);
 typedef void (*attn_fn)(int64_t, int64_t, int64_t, int64_t, const void *, const void *, const void *, int64_t,
                         const void *, int64_t, const void *, float, void *, int);
+// the quantized GEMMs (i8mm.c / i8amx.c, w4mm.c / w4amx.c) return 0, or -1 without memory for their buffers
+typedef int (*i8_fn)(int64_t, int64_t, int64_t, const void *, int, const void *, const void *, const void *,
+                     const void *, void *, int);
+typedef int (*i8_silu_fn)(int64_t, int64_t, int64_t, const void *, const void *, const void *, const void *,
+                          const void *, void *, int);
+typedef int (*w4_fn)(int64_t, int64_t, int64_t, int64_t, const void *, const void *, const void *, const void *,
+                     void *, int);
 
 static float as_float(int64_t v) {
     union {
@@ -43,7 +50,8 @@ static void store(int64_t rows, int64_t ld, const char *q, int64_t q_bytes, char
     }
 }
 
-// Runs ops [0, n) in order; returns n, or the index of the first op of an unknown kind (nothing after it runs).
+// Runs ops [0, n) in order; returns n, or the index of the first op that failed (a quantized GEMM without memory
+// for its buffers) or is of an unknown kind: nothing after it runs.
 int64_t program_run(const int64_t *ops, int64_t n, const int64_t *step) {
     for (int64_t i = 0; i < n; i++) {
         const int64_t *op = ops + i * OP_WIDTH;
@@ -70,6 +78,21 @@ int64_t program_run(const int64_t *ops, int64_t n, const int64_t *step) {
         case OP_ATTN:
             ((attn_fn)fn)(a[0], a[1], a[2], a[3], (const void *)a[4], (const void *)a[5], (const void *)a[6], a[7],
                           (const void *)a[8], a[9], (const void *)a[10], as_float(a[11]), (void *)a[12], (int)a[13]);
+            break;
+        case OP_I8:
+            if (((i8_fn)fn)(a[0], a[1], a[2], (const void *)a[3], (int)a[4], (const void *)a[5], (const void *)a[6],
+                            (const void *)a[7], (const void *)a[8], (void *)a[9], (int)a[10]) != 0)
+                return i;
+            break;
+        case OP_I8_SILU:
+            if (((i8_silu_fn)fn)(a[0], a[1], a[2], (const void *)a[3], (const void *)a[4], (const void *)a[5],
+                                 (const void *)a[6], (const void *)a[7], (void *)a[8], (int)a[9]) != 0)
+                return i;
+            break;
+        case OP_W4:
+            if (((w4_fn)fn)(a[0], a[1], a[2], a[3], (const void *)a[4], (const void *)a[5], (const void *)a[6],
+                            (const void *)a[7], (void *)a[8], (int)a[9]) != 0)
+                return i;
             break;
         default:
             return i;

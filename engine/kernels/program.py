@@ -28,7 +28,8 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("program.c")
 OP_WIDTH = 20  # as in program.c
-OP_GEMM, OP_NORM, OP_ROPE, OP_STORE, OP_ATTN = 1, 2, 3, 4, 5
+OP_GEMM, OP_NORM, OP_ROPE, OP_STORE, OP_ATTN, OP_I8, OP_I8_SILU, OP_W4 = 1, 2, 3, 4, 5, 6, 7, 8
+QUANTIZED = (OP_I8, OP_I8_SILU, OP_W4)  # ops that may fail: no memory for the kernel's buffers
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +77,22 @@ class ProgramBuilder:
     def gemm(self, fn: int, n: int, k: int, x: Arg, w: int, bias: int | None, y: int) -> None:
         """y[rows, n] = x[rows, k] through a bf16 kernel's entry point (engine.kernels.gemm.run_bf16's arguments)."""
         self._op(OP_GEMM, fn, ROWS, n, k, x, w, bias, y, THREADS)
+
+    def i8mm(
+        self, fn: int, n: int, k: int, x: int, packed: int, colsum: int, scale: int, bias: int | None, y: int,
+        silu: bool,
+    ) -> None:  # fmt: skip
+        """W8A8 (i8mm.c / i8amx.c, bf16 rows): y = x W^T + b, or silu(gate) * up through the fused entry."""
+        if silu:
+            self._op(OP_I8_SILU, fn, ROWS, n, k, x, packed, colsum, scale, bias, y, THREADS)
+        else:
+            self._op(OP_I8, fn, ROWS, n, k, x, 1, packed, colsum, scale, bias, y, THREADS)
+
+    def w4mm(
+        self, fn: int, n: int, k: int, group: int, x: int, nibbles: int, scales: int, bias: int | None, y: int
+    ) -> None:
+        """W4A16 (w4mm.c / w4amx.c, bf16 rows): any of their entry points, plain or fused."""
+        self._op(OP_W4, fn, ROWS, n, k, group, x, nibbles, scales, bias, y, THREADS)
 
     def norm(self, fn: int, dim: int, x: Arg, residual: Arg, w: int, eps: float, out: int, total: Arg) -> None:
         """out = RMSNorm(x + residual), total = x + residual (pointwise.c; `total` may be `residual` itself)."""
@@ -140,8 +157,12 @@ class Program:
         values = (ctypes.c_int64 * NUM_STEP_VALUES)(*step)
         for ops, first, n, hook in self._segments:
             done = self.lib.program_run(ops, n, values)
-            if done != n:  # a table this module wrote cannot hold another kind: a bug, never input
-                raise RuntimeError(f"program op {first + done} has an unknown kind {int(self.table[first + done, 0])}")
+            if done != n:
+                kind = int(self.table[first + done, 0])
+                if kind in QUANTIZED:
+                    raise MemoryError("a quantized GEMM found no memory for its buffers")
+                # a table this module wrote cannot hold another kind: a bug, never input
+                raise RuntimeError(f"program op {first + done} has an unknown kind {kind}")
             if hook is not None:
                 hook(step[ROWS.index])
 

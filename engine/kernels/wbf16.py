@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from engine.kernels.cbuild import BuildError, Once, SelfCheckError, build
-from engine.kernels.gemm import CEntry, SiluMulKernel, interleave_halves
+from engine.kernels.gemm import CEntry, SiluMulKernel, gemm_entry, interleave_halves
 
 log = logging.getLogger(__name__)
 
@@ -81,10 +81,10 @@ class WBF16:
         self.lib.wbf16_linear(m, n, k, x2.data_ptr(), packed.data_ptr(), b, y.data_ptr(), torch.get_num_threads())
         return y.view(*x.shape[:-1], n)
 
-    def c_entry(self, n: int, bias: torch.Tensor | None) -> CEntry:
+    def c_entry(self, n: int, bias: torch.Tensor | None, packed: torch.Tensor) -> CEntry:
         """engine.kernels.gemm.KernelRun.c_entry (a decode program's rows are far below BLAS_ROWS)."""
         b = bias.to(torch.float32).contiguous() if bias is not None else None
-        return CEntry(self.lib.wbf16_linear, n, b, torch.float32)
+        return gemm_entry(self.lib.wbf16_linear, n, n, packed, b, torch.float32)
 
     def grouped(
         self, counts: ctypes.Array, n: int, k: int, x: torch.Tensor, weights: ctypes.Array, y: torch.Tensor,

@@ -22,7 +22,7 @@ import torch
 
 from engine.kernels import program
 from engine.kernels.decode_attn import DECODE_ROWS, DecodeAttention
-from engine.kernels.gemm import Act, KernelRun, WithAct
+from engine.kernels.gemm import Act, CEntry, EntryRun, KernelRun, WithAct
 from engine.kernels.pointwise import PointwiseKernels
 from engine.kernels.program import INPUT, Program, ProgramBuilder, address
 from engine.kernels.select import row_class
@@ -34,12 +34,12 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, slots=True)
 class _Gemm:
-    fn: int  # the C entry point
-    cols: int  # the columns it writes
-    n: int  # the weight's rows (the entry's N)
-    packed: int
-    bias: torch.Tensor | None
+    entry: CEntry  # how the program makes the kernel's call
     act: Act | None  # a gated MLP's act, run in torch after the GEMM (a path that does not fuse it)
+
+    @property
+    def cols(self) -> int:
+        return self.entry.cols
 
 
 def _gemm(plan: object, cls: int, dtype: torch.dtype) -> _Gemm | None:
@@ -51,10 +51,10 @@ def _gemm(plan: object, cls: int, dtype: torch.dtype) -> _Gemm | None:
     run, act = runs[cls], None
     if isinstance(run, WithAct):
         run, act = run.run, run.act
-    entry = run.c_entry() if isinstance(run, KernelRun) else None
+    entry = run.c_entry() if isinstance(run, KernelRun | EntryRun) else None
     if entry is None or entry.dtype != dtype:
         return None
-    return _Gemm(address(entry.fn), entry.cols, run.n, run.packed.data_ptr(), entry.bias, act)
+    return _Gemm(entry, act)
 
 
 def _norm_entry(norm: RMSNorm, dtype: torch.dtype) -> int | None:
@@ -127,28 +127,28 @@ def build(model: LlamaForCausalLM, rows: int) -> Program | str:
             return "a layer's shapes are not the plain Llama layout"
         qkv_buf, q_buf = shared("qkv", qkv.cols), shared("q", q_cols)
         a_buf, act_buf = shared("attention", q_cols), shared("act", inter)
-        b.keep += [g.bias for g in (qkv, o, gate_up, down) if g.bias is not None]
+        b.keep += [t for g in (qkv, o, gate_up, down) for t in g.entry.keep]
         b.norm(n1, hidden, x, res, ptr(layer.input_layernorm.weight), layer.input_layernorm.eps, ptr(norm_out), res)  # type: ignore[arg-type]
         res = x if res is None else res  # without a residual, the first norm's input is the residual from then on
-        b.gemm(qkv.fn, qkv.n, hidden, ptr(norm_out), qkv.packed, _ptr(qkv.bias), ptr(qkv_buf))
+        qkv.entry.emit(b, hidden, ptr(norm_out), ptr(qkv_buf))
         b.rope(address(rope), h + kv, d, ptr(qkv_buf), qkv.cols)
         b.store(qkv.cols * esize, ptr(qkv_buf), q_cols * esize, ptr(q_buf), ptr(qkv_buf) + q_cols * esize,
                 ptr(qkv_buf) + (q_cols + kv_cols) * esize, kv_cols * esize, pa.k_cache.data_ptr(),
                 pa.v_cache.data_ptr())  # fmt: skip
         b.attention(address(attn_fn), h, kv, d, ptr(q_buf), pa.k_cache.data_ptr(), pa.v_cache.data_ptr(),
                     pa.k_cache.shape[1], pa.scale, ptr(a_buf))  # fmt: skip
-        b.gemm(o.fn, o.n, q_cols, ptr(a_buf), o.packed, _ptr(o.bias), ptr(o_buf))
+        o.entry.emit(b, q_cols, ptr(a_buf), ptr(o_buf))
         # the residual sum lands in the program's own buffer: the first layer's came from the step's input
         post = layer.post_attention_layernorm
         b.norm(n2, hidden, ptr(o_buf), res, ptr(post.weight), post.eps, ptr(norm_out), ptr(residual))  # type: ignore[arg-type]
         res = ptr(residual)
         if gate_up.act is None:  # the fused entry writes silu(gate) * up itself
-            b.gemm(gate_up.fn, gate_up.n, hidden, ptr(norm_out), gate_up.packed, _ptr(gate_up.bias), ptr(act_buf))
+            gate_up.entry.emit(b, hidden, ptr(norm_out), ptr(act_buf))
         else:  # [gate | up], then the layers' own act in torch between two C calls: the same bits as the layers
             gu_buf = shared("gate_up", gate_up.cols)
-            b.gemm(gate_up.fn, gate_up.n, hidden, ptr(norm_out), gate_up.packed, _ptr(gate_up.bias), ptr(gu_buf))
+            gate_up.entry.emit(b, hidden, ptr(norm_out), ptr(gu_buf))
             b.python(_act_hook(gate_up.act, gu_buf, act_buf))
-        b.gemm(down.fn, down.n, inter, ptr(act_buf), down.packed, _ptr(down.bias), ptr(x_buf))
+        down.entry.emit(b, inter, ptr(act_buf), ptr(x_buf))
         x = ptr(x_buf)
         b.keep += [pa.k_cache, pa.v_cache]
     b.norm(final, hidden, x, res, ptr(decoder.norm.weight), decoder.norm.eps, ptr(norm_out), ptr(residual))
@@ -157,7 +157,3 @@ def build(model: LlamaForCausalLM, rows: int) -> Program | str:
 
 def _act_hook(act: Act, gate_up: torch.Tensor, out: torch.Tensor) -> Callable[[int], object]:
     return lambda rows: out[:rows].copy_(act(gate_up[:rows]))
-
-
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return t.data_ptr() if t is not None else None

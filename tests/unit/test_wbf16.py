@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from engine.kernels import cbuild, wbf16
+from engine.kernels.program import OP_GEMM, ProgramBuilder, address
 from engine.kernels.wbf16 import BLAS_ROWS, WBF16, bf16_exact
 
 X86 = platform.machine().lower() in ("x86_64", "amd64")
@@ -123,11 +124,16 @@ def test_fused_silu_mul_equals_float32_math(kernel: WBF16, m: int, n: int, k: in
     z = x @ w.t() + (b if b is not None else 0)
     gate, up = z.chunk(2, dim=-1)
     want = torch.nn.functional.silu(gate) * up
-    got = fused.linear(x, fused.pack(w), n, b)
+    packed = fused.pack(w)
+    got = fused.linear(x, packed, n, b)
     assert got.shape == (m, n // 2) and got.dtype == torch.float32
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-4)
-    entry = fused.c_entry(n, b)  # what a decode program calls: the same entry, half the columns, f32 rows
-    assert (entry.cols, entry.dtype) == (n // 2, torch.float32) and entry.fn is fused.fn
+    entry = fused.c_entry(n, b, packed)  # what a decode program calls: the same entry, half the columns, f32 rows
+    assert (entry.cols, entry.dtype) == (n // 2, torch.float32)
+    builder = ProgramBuilder()
+    entry.emit(builder, k, 111, 222)
+    (op,) = builder.rows
+    assert op[:2] == [OP_GEMM, address(fused.fn)] and op[4:10] == [n, k, 111, packed.data_ptr(), op[8], 222]
 
 
 def test_fused_silu_mul_takes_blas_at_large_batches_with_the_same_result(kernel: WBF16) -> None:
