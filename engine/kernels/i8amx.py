@@ -48,6 +48,12 @@ class I8AMX:
     def accepts(k: int) -> bool:
         return k % KB == 0
 
+    def c_fn(self, entry: str) -> ctypes._CFuncPtr | None:
+        """I8MM.c_fn on AMX tiles."""
+        if entry == "linear":
+            return self.lib.i8amx_linear
+        return self.lib.i8amx_linear_silu_mul if entry == "linear_silu_mul" and self.has_silu_mul else None
+
     def linear(self, x: torch.Tensor, w: PackedInt8) -> torch.Tensor:
         """x [..., K] (bf16 or float32) → x W^T + b, [..., N] of x's dtype."""
         return I8MM.run(self.lib.i8amx_linear, x, w, "i8amx")

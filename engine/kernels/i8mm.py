@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels.cbuild import Once, SelfCheckError, build, cpu_flags
-from engine.kernels.gemm import interleave_halves
+from engine.kernels.gemm import CEntry, interleave_halves
+from engine.kernels.program import ProgramBuilder, address
 from engine.quant.weights import Int8Weight
 
 if TYPE_CHECKING:
@@ -63,6 +64,12 @@ class I8MM:
     @classmethod
     def build(cls, flags: tuple[str, ...] = ("-march=native",)) -> I8MM:
         return cls(build(SOURCE, flags))
+
+    def c_fn(self, entry: str) -> ctypes._CFuncPtr | None:
+        """The C function behind `linear` or `linear_silu_mul` (a decode program calls it: i8_entry)."""
+        if entry == "linear":
+            return self.lib.i8mm_linear
+        return self.lib.i8mm_linear_silu_mul if entry == "linear_silu_mul" and self.has_silu_mul else None
 
     @staticmethod
     def pack(q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> PackedInt8:
@@ -131,6 +138,19 @@ class I8MM:
         if rc != 0:
             raise MemoryError(f"{name}: no memory for the quantized rows")
         return y.view(*x.shape[:-1], w.n)
+
+
+def i8_entry(fn: ctypes._CFuncPtr, w: PackedInt8, silu: bool) -> CEntry:
+    """How a decode program calls `fn` (i8mm's or i8amx's `linear`, or with `silu` their fused entry) over `w` with
+    bf16 rows: N columns out, or N / 2 of silu(gate) * up."""
+    bias = w.bias.data_ptr() if w.bias is not None else None
+
+    def emit(builder: ProgramBuilder, k: int, x: int, y: int) -> None:
+        ptrs = (w.packed.data_ptr(), w.colsum.data_ptr(), w.scale.data_ptr())
+        builder.i8mm(address(fn), w.n, w.k, x, *ptrs, bias, y, silu)
+
+    keep = tuple(t for t in (w.packed, w.colsum, w.scale, w.bias) if t is not None)
+    return CEntry(w.n // 2 if silu else w.n, torch.bfloat16, emit, keep)
 
 
 def self_check(kernel: I8MM) -> None:

@@ -47,6 +47,12 @@ class W4AMX:
     def accepts(n: int, k: int, group_size: int) -> bool:
         return W4MM.accepts(n, k, group_size) and group_size % KB == 0
 
+    def c_fn(self, entry: str) -> ctypes._CFuncPtr | None:
+        """W4MM.c_fn for w4amx's entry methods (`amx`, `amx_dequant`, `amx_silu_mul`, `amx_dequant_silu_mul`)."""
+        names = {"amx": "w4amx_linear", "amx_dequant": "w4amx_linear_dequant", "amx_silu_mul": "w4amx_linear_silu_mul",
+                 "amx_dequant_silu_mul": "w4amx_linear_dequant_silu_mul"}  # fmt: skip
+        return getattr(self.lib, names[entry]) if entry in names else None
+
     def amx(self, x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., K] → x W^T + b, [..., N] bf16; a group at a time widened exactly, its tile sums scaled."""
         return W4MM.run(self.lib.w4amx_linear, x, w, bias, "w4amx")

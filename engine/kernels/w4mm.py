@@ -23,7 +23,8 @@ import torch.nn.functional as F
 
 from engine.kernels import bf16mm
 from engine.kernels.cbuild import Once, SelfCheckError, build
-from engine.kernels.gemm import interleave_halves
+from engine.kernels.gemm import CEntry, interleave_halves
+from engine.kernels.program import ProgramBuilder, address
 from engine.quant.weights import Int4Weight, pack_nibbles
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,13 @@ class W4MM:
     @classmethod
     def build(cls, flags: tuple[str, ...] = ("-march=native",)) -> W4MM:
         return cls(build(SOURCE, flags))
+
+    def c_fn(self, entry: str) -> ctypes._CFuncPtr | None:
+        """The C function behind an entry method (`direct`, `panel`, `block`, `silu_mul`, `block_silu_mul`), for a
+        decode program (w4_entry); None for the others."""
+        names = {"direct": "w4mm_linear", "panel": "w4mm_linear_panel", "block": "w4mm_linear_block",
+                 "silu_mul": "w4mm_linear_silu_mul", "block_silu_mul": "w4mm_linear_block_silu_mul"}  # fmt: skip
+        return getattr(self.lib, names[entry]) if entry in names else None
 
     @staticmethod
     def accepts(n: int, k: int, group_size: int) -> bool:
@@ -174,6 +182,20 @@ class W4MM:
         if rc != 0:
             raise MemoryError(f"{name}: no memory for the kernel's buffers")
         return y.view(*x.shape[:-1], out_cols)
+
+
+def w4_entry(fn: ctypes._CFuncPtr, w: PackedInt4, bias: torch.Tensor | None, cols: int) -> CEntry:
+    """How a decode program calls `fn` (an entry point over this layout, w4mm's or w4amx's, `cols` columns out:
+    N, or N / 2 for a fused one) over `w` with bf16 rows; `bias` bf16 (interleaved like the rows for a fused
+    one)."""
+    b = bias.to(torch.bfloat16).contiguous() if bias is not None else None
+    bp = b.data_ptr() if b is not None else None
+
+    def emit(builder: ProgramBuilder, k: int, x: int, y: int) -> None:
+        builder.w4mm(address(fn), w.n, w.k, w.group_size, x, w.nibbles.data_ptr(), w.scales.data_ptr(), bp, y)
+
+    keep = (w.nibbles, w.scales) if b is None else (w.nibbles, w.scales, b)
+    return CEntry(cols, torch.bfloat16, emit, keep)
 
 
 def _random_case(

@@ -21,13 +21,13 @@ from collections.abc import Callable
 import torch
 
 from engine.kernels import i8amx, i8avx2, i8mm, w4amx, w4f32, w4mm
-from engine.kernels.gemm import Act, GemmPath, Run, interleave_halves, packed_once, with_act
+from engine.kernels.gemm import Act, CEntry, EntryRun, GemmPath, Run, interleave_halves, packed_once, with_act
 from engine.kernels.i8amx import I8AMX
 from engine.kernels.i8avx2 import I8AVX2, PackedInt8Rows
-from engine.kernels.i8mm import I8MM, PackedInt8
+from engine.kernels.i8mm import I8MM, PackedInt8, i8_entry
 from engine.kernels.w4amx import W4AMX
 from engine.kernels.w4f32 import W4F32, PackedInt4F32
-from engine.kernels.w4mm import W4MM, PackedInt4
+from engine.kernels.w4mm import W4MM, PackedInt4, w4_entry
 from engine.quant.weights import Int4Weight, Int8Weight, quantize_tokens
 
 log = logging.getLogger(__name__)
@@ -187,8 +187,9 @@ class I8MMPath:
         packed = packed_once(
             self._packed, (id(weight.q), id(bias)), weight.q, lambda: I8MM.pack(weight.q, weight.scale, bias)
         )
-        kernel = self.kernel
-        return with_act(lambda x: kernel.linear(x, packed), act)
+        kernel, fn = self.kernel, self.kernel.c_fn("linear")
+        entry = i8_entry(fn, packed, silu=False) if fn is not None else None
+        return with_act(EntryRun(lambda x: kernel.linear(x, packed), entry), act)
 
 
 _PACKED_INT8: dict[tuple[int, int], PackedInt8] = {}  # (int8 values' id, bias' id) → the packed copy (bias in it)
@@ -216,8 +217,9 @@ class I8MMSiluPath:
             return I8MM.pack(w.q, w.scale, interleave_halves(bias) if bias is not None else None)  # type: ignore[union-attr]
 
         packed = packed_once(_PACKED_INT8_SILU, (id(weight.q), id(bias)), weight.q, pack)
-        kernel = self.kernel
-        return lambda x: kernel.linear_silu_mul(x, packed).to(x.dtype)
+        kernel, fn = self.kernel, self.kernel.c_fn("linear_silu_mul")
+        entry = i8_entry(fn, packed, silu=True) if fn is not None else None
+        return EntryRun(lambda x: kernel.linear_silu_mul(x, packed).to(x.dtype), entry)
 
 
 _PACKED_INT8_SILU: dict[tuple[int, int], PackedInt8] = {}  # as _PACKED_INT8, rows interleaved
@@ -313,7 +315,16 @@ class _Int4KernelPath:
         packed = packed_once(self._packed, id(weight.packed), weight.packed, lambda: self.pack(weight))
         fn = getattr(self.kernel, self.entry.replace("-", "_"))
         b = bias.to(self.bias_dtype) if bias is not None else None
-        return with_act(lambda x: fn(x, packed, b).to(x.dtype), act)
+        return with_act(EntryRun(lambda x: fn(x, packed, b).to(x.dtype), self._entry(packed, b, 1)), act)
+
+    def _entry(self, packed: object, bias: torch.Tensor | None, per_row: int) -> CEntry | None:
+        """The decode program's call of this entry point (w4mm's and w4amx's entries; not w4f32's), `per_row`
+        weight rows to an output column (2 for a fused gated MLP)."""
+        c_fn = getattr(self.kernel, "c_fn", None)
+        fn = c_fn(self.entry.replace("-", "_")) if c_fn is not None else None
+        if fn is None or not isinstance(packed, PackedInt4):
+            return None
+        return w4_entry(fn, packed, bias, packed.n // per_row)
 
 
 _PACKED: dict[str, dict[int, object]] = {}  # per kernel: weight nibbles' id → its packed copy
@@ -356,7 +367,7 @@ class W4MMSiluPath(W4MMPath):
         packed = packed_once(self._packed, id(weight.packed), weight.packed, lambda: self.pack(interleaved(weight)))
         fn = getattr(self.kernel, self.entry.replace("-", "_"))
         b = interleave_halves(bias.to(self.bias_dtype)) if bias is not None else None
-        return lambda x: fn(x, packed, b)
+        return EntryRun(lambda x: fn(x, packed, b), self._entry(packed, b, 2))
 
 
 W4MM_SILU_ENTRIES = ("silu-mul", "block-silu-mul")

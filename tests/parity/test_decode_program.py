@@ -1,7 +1,8 @@
 """Decode steps as one C call (engine.models.llama_program) on Llama, Qwen2 (qkv bias) and Mistral models from
 bf16 checkpoints: the same logits, bit for bit, as the layers compute with the same kernels, at every batch class
-a step has, in bf16 math (bf16mm / amxmm) and in float32 math (wbf16, every CPU), with the gated MLP's fused
-GEMM or with its GEMM and then the layers' own act in torch; greedy tokens transformers' (float32) choices.
+a step has, in bf16 math (bf16mm / amxmm) and in float32 math (wbf16, every CPU), W8A8 (i8mm) and W4A16 (w4mm),
+with the gated MLP's fused GEMM or with its GEMM and then the layers' own act in torch; greedy tokens
+transformers' (float32) choices.
 
 Without a C kernel for some part (oneDNN's GEMMs here) no program builds and the layers run."""
 
@@ -13,11 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
+import engine.kernels.bind
 import engine.model_runner
-from engine.kernels import amxmm, bf16mm
+from engine.kernels import amxmm, bf16mm, i8mm
 from engine.kernels.bind import gemm_paths
 from engine.kernels.gemm import FusedSiluPath
 from engine.models.decode_program import TRIALS
+from engine.quant.paths import quant_paths
 from tests.parity.conftest import hf_expected, make_core, mixed_prompts, run_core, step_logits
 
 BF16_GEMM = "bf16mm" if bf16mm.supported() else "amxmm" if amxmm.supported() else None
@@ -74,6 +77,49 @@ def test_a_programmed_step_gives_the_layers_logits_bit_for_bit(
     got = step_logits(solo, one, 12)
     want = step_logits(_core(bf16_dir, variant, monkeypatch, decode_program="layers"), one, 12)
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)) and "1" in _programs_run(solo, variant)
+
+
+QUANT = {"w8a8": i8mm.supported() and bf16mm.supported(), "w4a16": bf16mm.supported()}
+
+
+@pytest.fixture(scope="module")
+def quantized(bf16_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from engine.quant.quantize import quantize
+
+    out = tmp_path_factory.mktemp(bf16_dir.name + "-quant")
+    made = {}
+    for scheme, runs_here in QUANT.items():
+        if runs_here:
+            quantize(bf16_dir, out / scheme, scheme, group_size=16)
+            made[scheme] = out / scheme
+    return made
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
+@pytest.mark.parametrize("scheme", list(QUANT))
+def test_quantized_programs_give_the_layers_logits_bit_for_bit(
+    quantized: dict[str, Path], scheme: str, fused: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """W8A8 through i8mm's entries, W4A16 through w4mm's (bf16 rows; forced, untimed: the first accepting path
+    runs), the gated MLP through the fused entry or through the plain one and then the torch act."""
+    if scheme not in quantized:
+        pytest.skip(f"this CPU has no {scheme} kernel a program calls (i8mm: AVX512-VNNI; w4mm: AVX512-BF16)")
+    kernel = "i8mm" if scheme == "w8a8" else "w4mm"
+
+    def ours(dtype: torch.dtype) -> list:
+        paths = [p for p in quant_paths(dtype) if p.name.startswith(kernel) and ("silu" in p.name) == fused]
+        return paths + [p for p in quant_paths(dtype) if p.name.startswith(kernel) and "silu" not in p.name]
+
+    monkeypatch.setattr(engine.kernels.bind, "quant_paths", ours)
+    prompts = mixed_prompts(6)
+    core = make_core(quantized[scheme], dtype="bfloat16", gemm_path=BF16_GEMM, decode_program="program")
+    got = step_logits(core, prompts, 10)
+    layers = make_core(quantized[scheme], dtype="bfloat16", gemm_path=BF16_GEMM, decode_program="layers")
+    want = step_logits(layers, prompts, 10)
+    assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert "<=8" in _programs_run(core)
+    programs = [c.program for c in core.runner.model.programs._choices.values() if c.program is not None]
+    assert all(p.hooks == (0 if fused else len(core.runner.model.model.layers)) for p in programs)
 
 
 @pytest.mark.parametrize("variant", ["float32", "float32-unfused"])
