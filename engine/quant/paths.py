@@ -320,9 +320,10 @@ class _Int4KernelPath:
     def _entry(self, packed: object, bias: torch.Tensor | None, per_row: int) -> CEntry | None:
         """The decode program's call of this entry point (w4mm's and w4amx's entries; not w4f32's), `per_row`
         weight rows to an output column (2 for a fused gated MLP)."""
-        c_fn = getattr(self.kernel, "c_fn", None)
-        fn = c_fn(self.entry.replace("-", "_")) if c_fn is not None else None
-        if fn is None or not isinstance(packed, PackedInt4):
+        if not isinstance(self.kernel, W4MM | W4AMX) or not isinstance(packed, PackedInt4):  # w4f32: float32 rows
+            return None
+        fn = self.kernel.c_fn(self.entry.replace("-", "_"))
+        if fn is None:
             return None
         return w4_entry(fn, packed, bias, packed.n // per_row)
 

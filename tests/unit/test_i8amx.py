@@ -95,7 +95,7 @@ def test_its_path_shares_i8mms_packed_copy_and_is_a_timed_candidate(kernel: I8AM
     assert paths[0].layout == paths[1].layout
     runs = [p.prepare(w, bias, None) for p in paths]
     cells = [
-        {id(c.cell_contents) for c in r.__closure__ or () if isinstance(c.cell_contents, PackedInt8)} for r in runs
+        {id(c.cell_contents) for c in r.call.__closure__ or () if isinstance(c.cell_contents, PackedInt8)} for r in runs
     ]
     assert cells[0] and cells[0] == cells[1]
     for rows in (1, 8, 33):

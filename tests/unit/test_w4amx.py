@@ -84,7 +84,7 @@ def test_the_amx_and_the_avx512_entry_points_share_one_packed_copy(kernel: W4AMX
     paths = [W4MMPath(k4, "direct"), W4AMXPath(kernel, "amx"), W4AMXPath(kernel, "amx-dequant")]
     runs = [p.prepare(w, None, None) for p in paths]
     cells = [
-        {id(c.cell_contents) for c in r.__closure__ or () if isinstance(c.cell_contents, PackedInt4)} for r in runs
+        {id(c.cell_contents) for c in r.call.__closure__ or () if isinstance(c.cell_contents, PackedInt4)} for r in runs
     ]
     assert cells[0] and cells[0] == cells[1] == cells[2]
 
@@ -132,6 +132,6 @@ def test_the_fused_entries_are_timed_candidates_over_w4mm_silu_muls_copy(kernel:
     assert not amx.accepts(int4_weight(128, 64, 16, symmetric=True), act)  # a tile step is 32 inputs
     runs = [p.prepare(w, None, act) for p in (amx, avx)]
     cells = [
-        {id(c.cell_contents) for c in r.__closure__ or () if isinstance(c.cell_contents, PackedInt4)} for r in runs
+        {id(c.cell_contents) for c in r.call.__closure__ or () if isinstance(c.cell_contents, PackedInt4)} for r in runs
     ]
     assert cells[0] and cells[0] == cells[1]

@@ -105,7 +105,7 @@ def test_both_entry_points_share_one_packed_copy(kernel: W4F32) -> None:
     w = int4_weight(64, 128, 32, symmetric=True)
     runs = [W4F32Path(kernel, e).prepare(w, None, None) for e in ("direct", "panel")]
     cells = [
-        {id(c.cell_contents) for c in r.__closure__ or () if isinstance(c.cell_contents, w4f32.PackedInt4F32)}
+        {id(c.cell_contents) for c in r.call.__closure__ or () if isinstance(c.cell_contents, w4f32.PackedInt4F32)}
         for r in runs
     ]
     assert cells[0] and cells[0] == cells[1]

@@ -109,7 +109,7 @@ def test_the_fused_silu_path_takes_only_gated_mlps_and_packs_its_own_interleaved
     assert not path.accepts(int4_weight(96, 64, 32, symmetric=True), act)  # not whole 32-row gate/up halves
     assert path.layout != W4MMPath(kernel, "direct").layout  # rows interleaved: not the plain entries' copy
     run = path.prepare(w, None, act)
-    (packed,) = [c.cell_contents for c in run.__closure__ or () if isinstance(c.cell_contents, w4mm.PackedInt4)]
+    (packed,) = [c.cell_contents for c in run.call.__closure__ or () if isinstance(c.cell_contents, w4mm.PackedInt4)]
     i = interleaved(w)
     assert torch.equal(packed.nibbles, W4MM.pack(i.values(), i.scale, i.zero, 32).nibbles)
     names = [p.name for p in quant_paths(torch.bfloat16)]
@@ -132,7 +132,8 @@ def test_every_entry_point_shares_one_packed_copy(kernel: W4MM) -> None:
     w = int4_weight(64, 128, 32, symmetric=True)
     runs = [W4MMPath(kernel, e).prepare(w, None, None) for e in W4MM_ENTRIES]
     cells = [
-        {id(c.cell_contents) for c in r.__closure__ or () if isinstance(c.cell_contents, w4mm.PackedInt4)} for r in runs
+        {id(c.cell_contents) for c in r.call.__closure__ or () if isinstance(c.cell_contents, w4mm.PackedInt4)}
+        for r in runs
     ]
     assert cells[0] and all(c == cells[0] for c in cells)
 
