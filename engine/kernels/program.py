@@ -6,8 +6,9 @@ longer than running it: module calls, argument checks, a `torch.empty` per outpu
 their weights, caches and buffers, and replays them in C; what changes between steps (the rows, the block tables,
 the context lengths, the cache slots, the rotary angles, the input) is read from a handful of step values.
 
-The entry points are the kernels' own (bf16mm.c or amxmm.c, pointwise.c, decode_attn*.c), called with the same
-arguments as from Python, so a program computes exactly what the layers compute.
+The entry points are the kernels' own (bf16mm.c, amxmm.c, wbf16.c, i8mm.c / i8amx.c, w4mm.c / w4amx.c,
+pointwise.c, decode_attn*.c), called with the same arguments as from Python, so a program computes exactly what
+the layers compute; torch code with no kernel (a gated MLP's act after a plain GEMM) runs between two C calls.
 """
 
 from __future__ import annotations
@@ -75,7 +76,8 @@ class ProgramBuilder:
         self.rows.append(row)
 
     def gemm(self, fn: int, n: int, k: int, x: Arg, w: int, bias: int | None, y: int) -> None:
-        """y[rows, n] = x[rows, k] through a bf16 kernel's entry point (engine.kernels.gemm.run_bf16's arguments)."""
+        """y[rows, n] = x[rows, k] through an entry point taking engine.kernels.gemm.run_bf16's arguments (bf16mm,
+        amxmm, wbf16 and their fused SiLU entries)."""
         self._op(OP_GEMM, fn, ROWS, n, k, x, w, bias, y, THREADS)
 
     def i8mm(
