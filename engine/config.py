@@ -68,9 +68,9 @@ class EngineConfig:
     # With cpu_kernels False only torch is honoured (oneDNN otherwise): F.linear, and quantized layers dequantized
     gemm_path: str = "auto"
     gemm_layouts: int = 2  # at most this many packed copies of a weight, each run for the batch sizes it wins
-    # CPU, bf16 Llama-family models: a decode step's kernels as one C call (engine.models.llama_program). auto:
-    # where it measured faster than the layers' Python on the first steps of each batch class; program | layers
-    # force one way (debugging, tests)
+    # CPU, Llama-family models (bf16 or float32 math, W8A8 / W4A16 too): a decode step's kernels as one C call
+    # (engine.models.llama_program). auto: where it measured faster than the layers' Python on the first steps of
+    # each batch class; program | layers force one way (debugging, tests)
     decode_program: str = "auto"
     # what the checkpoint's quantization_config holds (engine.quant): auto takes it; none | w8a8 | w4a16 insist on
     # it (a checkpoint holding something else is refused). After loading: what was loaded, never auto

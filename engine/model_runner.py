@@ -126,11 +126,8 @@ class ModelRunner:
             kernels = choose_kernels(
                 self.model, pw, attn, self.dtype, timer, selector.cache, self.block_size, grouped, selector.flush
             )
-        report = bind_cpu_kernels(self.model, [self.sampler], kernels, selector, c.max_num_seqs)
-        programs = getattr(self.model, "programs", None)  # decode steps as one C call (engine.models.decode_program)
-        if programs is not None:
-            programs.mode = c.decode_program
-        return report
+        kernels.decode_program = c.decode_program
+        return bind_cpu_kernels(self.model, [self.sampler], kernels, selector, c.max_num_seqs)
 
     def plan_attention(self) -> None:
         """How the attention layers, as bound, take a step's rows: per decode batch class whether every layer reads

@@ -49,3 +49,5 @@ class CpuKernels:
     # MLA decode's per-head W_UK / W_UV products as one grouped call each, where that beat torch.bmm: given the
     # layer, its two GroupedLinear (engine.kernels.op_choice.choose_absorbed_gemm)
     absorbed: Callable[[MLAttention], tuple[GroupedLinear, GroupedLinear] | None] | None = None
+    # decode steps as one C call over the kernels above (engine.models.decode_program): auto | program | layers
+    decode_program: str = "auto"

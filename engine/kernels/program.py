@@ -153,7 +153,7 @@ class Program:
         segments.append((start, self.n - start, None))
         row_bytes = table.element_size() * OP_WIDTH
         self._segments = [(table.data_ptr() + a * row_bytes, a, n, hook) for a, n, hook in segments]
-        self.hooks = len(segments) - 1  # Python calls a run makes between its C calls
+        self.python_calls = len(segments) - 1  # hooks a run makes between its C calls
 
     def __call__(self, step: Sequence[int]) -> None:
         values = (ctypes.c_int64 * NUM_STEP_VALUES)(*step)

@@ -106,7 +106,7 @@ class SiluMulWBF16(SiluMulKernel):
         base.lib.wbf16_linear_silu_mul.argtypes = base.lib.wbf16_linear.argtypes
         base.lib.wbf16_linear_silu_mul.restype = None
         super().__init__(base, base.lib.wbf16_linear_silu_mul)
-        self.wide = base
+        self.base: WBF16 = base
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., K] fp32 → silu(x Wg^T + bg) * (x Wu^T + bu), [..., n / 2] fp32."""
@@ -115,7 +115,7 @@ class SiluMulWBF16(SiluMulKernel):
         m = x2.shape[0]
         b = interleave_halves(bias).to(torch.float32).contiguous() if bias is not None else None
         if m >= BLAS_ROWS:
-            wt = self.wide.widen_t(packed, n, k)
+            wt = self.base.widen_t(packed, n, k)
             z = (torch.addmm(b, x2, wt) if b is not None else torch.mm(x2, wt)).view(m, -1, 2, 32)
             gate, up = z[:, :, 0], z[:, :, 1]
             return (gate / (1 + torch.exp(-gate)) * up).reshape(*x.shape[:-1], n // 2)

@@ -143,7 +143,8 @@ class LlamaForCausalLM(nn.Module):
     def bind_kernels(self, kernels: CpuKernels) -> None:
         # the executor is compiled now, not at the first request's decode step
         usable = kernels.rms_norm is not None and program.library() is not None
-        self.programs = DecodePrograms(partial(llama_program.build, self)) if usable else None
+        build = partial(llama_program.build, self)
+        self.programs = DecodePrograms(build, kernels.decode_program) if usable else None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         cos, sin = self.rotary(positions, self.model.norm.weight.dtype)

@@ -58,7 +58,7 @@ def _programs_run(core, variant: str | None = None) -> list[str]:  # type: ignor
     programs = {c: choice.program for c, choice in model.programs._choices.items() if choice.program is not None}
     if variant is not None:
         acts = 0 if VARIANTS[variant][2] else len(model.model.layers)
-        assert all(p.hooks == acts for p in programs.values()), [p.hooks for p in programs.values()]
+        assert all(p.python_calls == acts for p in programs.values()), [p.python_calls for p in programs.values()]
     return [CLASSES[c] for c in programs]
 
 
@@ -69,9 +69,10 @@ def test_a_programmed_step_gives_the_layers_logits_bit_for_bit(
     prompts = mixed_prompts(8)  # decode steps of 8 rows down to 1 as requests end, prefills between them
     programmed = _core(bf16_dir, variant, monkeypatch, decode_program="program")
     got = step_logits(programmed, prompts, 12)
-    want = step_logits(_core(bf16_dir, variant, monkeypatch, decode_program="layers"), prompts, 12)
+    layers = _core(bf16_dir, variant, monkeypatch, decode_program="layers")
+    want = step_logits(layers, prompts, 12)
     assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
-    assert "<=8" in _programs_run(programmed, variant)
+    assert "<=8" in _programs_run(programmed, variant) and _programs_run(layers) == []  # the setting reaches it
     one = {"solo": prompts["r1"]}
     solo = _core(bf16_dir, variant, monkeypatch, decode_program="program")
     got = step_logits(solo, one, 12)
@@ -119,7 +120,7 @@ def test_quantized_programs_give_the_layers_logits_bit_for_bit(
     assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     assert "<=8" in _programs_run(core)
     programs = [c.program for c in core.runner.model.programs._choices.values() if c.program is not None]
-    assert all(p.hooks == (0 if fused else len(core.runner.model.model.layers)) for p in programs)
+    assert all(p.python_calls == (0 if fused else len(core.runner.model.model.layers)) for p in programs)
 
 
 @pytest.mark.parametrize("variant", ["float32", "float32-unfused"])

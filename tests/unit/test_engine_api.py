@@ -55,6 +55,9 @@ def test_bad_config_values_say_what_to_change(model: Path) -> None:
         cfg(model, dtype="int3")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="kv_cache_bytes"):
         LLM(cfg(model, kv_cache_bytes=1024))
+    for bad in ("on", "", "PROGRAM", None):
+        with pytest.raises(ConfigError, match="decode_program must be one of auto, program, layers"):
+            cfg(model, decode_program=bad)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,8 @@ from the step's values, against the torch code each kernel replaces; an unknown 
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 
@@ -70,6 +72,25 @@ def test_an_op_of_unknown_kind_stops_the_program() -> None:
     table[0, 0] = 99  # no such kind: nothing runs
     with pytest.raises(RuntimeError, match="op 0 has an unknown kind 99"):
         Program(lib, table, [], out)((0,) * program.NUM_STEP_VALUES)
+
+
+def test_a_quantized_kernel_without_memory_stops_the_program_with_memory_error() -> None:
+    """A quantized GEMM's entry returns -1 when it cannot allocate its buffers: the ops after it do not run and the
+    call raises MemoryError, as the kernel's call from Python does. (A Python stand-in for the kernel.)"""
+    lib = program.library()
+    assert lib is not None
+    calls: list[int] = []
+    signature = ctypes.CFUNCTYPE(ctypes.c_int, *[ctypes.c_int64] * 3, ctypes.c_void_p, ctypes.c_int,
+                                 *[ctypes.c_void_p] * 5, ctypes.c_int)  # fmt: skip
+    failing = signature(lambda m, *rest: calls.append(m) or -1)
+    after = signature(lambda m, *rest: calls.append(-m) or 0)
+    b = ProgramBuilder()
+    out = b.buffer(1, 4, dtype=torch.bfloat16)
+    for fn in (failing, after):
+        b.i8mm(address(fn), 4, 4, out.data_ptr(), 1, 2, 3, None, out.data_ptr(), silu=False)
+    with pytest.raises(MemoryError, match="no memory"):
+        b.build(lib, out)((3,) + (0,) * (program.NUM_STEP_VALUES - 1))
+    assert calls == [3]  # the rows reached the first; the second never ran
 
 
 def test_step_arguments_are_read_from_the_step_values() -> None:
