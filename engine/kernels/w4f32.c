@@ -241,7 +241,7 @@ int w4f32_linear_panel(int64_t M, int64_t N, int64_t K, int64_t G, const float *
     int failed = 0;
 #pragma omp parallel num_threads(nthreads) reduction(| : failed)
     {
-        float *wg = grow(&group_buf, sizeof(float) * (size_t)(G * NB));
+        float *wg = grow_aligned(&group_buf, sizeof(float) * (size_t)(G * NB));
         failed = wg == NULL;
         float out[MC * NB], acc[MR * NB];
 #pragma omp for schedule(static)

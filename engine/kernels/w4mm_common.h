@@ -141,7 +141,8 @@ static void load_bias(const uint16_t *b, int64_t n0, int64_t nn, float bias[NB])
 
 static __thread thread_buffer bf16_buf;
 
-// The calling thread's buffer of n bf16 values (a widened group, a dequantized block); NULL without memory.
-static uint16_t *bf16_buffer(int64_t n) { return grow(&bf16_buf, sizeof(uint16_t) * (size_t)n); }
+// The calling thread's buffer of n bf16 values (a widened group, a dequantized block), 64-byte aligned; NULL
+// without memory.
+static uint16_t *bf16_buffer(int64_t n) { return grow_aligned(&bf16_buf, sizeof(uint16_t) * (size_t)n); }
 
 #endif

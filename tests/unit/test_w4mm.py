@@ -75,11 +75,12 @@ def test_the_paths_match_the_reference_as_the_selector_checks_it(kernel: W4MM, e
     for rows in (1, 8, 33):
         x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).bfloat16()
         assert _matches_reference(run, x, w, None, None), entry
-    x3 = torch.randn(2, 3, 256).bfloat16()
+    x3 = torch.randn(2, 3, 256, generator=torch.Generator().manual_seed(3)).bfloat16()
     assert run(x3).shape == (2, 3, 96)
     act = ActAndMul("silu")
-    gated = path.prepare(w, None, act)(x3)
-    assert torch.allclose(gated.float(), act(w.reference(x3, None)).float(), rtol=3e-2, atol=3e-2)
+    # the act goes after the path's own GEMM (its closeness to the reference is checked above): compared with the
+    # reference directly, `block`'s bf16-rounded weight missed a fixed tolerance for about one random x in four
+    assert torch.equal(path.prepare(w, None, act)(x3), act(run(x3)))
 
 
 @pytest.mark.parametrize(("entry", "unfused"), [("silu-mul", "direct"), ("block-silu-mul", "block")])
