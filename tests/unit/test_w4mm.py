@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import bf16mm, w4mm
+from engine.kernels.gemm import interleave_halves
 from engine.kernels.select import _matches_reference
 from engine.kernels.w4mm import W4MM
 from engine.layers.activation import ActAndMul
@@ -62,6 +63,24 @@ def test_every_entry_point_equals_the_reference(
         got = getattr(kernel, entry)(x, packed, bias)
         assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
         assert (got.float() - want).abs().max() <= 1e-2 * want.abs().max()
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_direct_kernel_gives_a_row_the_same_bits_whatever_tile_it_falls_in(kernel: W4MM, fused: bool) -> None:
+    # 1-3 rows run as one 64-column tile, 4-6 as two 32-column ones: every row count up to two full tiles and a
+    # tail, each row against the same row computed alone (and the fused gated MLP's, which shares the tiles)
+    w = int4_weight(192, 256, 64, symmetric=False)
+    i = interleave_halves
+    packed = (
+        W4MM.pack(i(w.values()), i(w.scale), i(w.zero), 64) if fused else W4MM.pack(w.values(), w.scale, w.zero, 64)
+    )
+    bias = torch.randn(192, generator=torch.Generator().manual_seed(2)).bfloat16()
+    run = kernel.silu_mul if fused else kernel.direct
+    for rows in range(1, 14):
+        x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        y = run(x, packed, bias)
+        for r in range(rows):
+            assert torch.equal(y[r : r + 1], run(x[r : r + 1], packed, bias)), (rows, r)
 
 
 @pytest.mark.parametrize("entry", W4MM_ENTRIES)
