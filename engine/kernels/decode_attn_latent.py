@@ -43,9 +43,16 @@ class LatentDecodeAttention(DecodeAttention):
 
 
 def self_check(kernel: LatentDecodeAttention) -> None:
-    """20 (a group of 16 and one of 4), 16 and 4 heads over scattered 16-token blocks, contexts under, at and over
-    one chunk and block, stale (NaN) cache memory past each context's end; scores far apart (a late peak) so the
-    running maximum must carry."""
+    """check_latent in float32."""
+    check_latent(kernel, torch.float32, (GROUP + HEADS_STEP, GROUP, HEADS_STEP), 1e-4, 1e-5)
+
+
+def check_latent(
+    kernel: DecodeAttention, dtype: torch.dtype, heads: tuple[int, ...], rtol: float, atol: float
+) -> None:  # fmt: skip
+    """`heads` query heads over scattered 16-token blocks of `dtype` latent rows, contexts under, at and over one
+    chunk and block, stale (NaN) cache memory past each context's end; scores far apart (a late peak) so the
+    running maximum must carry. The first VALUES columns against the reference, the rest zero."""
     g = torch.Generator().manual_seed(0)
     lens = (1, 16, 33, 300)
     width = max(-(-n // 16) for n in lens)
@@ -57,14 +64,16 @@ def self_check(kernel: LatentDecodeAttention) -> None:
         tables[i, -(-n // 16) :] = nblocks - 1
         rows[tables[i, (n - 1) // 16], (n - 1) % 16 + 1 :] = float("nan")
     rows[tables[3, 250 // 16], 250 % 16] *= 6  # the peak, past the first chunks
+    rows = rows.to(dtype)
     used = torch.tensor(lens)
-    for heads in (GROUP + HEADS_STEP, GROUP, HEADS_STEP):
-        q = torch.randn(len(lens), heads, WIDTH, generator=g)
-        got = kernel(q, rows, rows, tables, used, WIDTH**-0.5)
+    for h in heads:
+        q = torch.randn(len(lens), h, WIDTH, generator=g).to(dtype)
+        got = kernel(q, rows, rows, tables, used, WIDTH**-0.5).float()
         want = reference(q, rows, rows, tables, used, WIDTH**-0.5)[..., :VALUES]
-        ok = torch.allclose(got[..., :VALUES], want, rtol=1e-4, atol=1e-5) and not got[..., VALUES:].any()
+        ok = torch.allclose(got[..., :VALUES], want, rtol=rtol, atol=atol) and not got[..., VALUES:].any()
         if not ok:
-            raise SelfCheckError(f"latent self-check failed for {heads} heads")
+            err = (got[..., :VALUES] - want).abs().max().item()
+            raise SelfCheckError(f"latent self-check failed for {h} heads of {dtype}: max error {err:.3g}")
 
 
 # The process-wide kernel built for this CPU, or None (logged once) where it cannot be built.

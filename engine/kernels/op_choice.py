@@ -23,6 +23,7 @@ from engine.kernels import (
     decode_attn_amx,
     decode_attn_dp,
     decode_attn_latent,
+    decode_attn_latent_dp,
     i8mm,
     w4mm,
     wbf16,
@@ -260,12 +261,17 @@ def _per_expert_paths(dtype: torch.dtype) -> list[GemmPath]:
 
 def latent_attention_kernels(attn: dict[str, DecodeAttention], dtype: torch.dtype) -> dict[str, DecodeAttention]:
     """The kernels that may run MLA decode over the paged latents in place for `dtype` math: bf16, the AMX one
-    (among `attn`, built for the attention layers) and, on AVX512-BF16, the dot-product kernel's latent build;
-    float32, the float32 latent kernel (engine.kernels.decode_attn_latent)."""
+    (among `attn`, built for the attention layers) and, on AVX512-BF16, the heads-in-a-vector kernel
+    (engine.kernels.decode_attn_latent_dp) and the dot-product kernel's latent build; float32, the float32 latent
+    kernel (engine.kernels.decode_attn_latent)."""
     if dtype == torch.float32:
         found: tuple[tuple[str, DecodeAttention | None], ...] = (("latent-f32", decode_attn_latent.kernel()),)
     else:
-        found = (("amx", attn.get("amx")), *decode_attn_dp.latent_kernels().items())
+        found = (
+            ("amx", attn.get("amx")),
+            ("latent-dp", decode_attn_latent_dp.kernel()),
+            *decode_attn_dp.latent_kernels().items(),
+        )
     return {name: k for name, k in found if k is not None}
 
 
