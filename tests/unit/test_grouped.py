@@ -91,3 +91,22 @@ def test_grouped_linear_refuses_counts_that_do_not_match_its_weights_or_rows(ker
     for counts in ([2, 3], [2, 0, 4], [1, 1, 1, 2]):  # a group missing, rows past x, a weight missing
         with pytest.raises(ValueError, match="groups"):
             grouped(x, counts)
+
+
+@pytest.mark.parametrize("n", [64, 320])  # one column block, five
+def test_the_same_bits_whatever_the_thread_count(kernel: GroupedKernel, n: int) -> None:
+    """Threads split the column blocks (as many threads as blocks or fewer) or take tasks dynamically (more):
+    every split computes each output the same way."""
+    weights = [_bf16(n, 128, seed=20 + i) for i in range(3)]
+    grouped = GroupedLinear(kernel, weights)
+    x = _bf16(9, 128, seed=30).to(kernel.dtype)
+    counts = [4, 0, 5]
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2, 3, 8):
+            torch.set_num_threads(threads)
+            outs.append(grouped(x, counts))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(out, outs[0]) for out in outs[1:])
