@@ -14,10 +14,10 @@
 #endif
 #include <immintrin.h>
 #include <stdint.h>
-#include <omp.h>
 #include <string.h>
 
 #include "bf16mm_block.h"
+#include "grouped_tasks.h"
 
 // Threads split the output columns, so each streams only its share of the weights.
 static void run(int64_t M, int64_t N, int64_t K, const uint16_t *x, const uint16_t *w, const uint16_t *b,
@@ -46,17 +46,26 @@ void bf16mm_linear_silu_mul(int64_t M, int64_t N, int64_t K, const uint16_t *x, 
 // E linear layers of one shape (no bias) in one call: layer e takes counts[e] consecutive rows of x (layers in
 // order) and its packed weight w[e]; y gets its rows in the same order, N wide (N / 2 with silu_mul). WHY: a decode
 // batch gives each of a MoE layer's experts a handful of rows, and a call per expert paid a parallel region and a
-// Python round trip each (engine.kernels.grouped). Where there are at least as many column blocks as threads,
-// each thread takes its own range of column blocks of every layer, layer after layer: the same work for every
-// thread, and a long run of adjacent blocks of one weight for the hardware prefetchers. WHY: taken four tasks at
-// a time dynamically, DeepSeek-V2-tiny's routed experts (8 rows each, 7 layers streamed from memory, 2-core Zen 4)
-// took 1.11-1.13 ms a layer through the build without software prefetch, 1.01-1.06 split this way (1.31-1.40 and
-// 1.14-1.16 with it). With more threads than blocks, threads still take tasks four at a time.
+// Python round trip each (engine.kernels.grouped). Tasks (rows of a layer, column block) go to threads as
+// grouped_tasks.h says.
 typedef struct {
     const uint16_t *x, *w;
     uint16_t *y;
     int64_t m0, m1;
 } piece_t;
+
+typedef struct {
+    const piece_t *pieces;
+    int64_t N, K;
+    int silu_mul;
+} grouped_t;
+
+static void grouped_task(const void *ctx, int64_t piece, int64_t nb, int64_t end) {
+    const grouped_t *g = ctx;
+    const piece_t *p = g->pieces + piece;
+    const int64_t K = g->K;
+    block(p->m0, p->m1, nb, end, g->N, K, p->x, p->w + nb * ((K + 1) / 2) * 2 * NB, NULL, p->y, g->silu_mul);
+}
 
 void bf16mm_grouped(int64_t E, const int64_t *counts, int64_t N, int64_t K, const uint16_t *x,
                     const uint16_t *const *w, uint16_t *y, int nthreads, int silu_mul) {
@@ -70,23 +79,8 @@ void bf16mm_grouped(int64_t E, const int64_t *counts, int64_t N, int64_t K, cons
             pieces[P++] = (piece_t){x + row * K, w[e], y + row * width, m0, counts[e] < m0 + MC ? counts[e] : m0 + MC};
         row += counts[e];
     }
-    if (nthreads <= nblocks) {
-#pragma omp parallel num_threads(nthreads)
-        {
-            const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
-            const int64_t b0 = nblocks * tid / nth, b1 = nblocks * (tid + 1) / nth;
-            for (const piece_t *p = pieces; p < pieces + P; p++)
-                for (int64_t nb = b0; nb < b1; nb++)  // b1 as the block count: no prefetch of another's block
-                    block(p->m0, p->m1, nb, b1, N, K, p->x, p->w + nb * ((K + 1) / 2) * 2 * NB, NULL, p->y, silu_mul);
-        }
-        return;
-    }
-#pragma omp parallel for schedule(dynamic, 4) num_threads(nthreads)
-    for (int64_t t = 0; t < P * nblocks; t++) {
-        const piece_t *p = pieces + t / nblocks;
-        const int64_t nb = t % nblocks;
-        block(p->m0, p->m1, nb, nblocks, N, K, p->x, p->w + nb * ((K + 1) / 2) * 2 * NB, NULL, p->y, silu_mul);
-    }
+    const grouped_t g = {pieces, N, K, silu_mul};
+    grouped_tasks(P, nblocks, nthreads, 4, grouped_task, &g);
 }
 
 // W [N][K] bf16 row-major -> the packed layout above, zero-padded to whole blocks and pairs.

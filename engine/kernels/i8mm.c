@@ -26,6 +26,7 @@
 #define MR 6
 #define MC 192  // rows a pass, so their quantized values stay in L2 while the column blocks stream past
 
+#include "grouped_tasks.h"
 #include "i8_rows.h"
 
 // Row tiles a block may have for its tiles to prefetch the next block (see i8mm_linear): bf16mm's figure, from a
@@ -162,6 +163,42 @@ int i8mm_linear_silu_mul(int64_t M, int64_t N, int64_t K, const uint16_t *x, con
     return linear(M, N, K, x, 1, w, colsum, ws, b, y, nthreads, 1);
 }
 
+typedef struct {
+    const int64_t *counts;
+    int64_t N, K4;
+    const uint8_t *xq;
+    const uint8_t *const *w;
+    const int32_t *const *colsum;
+    const float *const *ws;
+    uint16_t *y;
+    const float *xs;
+    const int64_t *first, *layer;
+    int silu_mul;
+} i8group_t;
+
+// One task of i8mm_grouped: a layer's rows (piece p) through one column block (grouped_tasks.h).
+static void i8group_task(const void *ctx, int64_t p, int64_t nb, int64_t end) {
+    (void)end;  // no prefetch of the next block here
+    const i8group_t *g = ctx;
+    const int64_t e = g->layer[p], N = g->N, K4 = g->K4, n0 = nb * NB, nn = N - n0 < NB ? N - n0 : NB;
+    const int64_t width = g->silu_mul ? N / 2 : N, stop = g->first[p] + g->counts[e];
+    static const float zeros[NB];
+    const pf_t none = {NULL, NULL, 0};
+    const uint8_t *w = g->w[e] + nb * K4 * NB;
+    for (int64_t r0 = g->first[p]; r0 < stop; r0 += MR) {
+        const int mr = stop - r0 < MR ? (int)(stop - r0) : MR;
+        if (!g->silu_mul) {
+            row_tile_any(mr, K4, g->xq + r0 * K4, w, g->colsum[e] + n0, g->ws[e] + n0, zeros, g->xs + r0,
+                         g->y + r0 * width, 1, width, n0, nn, none);
+            continue;
+        }
+        float o[MR * NB];  // float rows (N % 64 == 0, checked by the caller), then 32 gate and 32 up columns each
+        row_tile_any(mr, K4, g->xq + r0 * K4, w, g->colsum[e] + n0, g->ws[e] + n0, zeros, g->xs + r0, o, 0, NB, 0,
+                     NB, none);
+        for (int r = 0; r < mr; r++) store_silu_mul_block(o + r * NB, g->y + (r0 + r) * width + n0 / 2);
+    }
+}
+
 // E W8A8 linear layers of one shape (no bias) in one call, bf16 rows in and out, as bf16mm_grouped: layer e takes
 // counts[e] consecutive rows of x and its packed weight w[e] (colsum[e], ws[e]); y gets its rows in the same
 // order, N wide (N / 2 with silu_mul: the weight's rows are a gated MLP's [gate; up] interleaved in blocks of 32,
@@ -171,7 +208,7 @@ int i8mm_linear_silu_mul(int64_t M, int64_t N, int64_t K, const uint16_t *x, con
 int i8mm_grouped(int64_t E, const int64_t *counts, int64_t N, int64_t K, const uint16_t *x,
                  const uint8_t *const *w, const int32_t *const *colsum, const float *const *ws, uint16_t *y,
                  int nthreads, int silu_mul) {
-    const int64_t K4 = (K + 3) / 4 * 4, nblocks = (N + NB - 1) / NB, width = silu_mul ? N / 2 : N;
+    const int64_t K4 = (K + 3) / 4 * 4, nblocks = (N + NB - 1) / NB;
     int64_t M = 0, P = 0;
     for (int64_t e = 0; e < E; e++) M += counts[e], P += counts[e] > 0;
     if (M <= 0) return 0;
@@ -182,25 +219,8 @@ int i8mm_grouped(int64_t E, const int64_t *counts, int64_t N, int64_t K, const u
     P = 0;
     for (int64_t e = 0, row = 0; e < E; row += counts[e++])
         if (counts[e] > 0) first[P] = row, layer[P++] = e;
-    static const float zeros[NB];
-    const pf_t none = {NULL, NULL, 0};
-#pragma omp parallel for schedule(dynamic, 2) num_threads(nthreads)
-    for (int64_t t = 0; t < P * nblocks; t++) {
-        const int64_t p = t / nblocks, nb = t % nblocks, e = layer[p], n0 = nb * NB, nn = N - n0 < NB ? N - n0 : NB;
-        const int64_t end = first[p] + counts[e];
-        for (int64_t r0 = first[p]; r0 < end; r0 += MR) {
-            const int mr = end - r0 < MR ? (int)(end - r0) : MR;
-            if (!silu_mul) {
-                row_tile_any(mr, K4, xq + r0 * K4, w[e] + nb * K4 * NB, colsum[e] + n0, ws[e] + n0, zeros, xs + r0,
-                             y + r0 * width, 1, width, n0, nn, none);
-                continue;
-            }
-            float o[MR * NB];  // float rows (N % 64 == 0, checked by the caller), then 32 gate and 32 up columns each
-            row_tile_any(mr, K4, xq + r0 * K4, w[e] + nb * K4 * NB, colsum[e] + n0, ws[e] + n0, zeros, xs + r0, o,
-                         0, NB, 0, NB, none);
-            for (int r = 0; r < mr; r++) store_silu_mul_block(o + r * NB, y + (r0 + r) * width + n0 / 2);
-        }
-    }
+    const i8group_t g = {counts, N, K4, xq, w, colsum, ws, y, xs, first, layer, silu_mul};
+    grouped_tasks(P, nblocks, nthreads, 2, i8group_task, &g);
     return 0;
 }
 #endif

@@ -24,6 +24,7 @@
 #include <string.h>
 
 #include "bf16mm_block.h"
+#include "grouped_tasks.h"
 #include "w4mm_common.h"
 
 #define QR 6  // rows per tile of the direct kernel, up to 3 over the block's 4 column chunks, past that over 2
@@ -125,6 +126,41 @@ int w4mm_linear_silu_mul(int64_t M, int64_t N, int64_t K, int64_t G, const uint1
     return direct(M, N, K, G, x, wq, sc, b, y, nthreads, 1);
 }
 
+typedef struct {
+    const int64_t *counts;
+    int64_t N, K, G;
+    const uint16_t *x;
+    const uint8_t *const *wq;
+    const float *const *sc;
+    uint16_t *y;
+    const float *xs;
+    const int64_t *first, *layer;
+    int silu_mul;
+} w4group_t;
+
+// One task of w4mm_grouped: a layer's rows (piece p) through one column block (grouped_tasks.h).
+static void w4group_task(const void *ctx, int64_t p, int64_t nb, int64_t end) {
+    (void)end;  // the direct kernel prefetches within its block only
+    const w4group_t *g = ctx;
+    const int64_t e = g->layer[p], N = g->N, K = g->K, G = g->G, groups = K / G, n0 = nb * NB;
+    const int64_t nn = N - n0 < NB ? N - n0 : NB, width = g->silu_mul ? N / 2 : N;
+    static const float zeros[NB];
+    float out[QR * NB];
+    for (int64_t r0 = g->first[p]; r0 < g->first[p] + g->counts[e]; r0 += QR) {
+        const int mr = g->first[p] + g->counts[e] - r0 < QR ? (int)(g->first[p] + g->counts[e] - r0) : QR;
+        qtile_any(mr, K, G, g->x + r0 * K, g->wq[e] + nb * K * 32, g->sc[e] + nb * groups * 128, g->xs + r0 * groups,
+                  out);
+        for (int r = 0; r < mr; r++) {
+            const float *o = out + r * NB;
+            if (!g->silu_mul) {
+                store_row(o, zeros, g->y + (r0 + r) * width + n0, nn);
+                continue;
+            }
+            store_silu_mul_block(o, g->y + (r0 + r) * width + n0 / 2);  // N % 64 == 0 (checked by the caller)
+        }
+    }
+}
+
 // E W4A16 linear layers of one shape (no bias) in one call, as bf16mm_grouped: layer e takes counts[e] consecutive
 // rows of x and its packed weight (nibbles wq[e], scales sc[e]); y gets its rows in the same order, N wide (N / 2
 // with silu_mul: the weight's rows are a gated MLP's [gate; up] interleaved in blocks of 32, and y = silu(gate) *
@@ -132,7 +168,7 @@ int w4mm_linear_silu_mul(int64_t M, int64_t N, int64_t K, int64_t G, const uint1
 // (~25 us a call on a 2-core Zen 4), hundreds a decode step at batch 32. Returns 0, or -1 as w4mm_linear.
 int w4mm_grouped(int64_t E, const int64_t *counts, int64_t N, int64_t K, int64_t G, const uint16_t *x,
                  const uint8_t *const *wq, const float *const *sc, uint16_t *y, int nthreads, int silu_mul) {
-    const int64_t nblocks = (N + NB - 1) / NB, groups = K / G, width = silu_mul ? N / 2 : N;
+    const int64_t nblocks = (N + NB - 1) / NB, groups = K / G;
     int64_t M = 0, P = 0;
     for (int64_t e = 0; e < E; e++) M += counts[e], P += counts[e] > 0;
     if (M <= 0) return 0;
@@ -143,24 +179,8 @@ int w4mm_grouped(int64_t E, const int64_t *counts, int64_t N, int64_t K, int64_t
     P = 0;
     for (int64_t e = 0, row = 0; e < E; row += counts[e++])
         if (counts[e] > 0) first[P] = row, layer[P++] = e;
-    static const float zeros[NB];
-#pragma omp parallel for schedule(dynamic, 2) num_threads(nthreads)
-    for (int64_t t = 0; t < P * nblocks; t++) {
-        const int64_t p = t / nblocks, nb = t % nblocks, e = layer[p], n0 = nb * NB, nn = N - n0 < NB ? N - n0 : NB;
-        float out[QR * NB];
-        for (int64_t r0 = first[p]; r0 < first[p] + counts[e]; r0 += QR) {
-            const int mr = first[p] + counts[e] - r0 < QR ? (int)(first[p] + counts[e] - r0) : QR;
-            qtile_any(mr, K, G, x + r0 * K, wq[e] + nb * K * 32, sc[e] + nb * groups * 128, xs + r0 * groups, out);
-            for (int r = 0; r < mr; r++) {
-                const float *o = out + r * NB;
-                if (!silu_mul) {
-                    store_row(o, zeros, y + (r0 + r) * width + n0, nn);
-                    continue;
-                }
-                store_silu_mul_block(o, y + (r0 + r) * width + n0 / 2);  // N % 64 == 0 (checked by the caller)
-            }
-        }
-    }
+    const w4group_t g = {counts, N, K, G, x, wq, sc, y, xs, first, layer, silu_mul};
+    grouped_tasks(P, nblocks, nthreads, 2, w4group_task, &g);
     return 0;
 }
 

@@ -7,6 +7,8 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "grouped_tasks.h"
 #define NB 64
 #define MR 6
 
@@ -256,8 +258,8 @@ static void block_into(int64_t m, int64_t K, const float *x, const uint16_t *wb,
 // gated MLPs' [gate; up] rows interleaved in blocks of 32 (engine.kernels.gemm.interleave_halves), so a 64-column
 // block holds 32 gate and their 32 up columns, and y (N / 2 wide) gets silu(gate) * up in float32, as torch's
 // unfused float32 code computes it. WHY: a decode batch gives each of a MoE layer's experts a handful of rows,
-// and a call per expert paid a parallel region and a Python round trip each (engine.kernels.grouped). Threads
-// take (rows, column block) tasks four at a time, dynamically: consecutive blocks of one layer's weight.
+// and a call per expert paid a parallel region and a Python round trip each (engine.kernels.grouped). Tasks (rows
+// of a layer, column block) go to threads as grouped_tasks.h says.
 #define GR 32  // rows of one layer per task: GR x 64 floats of output on the stack
 typedef struct {
     const float *x;
@@ -265,6 +267,31 @@ typedef struct {
     float *y;
     int64_t m;
 } wpiece_t;
+
+typedef struct {
+    const wpiece_t *pieces;
+    int64_t N, K;
+    int silu_mul;
+} wgroup_t;
+
+static void wgroup_task(const void *ctx, int64_t piece, int64_t nb, int64_t end) {
+    (void)end;
+    const wgroup_t *g = ctx;
+    const wpiece_t *p = g->pieces + piece;
+    const int64_t N = g->N, K = g->K, width = g->silu_mul ? N / 2 : N;
+    float out[GR * NB];
+    block_into(p->m, K, p->x, p->w + nb * K * NB, out);
+    for (int64_t r = 0; r < p->m; r++) {
+        const float *o = out + r * NB;
+        float *yr = p->y + r * width;
+        if (g->silu_mul) {
+            for (int64_t j = 0; j < NB / 2; j++) yr[nb * NB / 2 + j] = o[j] / (1.0f + expf(-o[j])) * o[NB / 2 + j];
+        } else {
+            const int64_t nn = N - nb * NB < NB ? N - nb * NB : NB;
+            memcpy(yr + nb * NB, o, nn * sizeof(float));
+        }
+    }
+}
 
 void wbf16_grouped(int64_t E, const int64_t *counts, int64_t N, int64_t K, const float *x,
                    const uint16_t *const *w, float *y, int nthreads, int silu_mul) {
@@ -279,23 +306,8 @@ void wbf16_grouped(int64_t E, const int64_t *counts, int64_t N, int64_t K, const
                                      counts[e] - m0 < GR ? counts[e] - m0 : GR};
         row += counts[e];
     }
-#pragma omp parallel for schedule(dynamic, 4) num_threads(nthreads)
-    for (int64_t t = 0; t < P * nblocks; t++) {
-        const wpiece_t *p = pieces + t / nblocks;
-        const int64_t nb = t % nblocks;
-        float out[GR * NB];
-        block_into(p->m, K, p->x, p->w + nb * K * NB, out);
-        for (int64_t r = 0; r < p->m; r++) {
-            const float *o = out + r * NB;
-            float *yr = p->y + r * width;
-            if (silu_mul) {
-                for (int64_t j = 0; j < NB / 2; j++) yr[nb * NB / 2 + j] = o[j] / (1.0f + expf(-o[j])) * o[NB / 2 + j];
-            } else {
-                const int64_t nn = N - nb * NB < NB ? N - nb * NB : NB;
-                memcpy(yr + nb * NB, o, nn * sizeof(float));
-            }
-        }
-    }
+    const wgroup_t g = {pieces, N, K, silu_mul};
+    grouped_tasks(P, nblocks, nthreads, 4, wgroup_task, &g);
 }
 
 // W [N][K] bf16 row-major -> [ceil(N/64)][K][64] in the interleaved order above, zero-padded.
