@@ -128,7 +128,8 @@ static void task(int64_t b, int64_t h0, int64_t H, int64_t H_all, const uint16_t
                 __m512 acc[HB][JB];
                 for (int gg = 0; gg < HB; gg++)
                     for (int jj = 0; jj < JB; jj++)
-                        if (gg < hb) acc[gg][jj] = _mm512_mul_ps(o[g0 + gg][j0 + jj], _mm512_set1_ps(alpha[g0 + gg]));
+                        acc[gg][jj] = gg < hb ? _mm512_mul_ps(o[g0 + gg][j0 + jj], _mm512_set1_ps(alpha[g0 + gg]))
+                                              : _mm512_setzero_ps();
                 for (int64_t i = 0; i < pairs; i++)
                     for (int gg = 0; gg < HB; gg++) {
                         if (gg >= hb) break;

@@ -17,8 +17,8 @@
 // (a kernel that prefetches its next block asks for none at or past it: another thread's).
 typedef void (*grouped_task_fn)(const void *ctx, int64_t piece, int64_t block, int64_t end);
 
-static void grouped_tasks(int64_t pieces, int64_t nblocks, int nthreads, int chunk, grouped_task_fn run,
-                          const void *ctx) {
+static inline void grouped_tasks(int64_t pieces, int64_t nblocks, int nthreads, int chunk, grouped_task_fn run,
+                                 const void *ctx) {
     if (nthreads <= nblocks) {
 #pragma omp parallel num_threads(nthreads)
         {
