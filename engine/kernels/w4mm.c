@@ -140,7 +140,7 @@ typedef struct {
 
 // One task of w4mm_grouped: a layer's rows (piece p) through one column block (grouped_tasks.h).
 static void w4group_task(const void *ctx, int64_t p, int64_t nb, int64_t end) {
-    (void)end;  // the direct kernel prefetches within its block only
+    (void)end;  // the direct kernel asks for nibbles PF_BYTES ahead, in whichever block they lie
     const w4group_t *g = ctx;
     const int64_t e = g->layer[p], N = g->N, K = g->K, G = g->G, groups = K / G, n0 = nb * NB;
     const int64_t nn = N - n0 < NB ? N - n0 : NB, width = g->silu_mul ? N / 2 : N;
