@@ -1,4 +1,5 @@
-// AVX-512 float32 math shared by the bf16 kernels (bf16mm.c, amxmm.c, decode_attn_amx.c, decode_attn_dp.c).
+// AVX-512 float32 math shared by the bf16 kernels (bf16mm.c, amxmm.c, w4mm.c, decode_attn_amx.c, decode_attn_dp.c,
+// decode_attn_latent_dp.c).
 // cbuild.py hashes this header with every source that includes it, so a change here rebuilds them all.
 #ifndef TIANMEN_AVX512_MATH_H
 #define TIANMEN_AVX512_MATH_H
@@ -8,6 +9,17 @@
 static inline __m512 round_bf16(__m512 v) {  // to the nearest bf16 and back to float32
     const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// The index that interleaves two 16-value halves (VCVTNE2PS2BF16's two sources: 16 even k and 16 odd k, or two
+// tokens' probabilities) into pairs: [a0, b0, a1, b1, ...].
+static inline __m512i pair_order(void) {
+    uint16_t idx[32];
+    for (int j = 0; j < 16; j++) {
+        idx[2 * j] = (uint16_t)j;
+        idx[2 * j + 1] = (uint16_t)(16 + j);
+    }
+    return _mm512_loadu_si512((const void *)idx);
 }
 
 // exp(x) = 2^n * p(r), r = x - n ln2, a degree-6 polynomial (relative error ~2e-7); x clamped to [-87, 88].

@@ -26,6 +26,7 @@
 #define LD 576      // a cached row: kv_lora_rank 512 + qk_rope_head_dim 64 (DeepSeek-V2/V3)
 #define LV 512      // its latent part, the values
 #define PAIRS (LD / 2)
+#define ROW_LINES (LD / 32)  // 64-byte lines a cached row
 #define MAX_H 16    // query heads a task: one vector
 #define SL 16       // tokens a slice (one score tile of 16 accumulators)
 #define CH 32       // tokens a softmax update: two slices (16, 32 and 64 measured alike on a Zen 4)
@@ -34,16 +35,16 @@
 #define JB 4        // value vectors a value tile: HB x JB accumulators (2 alike, 8 slower)
 
 // The scores of one 16-token slice (rows adjacent, LD apart) for every head: s[t] lane h, unscaled. `ahead`: the
-// next slice's first row, its 288 lines asked for one a pair step, spread over the work (the blocks of a sequence
-// lie anywhere in the pool, so the hardware prefetchers lose the stream at every block: 32 sequences of 192
-// tokens, cold, on a 2-core Zen 4: 0.67 ms with, 0.81 without).
+// next slice's first row, its 16 x ROW_LINES = PAIRS lines asked for one a pair step, spread over the work (the
+// blocks of a sequence lie anywhere in the pool, so the hardware prefetchers lose the stream at every block: 32
+// sequences of 192 tokens, cold, on a 2-core Zen 4: 0.67 ms with, 0.81 without).
 static inline __attribute__((always_inline)) void slice_scores(const uint16_t *rows, const __m512i *qt,
                                                                const uint16_t *ahead, __m512 s[SL]) {
     __m512 acc[SL];
     for (int t = 0; t < SL; t++) acc[t] = _mm512_setzero_ps();
     for (int p = 0; p < PAIRS; p++) {
         const __m512bh q = (__m512bh)_mm512_load_si512((const void *)(qt + p));
-        if (ahead) _mm_prefetch((const char *)(ahead + (p / 18) * LD + (p % 18) * 32), _MM_HINT_T1);
+        if (ahead) _mm_prefetch((const char *)(ahead + (p / ROW_LINES) * LD + (p % ROW_LINES) * 32), _MM_HINT_T1);
         for (int t = 0; t < SL; t++) {
             int32_t kp;
             memcpy(&kp, rows + t * LD + 2 * p, 4);
@@ -51,13 +52,6 @@ static inline __attribute__((always_inline)) void slice_scores(const uint16_t *r
         }
     }
     for (int t = 0; t < SL; t++) s[t] = acc[t];
-}
-
-// The index that interleaves VCVTNE2PS2BF16's two halves into pairs: [a0, b0, a1, b1, ...].
-static inline __m512i pair_index(void) {
-    uint16_t idx[32];
-    for (int j = 0; j < 16; j++) idx[2 * j] = (uint16_t)j, idx[2 * j + 1] = (uint16_t)(16 + j);
-    return _mm512_loadu_si512((const void *)idx);
 }
 
 // One task: sequence b, heads [h0, h0 + H) of H_all (H <= MAX_H).
@@ -78,7 +72,7 @@ static void task(int64_t b, int64_t h0, int64_t H, int64_t H_all, const uint16_t
     }
     memset(o, 0, sizeof(o));
     const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
-    const __m512i order = pair_index();
+    const __m512i order = pair_order();
     __m512 m = ninf, l = _mm512_setzero_ps();  // per head: running maximum, softmax denominator
     for (int64_t c = 0; c < L; c += CH) {
         const int64_t n = L - c < CH ? L - c : CH;

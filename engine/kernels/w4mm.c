@@ -322,12 +322,7 @@ int w4mm_linear_block_silu_mul(int64_t M, int64_t N, int64_t K, int64_t G, const
 void w4mm_dequantize(int64_t N, int64_t K, int64_t G, const uint8_t *nibbles, const float *scale,
                      const uint8_t *zero, uint16_t *w, int nthreads) {
     const int64_t groups = K / G;
-    uint16_t idx[32];  // [e0..e15, o0..o15] → [e0, o0, e1, o1, ...]
-    for (int j = 0; j < 16; j++) {
-        idx[2 * j] = (uint16_t)j;
-        idx[2 * j + 1] = (uint16_t)(16 + j);
-    }
-    const __m512i pairs = _mm512_loadu_si512((const void *)idx);
+    const __m512i pairs = pair_order();  // [e0..e15, o0..o15] → [e0, o0, e1, o1, ...]
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t n = 0; n < N; n++)
         for (int64_t g = 0; g < groups; g++) {

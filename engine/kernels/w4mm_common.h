@@ -38,16 +38,6 @@ static inline __attribute__((always_inline)) void widen(const uint8_t *p, __m512
     *b = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(wide, 4), e128);
 }
 
-// The index that interleaves VCVTNE2PS2BF16's 16 even k and 16 odd k back into pairs: [e0, o0, e1, o1, ...].
-static inline __m512i pair_order(void) {
-    uint16_t idx[32];
-    for (int j = 0; j < 16; j++) {
-        idx[2 * j] = (uint16_t)j;
-        idx[2 * j + 1] = (uint16_t)(16 + j);
-    }
-    return _mm512_loadu_si512((const void *)idx);
-}
-
 // 16 columns' widened k pair v (each 32-bit lane one column's two 128 + q, as widen() gives them) dequantized:
 // taken apart to floats by a shift and a mask, w = (128 + q) * s - s * (128 + z) in one rounding (s, sz: the
 // columns' scale and s * (128 + z)), back to bf16 pairs in the same layout.
