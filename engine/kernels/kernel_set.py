@@ -26,6 +26,8 @@ class CpuKernels:
 
     rms_norm: PointwiseKernels | None = None
     rope: PointwiseKernels | None = None
+    rope_pairs: PointwiseKernels | None = None  # RoPE on interleaved pairs (DeepSeek's MLA)
+    moe_combine: PointwiseKernels | None = None  # a MoE layer's weighted sum of its routed and shared rows
     argmax: PointwiseKernels | None = None
     sample: PointwiseKernels | None = None  # random sampling's inverse CDF (engine.sampler.inverse_cdf)
     decode_attn: DecodeAttention | None = None

@@ -32,7 +32,7 @@ from engine.kernels.decode_attn import DECODE_ROWS, DecodeAttention
 from engine.kernels.gemm import GemmPath, KernelPath, OneDNNPath, TorchPath
 from engine.kernels.grouped import GroupedExperts, GroupedKernel, GroupedLinear
 from engine.kernels.kernel_set import CpuKernels, QuantExpertsFactory
-from engine.kernels.pointwise import PointwiseKernels, apply_rotary, rms_norm
+from engine.kernels.pointwise import PointwiseKernels, apply_rotary, apply_rotary_interleaved, moe_combine, rms_norm
 from engine.kernels.select import MIN_ROUNDS, CacheFlush, PlanCache, ShapeChoice, Timer
 from engine.layers.activation import ActAndMul
 from engine.layers.attention import PagedAttention
@@ -78,6 +78,33 @@ def rope_wins(
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
     return faster(f"op rope {ROWS}x{heads}x{head_dim} {dtype}", lambda: k.rotary(x, cos, sin),
                   lambda: apply_rotary(x, cos, sin), timer, cache)  # fmt: skip
+
+
+def rope_pairs_wins(
+    k: PointwiseKernels, heads: int, head_dim: int, dtype: torch.dtype, timer: Timer | None, cache: PlanCache | None
+) -> bool:
+    """MLA's q_pe: a strided slice of the query rows, as the layer hands it over."""
+    q = torch.randn(ROWS, heads, 2 * head_dim).to(dtype)
+    angles = torch.randn(ROWS, 1, head_dim // 2)
+    angles = torch.cat((angles, angles), dim=-1)  # a true rotation: the in-place kernel keeps x's scale
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    x = q[..., head_dim:]
+    return faster(f"op rope_pairs {ROWS}x{heads}x{head_dim} {dtype}", lambda: k.rotary_interleaved(x, cos, sin),
+                  lambda: apply_rotary_interleaved(x, cos, sin), timer, cache)  # fmt: skip
+
+
+def moe_combine_wins(
+    k: PointwiseKernels, moe: MoE, dtype: torch.dtype, timer: Timer | None, cache: PlanCache | None
+) -> bool:
+    """A decode batch's combine: ROWS tokens, each routed to its top-k of `moe`'s experts at random."""
+    top_k, dim, g = moe.gate.top_k, moe.gate.weight.shape[1], torch.Generator().manual_seed(0)
+    ids = torch.rand(ROWS, moe.num_experts, generator=g).topk(top_k, dim=-1)[1]
+    weights = torch.rand(ROWS, top_k, generator=g)
+    order = ids.flatten().argsort(stable=True)
+    ys, shared = torch.randn(ROWS * top_k, dim).to(dtype), torch.randn(ROWS, dim).to(dtype)
+    key = f"op moe_combine {ROWS}x{top_k}x{dim} {dtype}"
+    return faster(key, lambda: k.moe_combine(ys, order, weights, shared, ROWS),
+                  lambda: moe_combine(ys, order, weights, shared, ROWS), timer, cache)  # fmt: skip
 
 
 def argmax_wins(
@@ -551,6 +578,10 @@ def choose_kernels(
             k.sample = pw
     mla = next((m for m in model.modules() if isinstance(m, MLAttention)), None)
     moe = next((m for m in model.modules() if isinstance(m, MoE)), None)
+    if pw is not None and mla is not None and rope_pairs_wins(pw, mla.num_heads, mla.rope, dtype, timer, cache):
+        k.rope_pairs = pw
+    if pw is not None and moe is not None and moe_combine_wins(pw, moe, dtype, timer, cache):
+        k.moe_combine = pw
     if mla is not None:
         k.latent_attn, k.latent_attn_at = choose_latent_attention(
             latent_attention_kernels(attn, dtype), mla, dtype, timer, cache

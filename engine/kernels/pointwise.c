@@ -7,6 +7,8 @@
 //   out = weight * y (rounded);
 // - rotary embedding (rotate_half layout) in place: out = x * cos (rounded) + rotate_half(x) * sin (rounded),
 //   the sum rounded;
+// - rotary embedding on interleaved pairs (DeepSeek), written de-interleaved, with the same roundings;
+// - a MoE layer's combine: each token's routed rows weighted and summed, plus its shared experts' row;
 // - greedy argmax over float32 or bf16 logits rows: the first index of the maximum, or of the first NaN, as torch;
 // - sampling: one token per float32 logits row drawn by inverting its CDF at a given uniform number, as
 //   engine/sampler.py's inverse_cdf does with four torch ops and a float64 copy of the row.
@@ -184,6 +186,139 @@ void rope_bf16(int64_t T, int64_t heads, int64_t D, uint16_t *x, int64_t ld, con
                 b[i] = narrow1(round_bf16(x2 * widen1(c[half + i])) + round_bf16(x1 * widen1(s[half + i])));
             }
         }
+}
+
+// RoPE on interleaved pairs (DeepSeek's q_pe / k_pe): pair i = (x[2i], x[2i + 1]) turns by angle i and lands
+// de-interleaved, x[i] = x1 * cos - x2 * sin, x[half + i] = x2 * cos + x1 * sin (each product and the sum rounded
+// in bf16, as engine/kernels/pointwise.py's apply_rotary_interleaved). x: [T][heads][D] in place, token rows `ld`
+// and heads `hs` elements apart; cos, sin: [T][D], of which the first half is read.
+// NO_FMA: products rounded to float32 before the sums, as torch's separate ops (GCC would fuse them otherwise)
+#define NO_FMA __attribute__((optimize("fp-contract=off")))
+
+NO_FMA void rope_interleaved_f32(int64_t T, int64_t heads, int64_t D, float *x, int64_t ld, int64_t hs, const float *cos,
+                          const float *sin, int nthreads) {
+    const int64_t half = D / 2;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (T * heads * D >= PARALLEL_ELEMS)
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t h = 0; h < heads; h++) {
+            float *a = x + t * ld + h * hs, pairs[D];
+            const float *c = cos + t * D, *s = sin + t * D;
+            memcpy(pairs, a, sizeof(float) * (size_t)D);
+            for (int64_t i = 0; i < half; i++) {
+                const float x1 = pairs[2 * i], x2 = pairs[2 * i + 1];
+                const float p1 = x1 * c[i], p2 = x2 * s[i], p3 = x2 * c[i], p4 = x1 * s[i];
+                a[i] = p1 - p2;
+                a[half + i] = p3 + p4;
+            }
+        }
+}
+
+void rope_interleaved_bf16(int64_t T, int64_t heads, int64_t D, uint16_t *x, int64_t ld, int64_t hs,
+                           const uint16_t *cos, const uint16_t *sin, int nthreads) {
+    const int64_t half = D / 2;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (T * heads * D >= PARALLEL_ELEMS)
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t h = 0; h < heads; h++) {
+            uint16_t *a = x + t * ld + h * hs, first[half + VL], second[half + VL];
+            const uint16_t *c = cos + t * D, *s = sin + t * D;
+            for (int64_t i = 0; i < half; i++) {
+                first[i] = a[2 * i];
+                second[i] = a[2 * i + 1];
+            }
+            int64_t i = 0;
+            for (; i + VL <= half; i += VL) {
+                const v16f x1 = widen(first + i), x2 = widen(second + i), ci = widen(c + i), si = widen(s + i);
+                narrow(a + i, round_bf16v(x1 * ci) + round_bf16v(-x2 * si));
+                narrow(a + half + i, round_bf16v(x2 * ci) + round_bf16v(x1 * si));
+            }
+            for (; i < half; i++) {
+                const float x1 = widen1(first[i]), x2 = widen1(second[i]), ci = widen1(c[i]), si = widen1(s[i]);
+                a[i] = narrow1(round_bf16(x1 * ci) + round_bf16(-x2 * si));
+                a[half + i] = narrow1(round_bf16(x2 * ci) + round_bf16(x1 * si));
+            }
+        }
+}
+
+// A MoE layer's output: out[t] = the routed rows of token t weighted and summed, + shared[t] (when not NULL).
+// ys: P rows of H, expert after expert; order[r] = t * K + k: row r is token t's k-th choice, weighted by
+// w[t * K + k] (float32). The roundings and order of engine/kernels/pointwise.py's moe_combine (which is
+// transformers'): each weighted row rounded to the dtype, a token's rows summed in float32 in ys's order from
+// zero (torch's index_add_ accumulates bf16 in float32), the sum rounded, then the shared experts' row added. Returns -1 where it found no memory (nothing written).
+static int64_t *rows_by_token(int64_t T, int64_t K, int64_t P, const int64_t *order, int64_t *count) {
+    int64_t *rows = malloc(sizeof(int64_t) * (size_t)(T * K > 0 ? T * K : 1));
+    if (!rows) return NULL;
+    memset(count, 0, sizeof(int64_t) * (size_t)T);
+    for (int64_t r = 0; r < P; r++) {  // in ys's order: each token's rows stay in the order they are added
+        const int64_t t = order[r] / K;
+        rows[t * K + count[t]++] = r;
+    }
+    return rows;
+}
+
+NO_FMA int moe_combine_f32(int64_t T, int64_t K, int64_t H, int64_t P, const int64_t *order, const float *ys,
+                    const float *w, const float *shared, float *out, int nthreads) {
+    int64_t *count = malloc(sizeof(int64_t) * (size_t)(T > 0 ? T : 1));
+    int64_t *rows = count ? rows_by_token(T, K, P, order, count) : NULL;
+    if (!rows) {
+        free(count);
+        return -1;
+    }
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (T * H * K >= PARALLEL_ELEMS)
+    for (int64_t t = 0; t < T; t++) {
+        float *o = out + t * H;
+        for (int64_t j = 0; j < H; j++) o[j] = 0.0f;
+        for (int64_t n = 0; n < count[t]; n++) {
+            const int64_t r = rows[t * K + n];
+            const float *y = ys + r * H, wr = w[order[r]];
+            for (int64_t j = 0; j < H; j++) {
+                o[j] = o[j] + y[j] * wr;
+            }
+        }
+        if (shared)
+            for (int64_t j = 0; j < H; j++) o[j] = o[j] + shared[t * H + j];
+    }
+    free(rows);
+    free(count);
+    return 0;
+}
+
+int moe_combine_bf16(int64_t T, int64_t K, int64_t H, int64_t P, const int64_t *order, const uint16_t *ys,
+                     const float *w, const uint16_t *shared, uint16_t *out, int nthreads) {
+    int64_t *count = malloc(sizeof(int64_t) * (size_t)(T > 0 ? T : 1));
+    int64_t *rows = count ? rows_by_token(T, K, P, order, count) : NULL;
+    if (!rows) {
+        free(count);
+        return -1;
+    }
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (T * H * K >= PARALLEL_ELEMS)
+    for (int64_t t = 0; t < T; t++) {
+        uint16_t *o = out + t * H;
+        const uint16_t *sh = shared ? shared + t * H : NULL;
+        int64_t j = 0;
+        for (; j + VL <= H; j += VL) {
+            v16f acc = {0};
+            for (int64_t n = 0; n < count[t]; n++) {
+                const int64_t r = rows[t * K + n];
+                acc += round_bf16v(widen(ys + r * H + j) * w[order[r]]);
+            }
+            acc = round_bf16v(acc);
+            if (sh) acc += widen(sh + j);
+            narrow(o + j, acc);
+        }
+        for (; j < H; j++) {
+            float acc = 0.0f;
+            for (int64_t n = 0; n < count[t]; n++) {
+                const int64_t r = rows[t * K + n];
+                acc += round_bf16(widen1(ys[r * H + j]) * w[order[r]]);
+            }
+            acc = round_bf16(acc);
+            if (sh) acc += widen1(sh[j]);
+            o[j] = narrow1(acc);
+        }
+    }
+    free(rows);
+    free(count);
+    return 0;
 }
 
 // One row of logits, float32 or bf16 (widened exactly, so the answer is the float32 row's) -> torch.argmax's

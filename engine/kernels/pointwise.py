@@ -35,6 +35,28 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on interleaved pairs (x0, x1), (x2, x3), ... (DeepSeek), written de-interleaved as transformers'
+    DeepSeek-V3 does. Its DeepSeek-V2 keeps the pairs interleaved: the same permutation of q and k, so q·k agrees."""
+    half = x.shape[-1] // 2
+    c, s = cos[..., :half], sin[..., :half]
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
+def moe_combine(
+    ys: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None, tokens: int
+) -> torch.Tensor:
+    """A MoE layer's output [tokens, H] from its routed rows ys [P, H] (expert after expert; row r is choice
+    order[r] = t * K + k of token t, weighted by weights [tokens, K] float32) and its shared experts' rows
+    (or None), in eager torch as transformers computes it: weighted rows rounded to the dtype, index_add_ in
+    ys's order, then the shared rows added."""
+    k = weights.shape[1]
+    ys = (ys.float() * weights.flatten()[order].unsqueeze(1)).to(ys.dtype)
+    out = ys.new_zeros(tokens, ys.shape[1]).index_add_(0, order // k, ys)
+    return out + shared if shared is not None else out
+
+
 def rms_norm(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,12 +78,20 @@ class PointwiseKernels:
         lib.sample_f32.argtypes = [_i64, _i64, _ptr, _ptr, _ptr, _int]
         for f in (lib.rope_f32, lib.rope_bf16):
             f.argtypes = [_i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _int]
-        entries = ("rmsnorm_f32", "rmsnorm_bf16", "argmax_f32", "argmax_bf16", "sample_f32", "rope_f32", "rope_bf16")
+        for f in (lib.rope_interleaved_f32, lib.rope_interleaved_bf16):
+            f.argtypes = [_i64, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _int]
+        for f in (lib.moe_combine_f32, lib.moe_combine_bf16):
+            f.argtypes = [_i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _int]
+            f.restype = _int
+        entries = ("rmsnorm_f32", "rmsnorm_bf16", "argmax_f32", "argmax_bf16", "sample_f32", "rope_f32", "rope_bf16",
+                   "rope_interleaved_f32", "rope_interleaved_bf16")  # fmt: skip
         for name in entries:
             getattr(lib, name).restype = None
         self._norm = {torch.float32: lib.rmsnorm_f32, torch.bfloat16: lib.rmsnorm_bf16}
         self._rope = {torch.float32: lib.rope_f32, torch.bfloat16: lib.rope_bf16}
         self._argmax = {torch.float32: lib.argmax_f32, torch.bfloat16: lib.argmax_bf16}
+        self._rope_pairs = {torch.float32: lib.rope_interleaved_f32, torch.bfloat16: lib.rope_interleaved_bf16}
+        self._combine = {torch.float32: lib.moe_combine_f32, torch.bfloat16: lib.moe_combine_bf16}
 
     @classmethod
     def build(cls, flags: tuple[str, ...] = ("-march=native",)) -> PointwiseKernels:
@@ -108,6 +138,34 @@ class PointwiseKernels:
         c, s = cos.reshape(t, d).contiguous(), sin.reshape(t, d).contiguous()
         self._rope[x.dtype](t, heads, d, x.data_ptr(), x.stride(0), c.data_ptr(), s.data_ptr(), torch.get_num_threads())
         return x
+
+    def rotary_interleaved(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """`apply_rotary_interleaved(x, cos, sin)` computed in place: x [T, heads, D] or [T, D] (token rows and
+        heads may be strided, each head contiguous), cos/sin [T, 1, D] or [T, D] in x's dtype."""
+        x3 = x.unsqueeze(1) if x.dim() == 2 else x
+        t, heads, d = x3.shape
+        if not (self.takes(x, cos, sin) and x3.stride(2) == 1 and d % 2 == 0 and t and cos.numel() == t * d):
+            return apply_rotary_interleaved(x, cos, sin)
+        c, s = cos.reshape(t, d).contiguous(), sin.reshape(t, d).contiguous()
+        self._rope_pairs[x.dtype](t, heads, d, x3.data_ptr(), x3.stride(0), x3.stride(1), c.data_ptr(), s.data_ptr(),
+                                  torch.get_num_threads())  # fmt: skip
+        return x
+
+    def moe_combine(
+        self, ys: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None, tokens: int
+    ) -> torch.Tensor:
+        """`moe_combine(...)` (same arguments, same bits) in one pass."""
+        fn = self._combine.get(ys.dtype)
+        if fn is None or weights.dtype != torch.float32 or (shared is not None and shared.dtype != ys.dtype):
+            return moe_combine(ys, order, weights, shared, tokens)
+        y, o, w = ys.contiguous(), order.to(torch.int64).contiguous(), weights.contiguous()
+        sh = shared.contiguous() if shared is not None else None
+        out = y.new_empty(tokens, y.shape[1])
+        got = fn(tokens, w.shape[1], y.shape[1], y.shape[0], o.data_ptr(), y.data_ptr(), w.data_ptr(),
+                 sh.data_ptr() if sh is not None else None, out.data_ptr(), torch.get_num_threads())  # fmt: skip
+        if got != 0:
+            raise MemoryError("the MoE combine found no memory for its row index")
+        return out
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """torch.argmax(logits, dim=-1) for [B, V] float32 or bf16 logits."""

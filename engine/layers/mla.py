@@ -59,6 +59,7 @@ class MLAttention(nn.Module):
         all_heads, (_, num_heads) = num_heads, split(num_heads, g, "num_attention_heads")
         self.num_heads, self.q_lora_rank, self.kv_lora_rank = num_heads, q_lora_rank, kv_lora_rank
         self.nope, self.rope, self.v_dim, self.scale = qk_nope_head_dim, qk_rope_head_dim, v_head_dim, scale
+        self.interleaved = rope_interleave
         self.rotate = apply_rotary_interleaved if rope_interleave else apply_rotary
         q_size, kv_a_size = all_heads * (qk_nope_head_dim + qk_rope_head_dim), kv_lora_rank + qk_rope_head_dim
         # transformers builds both latent norms with its default eps, not rms_norm_eps
@@ -88,6 +89,9 @@ class MLAttention(nn.Module):
         self.kernel = k if k is not None and k.takes_latent(self.num_heads, width, self.kv_cache.dtype, block) else None
         self.kernel_at = kernels.latent_attn_at if self.kernel is not None else ()
         self.absorbed = kernels.absorbed(self) if kernels.absorbed is not None else None
+        if self.interleaved:  # in place: q_pe and k_pe are slices of fresh projections
+            pairs = kernels.rope_pairs
+            self.rotate = pairs.rotary_interleaved if pairs is not None else apply_rotary_interleaved
 
     def in_place(self, rows: int) -> bool:
         """Whether a decode step of `rows` rows attends over the paged latents in place (no mask needed)."""

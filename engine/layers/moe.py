@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.kernels.grouped import GroupedExperts
+from engine.kernels.pointwise import moe_combine
 from engine.layers.mlp import GatedMLP
 from engine.layers.parallel import split
 from engine.parallel.group import Group, SingleGroup
@@ -111,6 +112,7 @@ class MoE(nn.Module):
 
         # this rank's experts in one call (bind_kernels): GroupedExperts, or quantized ones' GroupedQuantExperts
         self.grouped: Callable[[torch.Tensor, list[int]], torch.Tensor] | None = None
+        self.combine = moe_combine  # or the same in one C pass (bind_kernels)
 
     def local_experts(self) -> list[GatedMLP]:
         return list(self.experts[self.first : self.first + self.num_local])  # type: ignore[arg-type]
@@ -118,6 +120,7 @@ class MoE(nn.Module):
     def bind_kernels(self, kernels: CpuKernels) -> None:
         """Take the grouped experts kernel where it fits; the experts then keep only its layout (no GEMM plans, no
         plain weights)."""
+        self.combine = kernels.moe_combine.moe_combine if kernels.moe_combine is not None else moe_combine
         experts = self.local_experts()
         linears = [lin for e in experts for lin in (e.gate_up_proj, e.down_proj)]
         if not all(lin.bias is None for lin in linears) or not all(e.act.is_silu_and_mul for e in experts):
@@ -164,8 +167,5 @@ class MoE(nn.Module):
                 if n:
                     ys[start : start + n] = expert(xs[start : start + n])
                     start += n
-        ys = (ys.float() * weights.flatten()[order].unsqueeze(1)).to(x.dtype)
-        out = torch.zeros_like(x).index_add_(0, tokens, ys)  # [T, hidden]
-        if self.shared_experts is not None and self.shared_here:
-            out += self.shared_experts(x)
-        return self.group.all_reduce(out)
+        shared = self.shared_experts(x) if self.shared_experts is not None and self.shared_here else None
+        return self.group.all_reduce(self.combine(ys, order, weights, shared, x.shape[0]))  # [T, hidden]

@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 from engine.errors import ModelLoadError
-from engine.kernels.pointwise import apply_rotary as apply_rotary  # the definition lives beside its CPU kernel
+from engine.kernels.pointwise import apply_rotary as apply_rotary  # the definitions live beside their CPU kernels
+from engine.kernels.pointwise import apply_rotary_interleaved as apply_rotary_interleaved
 
 
 def rope_parameters(hf: dict[str, Any]) -> dict[str, Any]:
@@ -86,12 +87,3 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)  # [T, 1, D]
-
-
-def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on interleaved pairs (x0, x1), (x2, x3), ... (DeepSeek), written de-interleaved as transformers'
-    DeepSeek-V3 does. Its DeepSeek-V2 keeps the pairs interleaved: the same permutation of q and k, so q·k agrees."""
-    half = x.shape[-1] // 2
-    c, s = cos[..., :half], sin[..., :half]
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)

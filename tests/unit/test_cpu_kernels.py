@@ -11,7 +11,7 @@ import torch
 
 from engine.kernels import cbuild, decode_attn, pointwise
 from engine.kernels.decode_attn import DecodeAttention, reference
-from engine.kernels.pointwise import PointwiseKernels, apply_rotary, rms_norm
+from engine.kernels.pointwise import PointwiseKernels, apply_rotary, apply_rotary_interleaved, moe_combine, rms_norm
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -88,6 +88,66 @@ def test_rotary_in_place_equals_torch(
         assert torch.equal(got, want)  # the same products and sum, rounded the same way
     else:
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("tokens", "heads", "d"), [(1, 16, 64), (32, 16, 64), (5, 3, 40), (300, 16, 64)])
+def test_rotary_on_interleaved_pairs_in_place_equals_torch(
+    pw: PointwiseKernels, dtype: torch.dtype, tokens: int, heads: int, d: int
+) -> None:
+    """On MLA's q_pe (the last d of each head's query, heads strided) and k_pe (the tail of the latent row)."""
+    q = _randn(tokens, heads, 32 + d, seed=15, dtype=dtype)
+    latent = _randn(tokens, 48 + d, seed=16, dtype=dtype)
+    half = _randn(tokens, 1, d // 2, seed=17)
+    angles = torch.cat((half, half), dim=-1)  # as RotaryEmbedding's table: each angle twice
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    for x, c, s in ((q[..., 32:], cos, sin), (latent[:, 48:], cos.squeeze(1), sin.squeeze(1))):
+        want = apply_rotary_interleaved(x, c, s)
+        before = (q[..., :32].clone(), latent[:, :48].clone())
+        got = pw.rotary_interleaved(x, c, s)
+        assert got.data_ptr() == x.data_ptr()  # in place
+        assert torch.equal(q[..., :32], before[0]) and torch.equal(latent[:, :48], before[1])  # nothing else touched
+        assert torch.equal(got, want)  # the same products and sums, rounded the same way (float32: no FMA)
+
+
+def test_rotary_on_interleaved_pairs_falls_back_to_torch_where_it_does_not_take(pw: PointwiseKernels) -> None:
+    x = _randn(4, 8, 6, seed=18).transpose(1, 2)  # each head strided
+    cos, sin = _randn(4, 1, 6, seed=19), _randn(4, 1, 6, seed=20)
+    torch.testing.assert_close(pw.rotary_interleaved(x, cos, sin), apply_rotary_interleaved(x, cos, sin))
+    xb = _randn(4, 2, 6, seed=21, dtype=torch.bfloat16)  # float32 cos/sin with bf16 x
+    torch.testing.assert_close(pw.rotary_interleaved(xb, cos, sin), apply_rotary_interleaved(xb, cos, sin))
+
+
+def _routed(tokens: int, experts: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    weights, ids = torch.rand(tokens, experts, generator=g).softmax(-1).topk(k, dim=-1)
+    return weights, ids.flatten().argsort(stable=True)  # expert-major, as MoE.forward orders its rows
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("tokens", "experts", "k", "dim"), [(1, 16, 4, 1024), (32, 16, 4, 64), (7, 64, 6, 37),
+                                                             (600, 16, 4, 64)])  # fmt: skip
+@pytest.mark.parametrize("with_shared", [False, True])
+def test_moe_combine_equals_torch(
+    pw: PointwiseKernels, dtype: torch.dtype, tokens: int, experts: int, k: int, dim: int, with_shared: bool
+) -> None:
+    weights, order = _routed(tokens, experts, k, seed=22)
+    ys = _randn(tokens * k, dim, seed=23, dtype=dtype) * 4
+    shared = _randn(tokens, dim, seed=24, dtype=dtype) if with_shared else None
+    want = moe_combine(ys, order, weights, shared, tokens)
+    assert torch.equal(pw.moe_combine(ys, order, weights, shared, tokens), want)  # same roundings, same order
+
+
+def test_moe_combine_of_some_rows_leaves_the_other_tokens_zero_or_shared(pw: PointwiseKernels) -> None:
+    """An expert-parallel rank holds some experts: only their rows come, and tokens routed elsewhere get 0."""
+    weights, order = _routed(9, 8, 2, seed=25)
+    mine = order[5:11]
+    ys = _randn(len(mine), 40, seed=26, dtype=torch.bfloat16)
+    shared = _randn(9, 40, seed=27, dtype=torch.bfloat16)
+    for sh in (None, shared):
+        assert torch.equal(pw.moe_combine(ys, mine, weights, sh, 9), moe_combine(ys, mine, weights, sh, 9))
+    none = pw.moe_combine(ys[:0], mine[:0], weights, None, 9)
+    assert torch.equal(none, torch.zeros(9, 40, dtype=torch.bfloat16))
 
 
 def test_rotary_falls_back_to_torch_for_layouts_it_does_not_take(pw: PointwiseKernels) -> None:

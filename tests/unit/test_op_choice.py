@@ -12,6 +12,7 @@ from engine.context import AttentionContext
 from engine.kernels import amxmm, bf16mm, decode_attn_amx, decode_attn_dp, decode_attn_latent, pointwise, wbf16
 from engine.kernels.decode_attn import DECODE_ROWS, DecodeAttention, runs_at
 from engine.kernels.grouped import GroupedExperts, GroupedKernel, GroupedLinear
+from engine.kernels.kernel_set import CpuKernels
 from engine.kernels.op_choice import (
     BLOCK,
     COLD_BYTES,
@@ -30,9 +31,12 @@ from engine.kernels.op_choice import (
     fastest,
     grouped_kernels,
     latent_attention_kernels,
+    moe_combine_wins,
     prefill_in_place_limit,
     prefill_probe,
+    rope_pairs_wins,
 )
+from engine.kernels.pointwise import PointwiseKernels
 from engine.kernels.select import CacheFlush, PlanCache, Timer, call_seconds
 from engine.layers.attention import PagedAttention
 from engine.layers.mla import MLAttention
@@ -74,6 +78,47 @@ def test_kernels_measured_slower_are_not_bound() -> None:
     assert slow_kernel.rms_norm is None  # every call "takes" 1 s: a tie is not a win
     forced = choose_kernels(model, pw, {}, torch.float32, None, None)
     assert forced.rms_norm is pw and forced.decode_attn is None
+
+
+@pytest.mark.parametrize("method", ["rotary_interleaved", "moe_combine"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mla_rope_and_moe_combine_kernels_are_bound_only_where_faster(
+    monkeypatch: pytest.MonkeyPatch, method: str, dtype: torch.dtype
+) -> None:
+    pw = pointwise.kernel()
+    assert pw is not None
+    marks: list[bool] = []
+    original = getattr(PointwiseKernels, method)
+    monkeypatch.setattr(PointwiseKernels, method, lambda self, *a: marks.append(True) or original(self, *a))
+
+    def kernel_fast(fn: Callable[[], object]) -> float:
+        marks.clear()
+        fn()
+        return 1e-3 if marks else 1.0
+
+    moe = MoE(MoEGate(64, 8, 2, "softmax", 1, 1, False, 1.0), 64, 32, 1, "silu")
+    wins: Callable[[Timer | None], bool] = {
+        "rotary_interleaved": lambda t: rope_pairs_wins(pw, 16, 64, dtype, t, None),
+        "moe_combine": lambda t: moe_combine_wins(pw, moe, dtype, t, None),
+    }[method]
+    assert wins(kernel_fast)
+    assert not wins(lambda fn: 1.0 - 0.999 * kernel_fast(fn))
+    assert wins(None)  # forced
+
+
+def test_a_moe_layer_with_the_combine_kernel_gives_the_same_bits() -> None:
+    pw = pointwise.kernel()
+    assert pw is not None
+    torch.manual_seed(0)
+    moe = MoE(MoEGate(64, 8, 2, "softmax", 1, 1, False, 1.0), 64, 32, 1, "silu").to(torch.bfloat16)
+    for p in moe.parameters():
+        p.data.normal_(0, 0.2)
+    moe.gate.float()
+    x = torch.randn(13, 64).bfloat16()
+    plain = moe(x)
+    moe.bind_kernels(CpuKernels(moe_combine=pw))
+    assert moe.combine == pw.moe_combine
+    assert torch.equal(moe(x), plain)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
