@@ -56,6 +56,10 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU; None keeps torch's default
     keep_freed_memory: bool = True  # CPU: glibc malloc reuses freed memory instead of faulting it in (engine.malloc)
+    # before the first request, one step of the largest prefill the scheduler forms and one decode step of up to
+    # max_num_seqs rows, on placeholder tokens (as vLLM's profile run): the steps' memory is faulted in and each
+    # kernel's first-call work done at start, not in the first requests' steps (engine.core)
+    warm_start: bool = True
     # CPU, float32: weights that are exactly bf16 (a bf16 checkpoint) stay bf16 in memory and are widened in
     # registers by a kernel built for this CPU (engine.kernels.wbf16); same results, half the bytes per step
     compact_weights: bool = True
