@@ -104,6 +104,7 @@ class EngineSettings:
     max_waiting: int = 1024
     num_threads: int | None = None
     keep_freed_memory: bool = True
+    warm_start: bool = True  # the largest step once at start, on placeholders: the first requests do not pay for it
     compact_weights: bool = True
     cpu_kernels: bool = True
     gemm_path: str = "auto"  # auto: measured per weight shape on this CPU; onednn|torch|bf16mm|amxmm|wbf16 forces one
