@@ -1,10 +1,11 @@
 """A Llama-family decode step as one program (engine.kernels.program): every layer's kernels, no Python between.
 
-Built for one decode batch class (1, <= 8, <= 32, <= 128 rows) when every part of every layer runs a kernel the
-program can call at that class: RMSNorm and RoPE from pointwise.c, the paged decode attention, and each linear
-layer's GEMM through a C kernel's entry point (bf16mm or amxmm in bf16 math, wbf16 in float32; the gated MLP
-through its fused SiLU entry). Anything else (oneDNN or quantized GEMMs, tensor parallel ranks) keeps the layers'
-Python path.
+Built for one decode batch class (1, <= 8, <= 32, <= 128 rows) when every norm, RoPE and attention of every layer
+runs a kernel the program can call at that class: RMSNorm and RoPE from pointwise.c, the paged decode attention.
+Each linear layer's GEMM runs through its C kernel's entry point (bf16mm or amxmm in bf16 math, wbf16 in float32,
+i8mm / i8amx, w4mm / w4amx; the gated MLP through its fused SiLU entry) where the layer's plan chose one at that
+class; where it chose a path with no C entry (oneDNN, torch's int4 GEMM), the program stops for the plan's own
+call between two C calls, so it still computes what the layers compute. Tensor parallel ranks keep the layers.
 
 Per layer, over the program's own buffers (rows x width):
     norm(x, residual) → n          qkv = n Wqkv^T + b       RoPE(q, k) in place      k, v → cache; q → dense
@@ -57,6 +58,37 @@ def _gemm(plan: object, cls: int, dtype: torch.dtype) -> _Gemm | None:
     return _Gemm(entry, act)
 
 
+@dataclass(frozen=True, slots=True)
+class _Hooked:
+    """A GEMM whose plan chose a path with no C entry at this class: the program calls the plan from Python."""
+
+    plan: Callable[[torch.Tensor], torch.Tensor]
+    cols: int
+    act: None = None  # the plan computes the whole output (a gated MLP's plan includes its act)
+
+
+def _part(plan: object, cls: int, dtype: torch.dtype, cols: int) -> _Gemm | _Hooked | None:
+    """The GEMM as the program runs it: its C entry, or the plan itself called between two C calls (`cols`: the
+    plan's output columns); None where the layer has no plan (it runs F.linear)."""
+    if (gemm := _gemm(plan, cls, dtype)) is not None:
+        return gemm
+    return _Hooked(plan, cols) if callable(plan) and getattr(plan, "runs", None) is not None else None
+
+
+def _emit(b: ProgramBuilder, gemm: _Gemm | _Hooked, k: int, inp: torch.Tensor, out: torch.Tensor) -> None:
+    if isinstance(gemm, _Gemm):
+        gemm.entry.emit(b, k, inp.data_ptr(), out.data_ptr())
+        b.keep += gemm.entry.keep
+    else:
+        b.python(_plan_hook(gemm.plan, inp, out))
+
+
+def _plan_hook(
+    plan: Callable[[torch.Tensor], torch.Tensor], inp: torch.Tensor, out: torch.Tensor
+) -> Callable[[int], object]:
+    return lambda rows: out[:rows].copy_(plan(inp[:rows]))
+
+
 def _norm_entry(norm: RMSNorm, dtype: torch.dtype) -> int | None:
     k, w = norm.kernel, norm.weight
     fn = k.norm_entry(dtype) if isinstance(k, PointwiseKernels) and w.dtype == dtype and w.is_contiguous() else None
@@ -100,8 +132,10 @@ def build(model: LlamaForCausalLM, rows: int) -> Program | str:
         attn, mlp = layer.self_attn, layer.mlp
         pa = attn.attn
         n1, n2 = _norm_entry(layer.input_layernorm, dtype), _norm_entry(layer.post_attention_layernorm, dtype)
-        qkv, o = _gemm(attn.qkv_proj.plan, cls, dtype), _gemm(attn.o_proj.plan, cls, dtype)
-        gate_up, down = _gemm(mlp.gate_up_act, cls, dtype), _gemm(mlp.down_proj.plan, cls, dtype)
+        qkv = _part(attn.qkv_proj.plan, cls, dtype, attn.qkv_proj.out_features)
+        o = _part(attn.o_proj.plan, cls, dtype, attn.o_proj.out_features)
+        gate_up = _part(mlp.gate_up_act, cls, dtype, mlp.down_proj.in_features)
+        down = _part(mlp.down_proj.plan, cls, dtype, mlp.down_proj.out_features)
         rope = attn.kernel.rope_entry(dtype) if isinstance(attn.kernel, PointwiseKernels) else None
         fits = isinstance(pa.kernel, DecodeAttention) and pa.in_place(width)
         attn_fn = pa.kernel.entry(dtype) if fits else None  # type: ignore[union-attr]
@@ -109,7 +143,7 @@ def build(model: LlamaForCausalLM, rows: int) -> Program | str:
                  "the down GEMM": down, "RoPE": rope, "decode attention": attn_fn}  # fmt: skip
         missing = [name for name, part in parts.items() if part is None]
         if missing:
-            return f"{missing[0]} has no C kernel here (torch, oneDNN or a kernel of another signature runs it)"
+            return f"{missing[0]} has no C kernel here (the layer runs it in torch)"
         assert qkv is not None and o is not None and gate_up is not None and down is not None  # (for the types)
         h, kv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
         q_cols, kv_cols = h * d, kv * d
@@ -127,28 +161,27 @@ def build(model: LlamaForCausalLM, rows: int) -> Program | str:
             return "a layer's shapes are not the plain Llama layout"
         qkv_buf, q_buf = shared("qkv", qkv.cols), shared("q", q_cols)
         a_buf, act_buf = shared("attention", q_cols), shared("act", inter)
-        b.keep += [t for g in (qkv, o, gate_up, down) for t in g.entry.keep]
         b.norm(n1, hidden, x, res, ptr(layer.input_layernorm.weight), layer.input_layernorm.eps, ptr(norm_out), res)  # type: ignore[arg-type]
         res = x if res is None else res  # without a residual, the first norm's input is the residual from then on
-        qkv.entry.emit(b, hidden, ptr(norm_out), ptr(qkv_buf))
+        _emit(b, qkv, hidden, norm_out, qkv_buf)
         b.rope(address(rope), h + kv, d, ptr(qkv_buf), qkv.cols)
         b.store(qkv.cols * esize, ptr(qkv_buf), q_cols * esize, ptr(q_buf), ptr(qkv_buf) + q_cols * esize,
                 ptr(qkv_buf) + (q_cols + kv_cols) * esize, kv_cols * esize, pa.k_cache.data_ptr(),
                 pa.v_cache.data_ptr())  # fmt: skip
         b.attention(address(attn_fn), h, kv, d, ptr(q_buf), pa.k_cache.data_ptr(), pa.v_cache.data_ptr(),
                     pa.k_cache.shape[1], pa.scale, ptr(a_buf))  # fmt: skip
-        o.entry.emit(b, q_cols, ptr(a_buf), ptr(o_buf))
+        _emit(b, o, q_cols, a_buf, o_buf)
         # the residual sum lands in the program's own buffer: the first layer's came from the step's input
         post = layer.post_attention_layernorm
         b.norm(n2, hidden, ptr(o_buf), res, ptr(post.weight), post.eps, ptr(norm_out), ptr(residual))  # type: ignore[arg-type]
         res = ptr(residual)
-        if gate_up.act is None:  # the fused entry writes silu(gate) * up itself
-            gate_up.entry.emit(b, hidden, ptr(norm_out), ptr(act_buf))
+        if gate_up.act is None:  # the fused entry (or the plan) writes silu(gate) * up itself
+            _emit(b, gate_up, hidden, norm_out, act_buf)
         else:  # [gate | up], then the layers' own act in torch between two C calls: the same bits as the layers
             gu_buf = shared("gate_up", gate_up.cols)
-            gate_up.entry.emit(b, hidden, ptr(norm_out), ptr(gu_buf))
+            _emit(b, gate_up, hidden, norm_out, gu_buf)
             b.python(_act_hook(gate_up.act, gu_buf, act_buf))
-        down.entry.emit(b, inter, ptr(act_buf), ptr(x_buf))
+        _emit(b, down, inter, act_buf, x_buf)
         x = ptr(x_buf)
         b.keep += [pa.k_cache, pa.v_cache]
     b.norm(final, hidden, x, res, ptr(decoder.norm.weight), decoder.norm.eps, ptr(norm_out), ptr(residual))
