@@ -244,25 +244,25 @@ void rope_interleaved_bf16(int64_t T, int64_t heads, int64_t D, uint16_t *x, int
 // w[t * K + k] (float32). The roundings and order of engine/kernels/pointwise.py's moe_combine (which is
 // transformers'): each weighted row rounded to the dtype, a token's rows summed in float32 in ys's order from
 // zero (torch's index_add_ accumulates bf16 in float32), the sum rounded, then the shared experts' row added. Returns -1 where it found no memory (nothing written).
-static int64_t *rows_by_token(int64_t T, int64_t K, int64_t P, const int64_t *order, int64_t *count) {
-    int64_t *rows = malloc(sizeof(int64_t) * (size_t)(T * K > 0 ? T * K : 1));
-    if (!rows) return NULL;
-    memset(count, 0, sizeof(int64_t) * (size_t)T);
-    for (int64_t r = 0; r < P; r++) {  // in ys's order: each token's rows stay in the order they are added
+// count[t]: token t's rows in ys; rows[t * K + n]: its n-th, in ys's order (the order they are added). One block:
+// count at its start, rows after it; NULL where there is no memory. Rows past K for a token (never, for an `order`
+// that names each choice once) are dropped rather than written past the block.
+static int64_t *rows_by_token(int64_t T, int64_t K, int64_t P, const int64_t *order) {
+    int64_t *count = calloc((size_t)(T + T * K > 0 ? T + T * K : 1), sizeof(int64_t));
+    if (!count) return NULL;
+    int64_t *rows = count + T;
+    for (int64_t r = 0; r < P; r++) {
         const int64_t t = order[r] / K;
-        rows[t * K + count[t]++] = r;
+        if (count[t] < K) rows[t * K + count[t]++] = r;
     }
-    return rows;
+    return count;
 }
 
 NO_FMA int moe_combine_f32(int64_t T, int64_t K, int64_t H, int64_t P, const int64_t *order, const float *ys,
                     const float *w, const float *shared, float *out, int nthreads) {
-    int64_t *count = malloc(sizeof(int64_t) * (size_t)(T > 0 ? T : 1));
-    int64_t *rows = count ? rows_by_token(T, K, P, order, count) : NULL;
-    if (!rows) {
-        free(count);
-        return -1;
-    }
+    int64_t *count = rows_by_token(T, K, P, order);
+    if (!count) return -1;
+    const int64_t *rows = count + T;
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (T * H * K >= PARALLEL_ELEMS)
     for (int64_t t = 0; t < T; t++) {
         float *o = out + t * H;
@@ -277,19 +277,15 @@ NO_FMA int moe_combine_f32(int64_t T, int64_t K, int64_t H, int64_t P, const int
         if (shared)
             for (int64_t j = 0; j < H; j++) o[j] = o[j] + shared[t * H + j];
     }
-    free(rows);
     free(count);
     return 0;
 }
 
 int moe_combine_bf16(int64_t T, int64_t K, int64_t H, int64_t P, const int64_t *order, const uint16_t *ys,
                      const float *w, const uint16_t *shared, uint16_t *out, int nthreads) {
-    int64_t *count = malloc(sizeof(int64_t) * (size_t)(T > 0 ? T : 1));
-    int64_t *rows = count ? rows_by_token(T, K, P, order, count) : NULL;
-    if (!rows) {
-        free(count);
-        return -1;
-    }
+    int64_t *count = rows_by_token(T, K, P, order);
+    if (!count) return -1;
+    const int64_t *rows = count + T;
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (T * H * K >= PARALLEL_ELEMS)
     for (int64_t t = 0; t < T; t++) {
         uint16_t *o = out + t * H;
@@ -316,7 +312,6 @@ int moe_combine_bf16(int64_t T, int64_t K, int64_t H, int64_t P, const int64_t *
             o[j] = narrow1(acc);
         }
     }
-    free(rows);
     free(count);
     return 0;
 }

@@ -124,6 +124,31 @@ def test_quantized_programs_give_the_layers_logits_bit_for_bit(
     assert all(p.python_calls == (0 if fused else len(core.runner.model.model.layers)) for p in programs)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("scheme", ["w8a8", "w4a16"])
+def test_a_layer_whose_inputs_are_rotated_online_runs_whole_in_the_program(
+    bf16_dir: Path, tmp_path: Path, scheme: str, dtype: str
+) -> None:
+    """`tianmen quantize --rotate` rotates down_proj's inputs online, in the layer's forward, before its plan: a
+    program calling the plan's kernel directly skipped the rotation (wrong logits). It calls the layer instead,
+    one Python call a layer, and gives the layers' logits bit for bit."""
+    from engine.quant.quantize import quantize
+
+    if dtype == "bfloat16" and BF16_GEMM is None:
+        pytest.skip("this CPU has no bf16 GEMM kernel (AVX512-BF16 or AMX): no bf16 program to build")
+    quantize(bf16_dir, tmp_path / scheme, scheme, group_size=16, rotate=True)
+    prompts, gemm = mixed_prompts(4), BF16_GEMM if dtype == "bfloat16" else "wbf16"  # forced: every kernel bound
+    core = make_core(tmp_path / scheme, dtype=dtype, gemm_path=gemm, decode_program="program")
+    got = step_logits(core, prompts, 8)
+    want = step_logits(make_core(tmp_path / scheme, dtype=dtype, gemm_path=gemm, decode_program="layers"), prompts, 8)
+    assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert "<=8" in _programs_run(core)
+    layers = core.runner.model.model.layers
+    assert all(getattr(layer.mlp.down_proj, "input_block", None) for layer in layers)  # the rotation is there
+    programs = [c.program for c in core.runner.model.programs._choices.values() if c.program is not None]
+    assert programs and all(p.python_calls >= len(layers) for p in programs)
+
+
 @pytest.mark.parametrize("variant", ["float32", "float32-unfused"])
 def test_programmed_greedy_tokens_are_transformers(
     bf16_dir: Path, hf_models: dict, variant: str, monkeypatch: pytest.MonkeyPatch
