@@ -243,7 +243,9 @@ void rope_interleaved_bf16(int64_t T, int64_t heads, int64_t D, uint16_t *x, int
 // ys: P rows of H, expert after expert; order[r] = t * K + k: row r is token t's k-th choice, weighted by
 // w[t * K + k] (float32). The roundings and order of engine/kernels/pointwise.py's moe_combine (which is
 // transformers'): each weighted row rounded to the dtype, a token's rows summed in float32 in ys's order from
-// zero (torch's index_add_ accumulates bf16 in float32), the sum rounded, then the shared experts' row added. Returns -1 where it found no memory (nothing written).
+// zero (torch's index_add_ accumulates bf16 in float32), the sum rounded, then the shared experts' row added.
+// Returns -1 where it found no memory (nothing written).
+//
 // count[t]: token t's rows in ys; rows[t * K + n]: its n-th, in ys's order (the order they are added). One block:
 // count at its start, rows after it; NULL where there is no memory. Rows past K for a token (never, for an `order`
 // that names each choice once) are dropped rather than written past the block.
