@@ -195,8 +195,8 @@ void rope_bf16(int64_t T, int64_t heads, int64_t D, uint16_t *x, int64_t ld, con
 // NO_FMA: products rounded to float32 before the sums, as torch's separate ops (GCC would fuse them otherwise)
 #define NO_FMA __attribute__((optimize("fp-contract=off")))
 
-NO_FMA void rope_interleaved_f32(int64_t T, int64_t heads, int64_t D, float *x, int64_t ld, int64_t hs, const float *cos,
-                          const float *sin, int nthreads) {
+NO_FMA void rope_interleaved_f32(int64_t T, int64_t heads, int64_t D, float *x, int64_t ld, int64_t hs,
+                                 const float *cos, const float *sin, int nthreads) {
     const int64_t half = D / 2;
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (T * heads * D >= PARALLEL_ELEMS)
     for (int64_t t = 0; t < T; t++)
@@ -261,7 +261,7 @@ static int64_t *rows_by_token(int64_t T, int64_t K, int64_t P, const int64_t *or
 }
 
 NO_FMA int moe_combine_f32(int64_t T, int64_t K, int64_t H, int64_t P, const int64_t *order, const float *ys,
-                    const float *w, const float *shared, float *out, int nthreads) {
+                           const float *w, const float *shared, float *out, int nthreads) {
     int64_t *count = rows_by_token(T, K, P, order);
     if (!count) return -1;
     const int64_t *rows = count + T;
