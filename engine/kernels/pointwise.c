@@ -247,15 +247,15 @@ void rope_interleaved_bf16(int64_t T, int64_t heads, int64_t D, uint16_t *x, int
 // Returns -1 where it found no memory (nothing written).
 //
 // count[t]: token t's rows in ys; rows[t * K + n]: its n-th, in ys's order (the order they are added). One block:
-// count at its start, rows after it; NULL where there is no memory. Rows past K for a token (never, for an `order`
-// that names each choice once) are dropped rather than written past the block.
+// count at its start, rows after it; NULL where there is no memory. A row naming no token, or past K for one
+// (never, for an `order` that names each choice once), is dropped rather than written past the block.
 static int64_t *rows_by_token(int64_t T, int64_t K, int64_t P, const int64_t *order) {
     int64_t *count = calloc((size_t)(T + T * K > 0 ? T + T * K : 1), sizeof(int64_t));
     if (!count) return NULL;
     int64_t *rows = count + T;
     for (int64_t r = 0; r < P; r++) {
         const int64_t t = order[r] / K;
-        if (count[t] < K) rows[t * K + count[t]++] = r;
+        if (t >= 0 && t < T && count[t] < K) rows[t * K + count[t]++] = r;
     }
     return count;
 }

@@ -1,6 +1,8 @@
 """Small row-wise ops fused for CPU (engine/kernels/pointwise.c), beside the torch code each replaces:
-residual add + RMSNorm (`rms_norm`), rotary embeddings (`apply_rotary`) and greedy sampling's torch.argmax (over
-float32 or bf16 logits: greedy rows read the LM head's output in its own dtype, engine.sampler).
+residual add + RMSNorm (`rms_norm`), rotary embeddings (`apply_rotary`, and DeepSeek's on interleaved pairs,
+`apply_rotary_interleaved`), a MoE layer's combine of its routed and shared rows (`moe_combine`) and greedy
+sampling's torch.argmax (over float32 or bf16 logits: greedy rows read the LM head's output in its own dtype,
+engine.sampler).
 
 At decode's few rows the eager versions are a handful of torch ops whose dispatch dwarfs the arithmetic: add +
 RMSNorm took 0.11 ms a call for 32 x 896 in the model on a 2-core Zen 4 (`python -m benchmarks.step_profile
@@ -156,7 +158,8 @@ class PointwiseKernels:
     ) -> torch.Tensor:
         """`moe_combine(...)` (same arguments, same bits) in one pass."""
         fn = self._combine.get(ys.dtype)
-        if fn is None or weights.dtype != torch.float32 or (shared is not None and shared.dtype != ys.dtype):
+        takes = fn is not None and ys.device.type == "cpu" and weights.dtype == torch.float32
+        if not takes or (shared is not None and shared.dtype != ys.dtype):
             return moe_combine(ys, order, weights, shared, tokens)
         y, o, w = ys.contiguous(), order.to(torch.int64).contiguous(), weights.contiguous()
         sh = shared.contiguous() if shared is not None else None
