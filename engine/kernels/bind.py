@@ -12,6 +12,7 @@ import logging
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -35,6 +36,7 @@ from engine.kernels.select import (
 from engine.layers.linear import Linear
 from engine.layers.mlp import GatedMLP
 from engine.quant.paths import quant_paths
+from engine.quant.transform import rotate_blocks
 from engine.quant.weights import Int4Weight, QuantWeight
 
 log = logging.getLogger(__name__)
@@ -154,7 +156,9 @@ def plan_linears(model: nn.Module, selector: GemmSelector, max_rows: dict[int, i
         for owner, lin, act in units:
             w = _weight(lin)
             prepared = {name: chooser.paths[name].prepare(w, _bias(lin), act) for name in choice.layouts()}  # type: ignore[arg-type]
-            owner.use_plan(GemmPlan([prepared[n] for n in choice.per_class], lin.in_features, choice.per_class))
+            block = getattr(lin, "input_block", None)  # a quantized layer's online rotation goes with its plan
+            pre = partial(rotate_blocks, block=block) if block is not None else None
+            owner.use_plan(GemmPlan([prepared[n] for n in choice.per_class], lin.in_features, choice.per_class, pre))
         report.shapes[shape] = (len(units), choice)
     return report
 

@@ -81,14 +81,18 @@ def row_class(rows: int) -> int:
 
 
 class GemmPlan:
-    """What one linear layer runs: the chosen path's function for each batch-size class of the call."""
+    """What one linear layer runs: the chosen path's function for each batch-size class of the call. `pre`: what
+    the layer does to its inputs first (an online rotation, engine.quant.transform), so that whoever calls the
+    plan (the layer, a gated MLP's fused gate/up call, a decode program) computes what the layer computes."""
 
-    __slots__ = ("in_features", "names", "runs")
+    __slots__ = ("in_features", "names", "pre", "runs")
 
-    def __init__(self, runs: Sequence[Run], in_features: int, names: Sequence[str]) -> None:
-        self.runs, self.in_features, self.names = tuple(runs), in_features, tuple(names)
+    def __init__(self, runs: Sequence[Run], in_features: int, names: Sequence[str], pre: Run | None = None) -> None:
+        self.runs, self.in_features, self.names, self.pre = tuple(runs), in_features, tuple(names), pre
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.pre is not None:
+            x = self.pre(x)
         return self.runs[bisect.bisect_left(ROWS, x.numel() // self.in_features, hi=len(ROWS) - 1)](x)
 
 

@@ -5,8 +5,8 @@ runs a kernel the program can call at that class: RMSNorm and RoPE from pointwis
 Each linear layer's GEMM runs through its C kernel's entry point (bf16mm or amxmm in bf16 math, wbf16 in float32,
 i8mm / i8amx, w4mm / w4amx; the gated MLP through its fused SiLU entry) where the layer's plan chose one at that
 class; where it chose a path with no C entry (oneDNN, torch's int4 GEMM), the program stops for the plan's own
-call between two C calls, and a layer whose inputs are rotated online (engine.quant.transform) is called whole
-the same way, so it still computes what the layers compute. Tensor parallel ranks keep the layers.
+call between two C calls, as it does for a plan that rotates its inputs first (engine.quant.transform), so it
+still computes what the layers compute. Tensor parallel ranks keep the layers.
 
 Per layer, over the program's own buffers (rows x width):
     norm(x, residual) → n          qkv = n Wqkv^T + b       RoPE(q, k) in place      k, v → cache; q → dense
@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
 from engine.kernels import program
 from engine.kernels.decode_attn import DECODE_ROWS, DecodeAttention
@@ -62,23 +61,19 @@ def _gemm(plan: object, cls: int, dtype: torch.dtype) -> _Gemm | None:
 
 @dataclass(frozen=True, slots=True)
 class _Hooked:
-    """A GEMM whose plan chose a path with no C entry at this class: the program calls the plan from Python."""
+    """A GEMM whose plan chose a path with no C entry at this class, or transforms its inputs first: the program
+    calls the plan from Python."""
 
     plan: Callable[[torch.Tensor], torch.Tensor]
     cols: int
     act: None = None  # the plan computes the whole output (a gated MLP's plan includes its act)
 
 
-def _part(
-    plan: object, cls: int, dtype: torch.dtype, cols: int, layer: nn.Module | None = None
-) -> _Gemm | _Hooked | None:
+def _part(plan: object, cls: int, dtype: torch.dtype, cols: int) -> _Gemm | _Hooked | None:
     """The GEMM as the program runs it: its C entry, or the plan itself called between two C calls (`cols`: the
-    plan's output columns); None where the layer has no plan (it runs F.linear). `layer`: the linear layer, called
-    whole where its inputs are rotated online before its plan (engine.quant.transform): the plan alone would
-    skip the rotation."""
-    if layer is not None and getattr(layer, "input_block", None) is not None:
-        return _Hooked(layer, cols)
-    if (gemm := _gemm(plan, cls, dtype)) is not None:
+    plan's output columns); None where the layer has no plan (it runs F.linear). A plan that transforms its inputs
+    first (`pre`: an online rotation) is always called whole: its kernel alone would skip that."""
+    if getattr(plan, "pre", None) is None and (gemm := _gemm(plan, cls, dtype)) is not None:
         return gemm
     return _Hooked(plan, cols) if callable(plan) and getattr(plan, "runs", None) is not None else None
 
@@ -140,12 +135,10 @@ def build(model: LlamaForCausalLM, rows: int) -> Program | str:
         attn, mlp = layer.self_attn, layer.mlp
         pa = attn.attn
         n1, n2 = _norm_entry(layer.input_layernorm, dtype), _norm_entry(layer.post_attention_layernorm, dtype)
-        if getattr(mlp.gate_up_proj, "input_block", None) is not None:  # its plan (with the act) skips it
-            return "the gate/up projection's inputs are rotated online"
-        qkv = _part(attn.qkv_proj.plan, cls, dtype, attn.qkv_proj.out_features, attn.qkv_proj)
-        o = _part(attn.o_proj.plan, cls, dtype, attn.o_proj.out_features, attn.o_proj)
+        qkv = _part(attn.qkv_proj.plan, cls, dtype, attn.qkv_proj.out_features)
+        o = _part(attn.o_proj.plan, cls, dtype, attn.o_proj.out_features)
         gate_up = _part(mlp.gate_up_act, cls, dtype, mlp.down_proj.in_features)
-        down = _part(mlp.down_proj.plan, cls, dtype, mlp.down_proj.out_features, mlp.down_proj)
+        down = _part(mlp.down_proj.plan, cls, dtype, mlp.down_proj.out_features)
         rope = attn.kernel.rope_entry(dtype) if isinstance(attn.kernel, PointwiseKernels) else None
         fits = isinstance(pa.kernel, DecodeAttention) and pa.in_place(width)
         attn_fn = pa.kernel.entry(dtype) if fits else None  # type: ignore[union-attr]

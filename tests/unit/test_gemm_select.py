@@ -271,6 +271,28 @@ def test_plans_over_a_real_mlp_give_the_module_reference_answers(tmp_path: Path)
     torch.testing.assert_close(mlp(x), want, rtol=1e-5, atol=1e-5)
 
 
+def test_a_layer_s_online_input_rotation_goes_with_its_plan_even_into_a_gated_mlp_s_fused_call(
+    tmp_path: Path,
+) -> None:
+    """A quantized layer whose inputs are rotated online (engine.quant.transform; `input_block` here on plain layers
+    to keep the weights simple) rotates them in its plan: a gated MLP calls its gate/up plan directly, and a decode
+    program calls plans directly, so the rotation must live there and not only in the layer's forward."""
+    from engine.quant.transform import rotate_blocks
+
+    torch.manual_seed(0)
+    mlp = GatedMLP(32, 64, "silu").float()
+    for p in mlp.parameters():
+        p.data.normal_(0, 0.2)
+    x = torch.randn(5, 32)
+    h = F.linear(rotate_blocks(x, 8), mlp.gate_up_proj.weight)
+    want = F.linear(rotate_blocks(mlp.act(h), 16), mlp.down_proj.weight)
+    mlp.gate_up_proj.input_block, mlp.down_proj.input_block = 8, 16  # type: ignore[attr-defined]
+    paths = [p for p in (OneDNNPath(torch.float32, 8), TorchPath(torch.float32)) if getattr(p, "available", True)]
+    plan_linears(mlp, make_selector(paths, torch.float32, cache_dir=tmp_path))  # type: ignore[arg-type]
+    assert mlp.gate_up_act is not None and mlp.gate_up_act.pre is not None and mlp.down_proj.plan is not None
+    torch.testing.assert_close(mlp(x), want, rtol=1e-5, atol=1e-5)
+
+
 def test_a_forced_path_runs_wherever_it_applies_untimed() -> None:
     clock = FakeClock()
     paths = [FakePath("onednn", clock, lambda r: 1.0), FakePath("torch", clock, lambda r: 1.0)]
