@@ -23,8 +23,11 @@
 #include <stdint.h>
 #include <string.h>
 
+#include <omp.h>
+
 #include "amx_tiles.h"
 #include "avx512_math.h"
+#include "deal.h"
 
 #define TILE_ELEMS 512  // 16 rows x 32 bf16
 // Weight k-steps prefetched ahead: AMX tile loads do not draw the hardware prefetcher along, and without it a
@@ -33,6 +36,13 @@
 // -DPF=0 (none), and the selection times both (engine/kernels/bind.py).
 #ifndef PF
 #define PF 2
+#endif
+// ... and PF_FAR k-steps ahead into L2 only: at 32 rows the tile products' time added to the stream's (the loads
+// wait on memory, then the products run) and the near prefetch alone cannot keep enough lines in flight; asking
+// L2 for them 12 steps ahead brought gate/up (896 x 9,728, 60 weights from memory) from 615-679 to 532-614 us a
+// call and down_proj from 279-304 to 248-289 at 32 rows, no change at 1 and 8 (2-core AMX Xeon, model 207).
+#ifndef PF_FAR
+#define PF_FAR (PF > 0 ? 12 : 0)
 #endif
 
 int amxmm_init(void) { return request_tile_state(); }
@@ -98,6 +108,8 @@ static void block_rows(int64_t m0, int mr, int64_t K, const uint16_t *x, const u
             const uint16_t *wk = wb + ks * 2 * TILE_ELEMS;
             if (PF > 0)
                 for (int l = 0; l < 32; l++) _mm_prefetch((const char *)(wk + PF * 2 * TILE_ELEMS) + 64 * l, _MM_HINT_T0);
+            if (PF_FAR > 0)
+                for (int l = 0; l < 32; l++) _mm_prefetch((const char *)(wk + PF_FAR * 2 * TILE_ELEMS) + 64 * l, _MM_HINT_T1);
             _tile_loadd(4, xa + ks * 32, stride);
             _tile_loadd(5, xb + ks * 32, stride);
             _tile_loadd(6, wk, 64);
@@ -114,6 +126,8 @@ static void block_rows(int64_t m0, int mr, int64_t K, const uint16_t *x, const u
             const uint16_t *wk = wb + ks * 2 * TILE_ELEMS;
             if (PF > 0)
                 for (int l = 0; l < 32; l++) _mm_prefetch((const char *)(wk + PF * 2 * TILE_ELEMS) + 64 * l, _MM_HINT_T0);
+            if (PF_FAR > 0)
+                for (int l = 0; l < 32; l++) _mm_prefetch((const char *)(wk + PF_FAR * 2 * TILE_ELEMS) + 64 * l, _MM_HINT_T1);
             _tile_loadd(4, xa + ks * 32, stride);
             _tile_loadd(6, wk, 64);
             _tile_loadd(7, wk + TILE_ELEMS, 64);
@@ -133,26 +147,22 @@ typedef struct {
     int64_t M;
 } group_t;
 
-// Threads take the 32-column blocks (pairs of them for silu_mul) of every group a few at a time, so each streams
-// only its share of the weights; dealt dynamically, not split in halves up front: on a 2-core server the event
-// loop preempts one thread now and then, and the other then takes its blocks instead of waiting at the end
-// (serving measured 28.3 against 26.6 ms of GEMMs a step). Within a block the rows of x go by in 32-row steps
-// while the block's weights (K x 64 bytes) stay in L1/L2.
+// Threads take the 32-column blocks (pairs of them for silu_mul) of every group as deal.h deals them: each its own
+// contiguous run, then the back of the others' (on a 2-core server the event loop preempts one thread now and
+// then, and the other takes its blocks instead of waiting at the end: serving measured 28.3 against 26.6 ms of
+// GEMMs a step against halves split up front). Within a block the rows of x go by in 32-row steps while the
+// block's weights (K x 64 bytes) stay in L1/L2.
 static void run(int64_t G, const group_t *groups, int64_t N, int64_t K, const uint16_t *b, int nthreads,
                 const int silu_mul) {
     const int64_t nblocks = (N + 31) / 32, ksteps = K / 32, per = silu_mul ? 2 : 1, units = nblocks / per;
-    // four units a deal, fewer where that leaves under eight deals a thread: 28 blocks (896 columns) dealt four at
-    // a time left one thread 16 blocks and the other 12 (down_proj of Qwen2-0.5B, streamed from memory on a
-    // 2-core AMX Xeon: 441 us a call at 32 rows, 405 dealt one or two at a time)
-    int64_t chunk = G * units / (8 * (int64_t)(nthreads > 0 ? nthreads : 1));
-    chunk = chunk < 1 ? 1 : chunk > 4 ? 4 : chunk;
+    deal_t deal;
+    deal_init(&deal, G * units, nthreads);
 #pragma omp parallel num_threads(nthreads)
     {
         float c[2][32 * 32] __attribute__((aligned(64)));
         float bias[2][32];
         int configured = -1;  // the tail's config differs from a full block's
-#pragma omp for schedule(dynamic, chunk)
-        for (int64_t task = 0; task < G * units; task++) {
+        for (int64_t task; (task = deal_next(&deal, omp_get_thread_num())) >= 0;) {
             const group_t *g = groups + task / units;
             const int64_t unit = task % units, nb = unit * per, n0 = nb * 32, nn = N - n0 < 32 ? N - n0 : 32;
             const int64_t full = g->M / 32, tail = g->M % 32;

@@ -16,6 +16,7 @@
 #error "this kernel needs AMX-INT8 (-march=native on a CPU without it: i8mm or oneDNN is used instead)"
 #endif
 #include <immintrin.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -23,6 +24,7 @@
 #define NB 64
 
 #include "amx_tiles.h"
+#include "deal.h"
 #include "i8_rows.h"
 #ifdef __AVX512BF16__  // the fused gated-MLP entry's epilogue rounds to bf16 (i8amx_linear_silu_mul), as i8mm's
 #include "avx512_math.h"
@@ -85,13 +87,14 @@ static int linear(int64_t M, int64_t N, int64_t K, const void *x, int bf16, cons
     const uint8_t *xq = quantize_rows(M, K, K, x, bf16, nthreads, &xs);
     if (!xq) return -1;
     static const float zeros[NB];
+    deal_t deal;
+    deal_init(&deal, nblocks, nthreads);
 #pragma omp parallel num_threads(nthreads)
     {
         int32_t acc[32 * NB] __attribute__((aligned(64)));
         int configured = -1;  // a row tail's configuration differs from a full 32 rows'
-        // Dealt dynamically, as amxmm's blocks: a thread the event loop preempts leaves its blocks to the other.
-#pragma omp for schedule(dynamic, 2)
-        for (int64_t nb = 0; nb < nblocks; nb++) {
+        // Dealt as amxmm's blocks (deal.h): a thread the event loop preempts leaves its blocks to the other.
+        for (int64_t nb; (nb = deal_next(&deal, omp_get_thread_num())) >= 0;) {
             const int64_t n0 = nb * NB, nn = N - n0 < NB ? N - n0 : NB;
             for (int64_t m0 = 0; m0 < M; m0 += 32) {
                 const int mr = M - m0 < 32 ? (int)(M - m0) : 32;

@@ -24,11 +24,13 @@
 #error "this kernel needs AMX-BF16 and AVX512-BF16 (-march=native on a CPU without them: w4mm is used instead)"
 #endif
 #include <immintrin.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "amx_tiles.h"
+#include "deal.h"
 #include "bf16mm_block.h"
 #include "w4mm_common.h"
 
@@ -113,6 +115,8 @@ static int by_group(int64_t M, int64_t N, int64_t K, int64_t G, const uint16_t *
     if (!xs) return -1;
     group_sums(M, K, G, x, xs, nthreads);
     int failed = 0;
+    deal_t deal;
+    deal_init(&deal, nblocks, nthreads);
 #pragma omp parallel num_threads(nthreads) reduction(| : failed)
     {
         uint16_t *wg = bf16_buffer(G * NB);
@@ -120,9 +124,8 @@ static int by_group(int64_t M, int64_t N, int64_t K, int64_t G, const uint16_t *
         float out[MC * NB], bias[NB];
         float c[32 * NB] __attribute__((aligned(64)));
         int configured = -1;  // a row tail's configuration differs from a full 32 rows'
-        // Dealt dynamically, as amxmm's blocks: a thread the event loop preempts leaves its blocks to the other.
-#pragma omp for schedule(dynamic, 2)
-        for (int64_t nb = 0; nb < nblocks; nb++) {
+        // Dealt as amxmm's blocks (deal.h): a thread the event loop preempts leaves its blocks to the other.
+        for (int64_t nb; (nb = deal_next(&deal, omp_get_thread_num())) >= 0;) {
             if (!wg) continue;
             const int64_t n0 = nb * NB, nn = N - n0 < NB ? N - n0 : NB;
             load_bias(b, n0, nn, bias);
@@ -158,15 +161,16 @@ static int dequantized(int64_t M, int64_t N, int64_t K, int64_t G, const uint16_
     const int64_t nblocks = (N + NB - 1) / NB, groups = K / G;
     if (M <= 0) return 0;
     int failed = 0;
+    deal_t deal;
+    deal_init(&deal, nblocks, nthreads);
 #pragma omp parallel num_threads(nthreads) reduction(| : failed)
     {
         uint16_t *wb = bf16_buffer(K * NB);
         failed = wb == NULL;
         float out[32 * NB] __attribute__((aligned(64))), bias[NB];
         int configured = -1;  // a row tail's configuration differs from a full 32 rows'
-        // Dealt dynamically, as amxmm's blocks: a thread the event loop preempts leaves its blocks to the other.
-#pragma omp for schedule(dynamic, 2)
-        for (int64_t nb = 0; nb < nblocks; nb++) {
+        // Dealt as amxmm's blocks (deal.h): a thread the event loop preempts leaves its blocks to the other.
+        for (int64_t nb; (nb = deal_next(&deal, omp_get_thread_num())) >= 0;) {
             if (!wb) continue;
             const int64_t n0 = nb * NB, nn = N - n0 < NB ? N - n0 : NB;
             load_bias(b, n0, nn, bias);

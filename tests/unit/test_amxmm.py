@@ -55,6 +55,28 @@ def test_a_long_call_runs_in_passes_with_the_same_sums_as_short_calls(kernel: AM
     assert whole.shape == (1100, n // 2 if fused else n) and torch.equal(whole, parts)
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_every_block_is_dealt_once_whatever_the_thread_count(kernel: AMXMM, fused: bool) -> None:
+    """deal.h gives each thread a contiguous run of column blocks and lets it steal from the others' ends: with
+    one thread, more threads than blocks, or an odd count, every block is computed once, so the bits never change."""
+    k, n = 64, 7 * 64  # 14 blocks of 32 columns (7 gate/up pairs)
+    w, x, b = _bf16(n, k, seed=11), _bf16(40, k, seed=12), _bf16(n, seed=13)
+    op = SiluMulAMXMM(kernel) if fused else kernel
+    packed = op.pack(w)
+    before = torch.get_num_threads()
+    outs = []
+    try:
+        for threads in (1, 2, 3, 5, 16):
+            torch.set_num_threads(threads)
+            outs.append(op.linear(x, packed, n, b))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    want = x.float() @ w.float().t() + b.float()
+    if not fused:
+        assert ((outs[0].float() - want).abs() <= want.abs().clamp_min(2**-20) * 2**-7).all()
+
+
 def test_3d_and_strided_inputs(kernel: AMXMM) -> None:
     w = _bf16(64, 64, seed=4)
     x = _bf16(3, 7, 128, seed=5)[..., ::2]  # [B, T, K] with a stride: the kernel sees a contiguous copy
