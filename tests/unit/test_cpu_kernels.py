@@ -56,6 +56,49 @@ def test_rms_norm_equals_torch(
         assert (got != want).float().mean() < 0.01
 
 
+def _bf16_norm(pw: PointwiseKernels, x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, in_place: bool) -> tuple:
+    """rmsnorm_bf16 called as the decode programs call it (in place: the residual is also where its sum goes), or
+    as PointwiseKernels.rms_norm does."""
+    if not in_place:
+        return pw.rms_norm(x, r, w, 1e-6)
+    res, out = r.clone(), torch.empty_like(x)
+    rows, dim = x.shape
+    pw.lib.rmsnorm_bf16(rows, dim, x.data_ptr(), res.data_ptr(), w.data_ptr(), 1e-6, out.data_ptr(), res.data_ptr(), 2)
+    return out, res
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("bad_weight", [False, True])
+def test_bf16_rms_norm_rows_with_nan_inf_or_overflow_are_torchs(
+    pw: PointwiseKernels, in_place: bool, bad_weight: bool
+) -> None:
+    """The bf16 kernel rounds without a NaN test (pointwise.c's rmsnorm_bf16 says why it needs none): rows with
+    NaNs, infinities and overflows, and an infinite weight, also in place, end as torch computes them."""
+    bf16, dim = torch.bfloat16, 100  # 6 vectors and a scalar tail of 4
+    x, r = _randn(7, dim, seed=5, dtype=bf16), _randn(7, dim, seed=6, dtype=bf16)
+    w = (1 + 0.1 * _randn(dim, seed=7)).to(bf16)
+    x[1, 7] = float("nan")
+    x[2, 98] = float("nan")  # in the scalar tail
+    r[3, 20] = float("inf")
+    x[4, 30] = 3e38  # a finite sum whose square overflows
+    r[5, 40], x[5, 40] = 3e38, 3e38  # a sum that overflows to an infinity
+    if bad_weight:
+        w[9] = float("inf")
+    got, got_sum = _bf16_norm(pw, x, r, w, in_place)
+    want, want_sum = rms_norm(x, r, w, 1e-6)
+    torch.testing.assert_close(got_sum.float(), want_sum.float(), rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=1e-6, equal_nan=True)
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf())
+
+
+@pytest.mark.parametrize("rows", [1, 130])
+def test_bf16_rms_norm_in_place_equals_out_of_place(pw: PointwiseKernels, rows: int) -> None:
+    x, r = _randn(rows, 896, seed=8, dtype=torch.bfloat16), _randn(rows, 896, seed=9, dtype=torch.bfloat16)
+    w = (1 + 0.1 * _randn(896, seed=10)).to(torch.bfloat16)
+    a, b = _bf16_norm(pw, x, r, w, True), _bf16_norm(pw, x, r, w, False)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
 def test_rms_norm_takes_strided_input_and_3d(pw: PointwiseKernels) -> None:
     x = _randn(4, 64, 3, seed=3).transpose(1, 2)  # [4, 3, 64], not contiguous
     w = _randn(64, seed=4)
