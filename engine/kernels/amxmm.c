@@ -39,7 +39,7 @@
 #endif
 // ... and PF_FAR k-steps ahead into L2 only: at 32 rows the tile products' time added to the stream's (the loads
 // wait on memory, then the products run) and the near prefetch alone cannot keep enough lines in flight; asking
-// L2 for them 12 steps ahead brought gate/up (896 x 9,728, 60 weights from memory) from 615-679 to 532-614 us a
+// L2 for them 12 steps ahead brought gate/up (896 x 9,728, 60 weights from memory) from 642-679 to 542-614 us a
 // call and down_proj from 279-304 to 248-289 at 32 rows, no change at 1 and 8 (2-core AMX Xeon, model 207).
 #ifndef PF_FAR
 #define PF_FAR (PF > 0 ? 12 : 0)
@@ -149,9 +149,9 @@ typedef struct {
 
 // Threads take the 32-column blocks (pairs of them for silu_mul) of every group as deal.h deals them: each its own
 // contiguous run, then the back of the others' (on a 2-core server the event loop preempts one thread now and
-// then, and the other takes its blocks instead of waiting at the end: serving measured 28.3 against 26.6 ms of
-// GEMMs a step against halves split up front). Within a block the rows of x go by in 32-row steps while the
-// block's weights (K x 64 bytes) stay in L1/L2.
+// then, and the other takes its blocks instead of waiting at the end: serving measured 26.6 ms of GEMMs a step
+// with blocks dealt dynamically, 28.3 with halves split up front). Within a block the rows of x go by in 32-row
+// steps while the block's weights (K x 64 bytes) stay in L1/L2.
 static void run(int64_t G, const group_t *groups, int64_t N, int64_t K, const uint16_t *b, int nthreads,
                 const int silu_mul) {
     const int64_t nblocks = (N + 31) / 32, ksteps = K / 32, per = silu_mul ? 2 : 1, units = nblocks / per;

@@ -30,8 +30,8 @@
 #include <string.h>
 
 #include "amx_tiles.h"
-#include "deal.h"
 #include "bf16mm_block.h"
+#include "deal.h"
 #include "w4mm_common.h"
 
 #define TILE_ELEMS 512  // 16 rows x 32 bf16
