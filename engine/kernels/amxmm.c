@@ -47,6 +47,15 @@
 
 int amxmm_init(void) { return request_tile_state(); }
 
+// The weight k-step PF steps past wk into L1 and the one PF_FAR steps past it into L2 (2 KB each).
+static inline __attribute__((always_inline)) void prefetch_ahead(const uint16_t *wk) {
+    const char *near = (const char *)(wk + PF * 2 * TILE_ELEMS), *far = (const char *)(wk + PF_FAR * 2 * TILE_ELEMS);
+    if (PF > 0)
+        for (int l = 0; l < 32; l++) _mm_prefetch(near + 64 * l, _MM_HINT_T0);
+    if (PF_FAR > 0)
+        for (int l = 0; l < 32; l++) _mm_prefetch(far + 64 * l, _MM_HINT_T1);
+}
+
 static inline uint16_t to_bf16(float f) {  // round to nearest even, as VCVTNEPS2BF16 does
     uint32_t u;
     memcpy(&u, &f, 4);
@@ -106,10 +115,7 @@ static void block_rows(int64_t m0, int mr, int64_t K, const uint16_t *x, const u
         _tile_zero(3);
         for (int64_t ks = 0; ks < ksteps; ks++) {
             const uint16_t *wk = wb + ks * 2 * TILE_ELEMS;
-            if (PF > 0)
-                for (int l = 0; l < 32; l++) _mm_prefetch((const char *)(wk + PF * 2 * TILE_ELEMS) + 64 * l, _MM_HINT_T0);
-            if (PF_FAR > 0)
-                for (int l = 0; l < 32; l++) _mm_prefetch((const char *)(wk + PF_FAR * 2 * TILE_ELEMS) + 64 * l, _MM_HINT_T1);
+            prefetch_ahead(wk);
             _tile_loadd(4, xa + ks * 32, stride);
             _tile_loadd(5, xb + ks * 32, stride);
             _tile_loadd(6, wk, 64);
@@ -124,10 +130,7 @@ static void block_rows(int64_t m0, int mr, int64_t K, const uint16_t *x, const u
     } else {
         for (int64_t ks = 0; ks < ksteps; ks++) {
             const uint16_t *wk = wb + ks * 2 * TILE_ELEMS;
-            if (PF > 0)
-                for (int l = 0; l < 32; l++) _mm_prefetch((const char *)(wk + PF * 2 * TILE_ELEMS) + 64 * l, _MM_HINT_T0);
-            if (PF_FAR > 0)
-                for (int l = 0; l < 32; l++) _mm_prefetch((const char *)(wk + PF_FAR * 2 * TILE_ELEMS) + 64 * l, _MM_HINT_T1);
+            prefetch_ahead(wk);
             _tile_loadd(4, xa + ks * 32, stride);
             _tile_loadd(6, wk, 64);
             _tile_loadd(7, wk + TILE_ELEMS, 64);

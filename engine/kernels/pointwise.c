@@ -143,7 +143,7 @@ static inline void narrow_exact(uint16_t *p, v16f f) {
 // NaNs (an operand's, quieted, or the default one) have the low half zero, and such a NaN rounds to itself (as
 // do infinities, and a finite value that rounds up to one). WHY: at prefill's 4,096 x 576 the NaN tests made the
 // kernel compute-bound: 1.14-1.26 ms a call where torch's add alone, over as many bytes, took 0.38; without them
-// 0.69-0.73 (2-core AMX Xeon).
+// 0.69-0.81 (2-core AMX Xeon, model 207; `python -m benchmarks.step_profile --shape smollm2-135m` shows the call).
 void rmsnorm_bf16(int64_t rows, int64_t dim, const uint16_t *x, const uint16_t *residual, const uint16_t *w,
                   float eps, uint16_t *out, uint16_t *sum_out, int nthreads) {
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (rows * dim >= PARALLEL_ELEMS)

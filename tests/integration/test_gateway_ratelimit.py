@@ -171,8 +171,9 @@ def test_a_stream_longer_than_the_lease_keeps_its_concurrency_slot(
     )
     with run_gateway(tmp_path / "home", model, env) as gw:
         token = gw.token(sub="ivy")
-        # four choices of 480 tokens with logprobs: a stream that runs well past the TTL even on a fast machine
-        body = {"model": gw.model, **BODY, "max_tokens": 480, "ignore_eos": True, "stream": True, "n": 4}
+        # sixteen choices (the most a request may ask) of 480 tokens with logprobs: a stream that runs well past the
+        # TTL even on a fast machine (four choices ended inside 2 x TTL on a 2-core AMX Xeon)
+        body = {"model": gw.model, **BODY, "max_tokens": 480, "ignore_eos": True, "stream": True, "n": 16}
         body |= {"logprobs": True, "top_logprobs": 5}
         with (
             httpx.Client(verify=client_ssl_context(gw.pki.ca_cert), timeout=60) as c,
