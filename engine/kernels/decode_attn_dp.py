@@ -28,6 +28,8 @@ LATENT_STEPS = 18  # 576 = 512 + 64: DeepSeek-V2/V3's latent + rope columns
 # the entry points of decode_attn_dp.c by name in the op choice: scores by reduction or over transposed keys,
 # with or without asking for the next slice's rows ahead (the file's header says which won where)
 VARIANTS = {"dp": "", "dp-prefetch": "_pf", "dp-t": "_t", "dp-t-prefetch": "_t_pf"}
+# the heads' build also has the chunked two-pass entry (written for attention heads; the latent build keeps the four)
+HEAD_VARIANTS = {**VARIANTS, "dp-chunked": "_c"}
 
 
 class DotDecodeAttention(DecodeAttention):
@@ -57,7 +59,8 @@ def build_latent() -> ctypes.CDLL:
 
 
 def _every_variant(lib: ctypes.CDLL, max_steps: int) -> dict[str, DotDecodeAttention]:
-    return {name: DotDecodeAttention(lib, max_steps, suffix) for name, suffix in VARIANTS.items()}
+    variants = HEAD_VARIANTS if max_steps < LATENT_STEPS else VARIANTS
+    return {name: DotDecodeAttention(lib, max_steps, suffix) for name, suffix in variants.items()}
 
 
 def _checked(check: Callable[[DecodeAttention], None]) -> Callable[[dict[str, DotDecodeAttention]], None]:

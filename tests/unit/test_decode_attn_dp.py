@@ -13,7 +13,7 @@ import torch
 
 from engine.kernels import bf16mm, decode_attn, decode_attn_dp
 from engine.kernels.decode_attn import check_against_reference
-from engine.kernels.decode_attn_dp import LATENT_STEPS, VARIANTS, DotDecodeAttention
+from engine.kernels.decode_attn_dp import HEAD_VARIANTS, LATENT_STEPS, VARIANTS, DotDecodeAttention
 from tests.kernel_checks import assert_latent_rows_match
 
 pytestmark = pytest.mark.skipif(not bf16mm.supported(), reason="this CPU has no AVX512-BF16")
@@ -30,10 +30,10 @@ def builds(tmp_path_factory: pytest.TempPathFactory) -> tuple[ctypes.CDLL, ctype
         mp.undo()
 
 
-@pytest.fixture(scope="module", params=list(VARIANTS.values()), ids=list(VARIANTS))
+@pytest.fixture(scope="module", params=list(HEAD_VARIANTS.values()), ids=list(HEAD_VARIANTS))
 def kernel(request: pytest.FixtureRequest, builds: tuple[ctypes.CDLL, ctypes.CDLL]) -> DotDecodeAttention:
     """Every entry point the op choice times: scores by reduction or over transposed keys, without and with the
-    prefetch of the next slice's rows."""
+    prefetch of the next slice's rows, and the chunked two-pass one (contexts over one chunk of 256 included)."""
     return DotDecodeAttention(builds[0], variant=request.param)
 
 
