@@ -260,9 +260,11 @@ static inline __attribute__((always_inline)) void task(int64_t b, int64_t k0, in
 // and exponentiated the running maxima and sent them through memory; on a 2-core Zen 4 (Qwen2-0.5B's heads,
 // 32 x 256 tokens, one thread, caches hot) P.V took 36% of its time and the softmax 23%, the scores 9%.
 // Memory: a slice's V rows are asked for while its keys are read (the second pass finds them in L2), and the
-// second pass asks for the next chunk's keys. Two threads, ms a layer (ad hoc, alternating): 32 x 256 tokens
-// hot 0.148 against `_t_pf`'s 0.196, cold 0.237-0.243 against 0.255-0.265; 32 x 1,024 cold 0.820 against 0.896.
-// A constant G (the common group sizes get their own copies) gave 6-8% of that.
+// second pass asks for the next chunk's keys (at 1,024 tokens 0.853 → 0.820 ms). Two threads, ms a layer (ad
+// hoc, alternating, three runs): 32 x 256 tokens hot 0.148-0.160 against `_t_pf`'s 0.196-0.210, cold (24+ layers'
+// caches) 0.237-0.260 against 0.255-0.278; 32 x 1,024 cold 0.820-0.904 against 0.896-0.949. A constant G (the
+// common group sizes get their own copies) gave 6-8% of that. Cold, it is bound by how fast one core brings the
+// scattered 4 KB blocks in: asking for V during P.V, two slices ahead, or the next sequence's keys did not help.
 #define CHUNK 256  // 64 and 128 measured slower at 256 and 1,024 tokens (the header's case)
 static inline __attribute__((always_inline)) void task_chunked(int64_t b, int64_t k0, int64_t k1, int64_t H,
                                                                int64_t KV, int64_t D, const uint16_t *q,
@@ -381,8 +383,10 @@ static inline __attribute__((always_inline)) void task_chunked(int64_t b, int64_
                             if (g0 + gg < G && j0 + jj < nv) o[h0 + gg][j0 + jj] = acc[gg][jj];
                 }
     }
-    for (int64_t h = 0; h < NH; h++)
-        store_deinterleaved(out + (b * H + k0 * G + h) * D, o[h], steps, _mm512_set1_ps(l[h] > 0.0f ? 1.0f / l[h] : 0.0f));
+    for (int64_t h = 0; h < NH; h++) {
+        const __m512 inv = _mm512_set1_ps(l[h] > 0.0f ? 1.0f / l[h] : 0.0f);
+        store_deinterleaved(out + (b * H + k0 * G + h) * D, o[h], steps, inv);
+    }
 }
 
 // KV heads per task: as many as MAX_HT query heads hold, fewer while that leaves under two tasks per thread
