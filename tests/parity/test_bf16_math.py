@@ -16,7 +16,7 @@ import torch
 from engine.kernels import amxmm, bf16mm
 from engine.layers.linear import Linear
 from engine.layers.mlp import GatedMLP
-from tests.parity.conftest import make_core, mixed_prompts, run_core, same_length_prompts, step_logits
+from tests.parity.conftest import build_llama, make_core, mixed_prompts, run_core, same_length_prompts, step_logits
 
 NEW_TOKENS = 32
 # Teacher-forced, transformers' bf16 logit for our token may trail its best by this much of the largest logit:
@@ -79,6 +79,14 @@ def test_greedy_tokens_are_transformers_bf16_choices(
     bf16_dir: Path, hf16: torch.nn.Module, prompts: dict[str, list[int]], config: str
 ) -> None:
     ours = run_core(_core(bf16_dir, **CONFIGS[config]), prompts, NEW_TOKENS)
+    assert_transformers_choices(hf16, prompts, ours)
+
+
+def assert_transformers_choices(
+    hf16: torch.nn.Module, prompts: dict[str, list[int]], ours: dict[str, list[int]]
+) -> None:
+    """Every token of ours one that transformers' bf16 pass, given our tokens before it, also ranks first, up to
+    NEAR_TIE."""
     for rid, prompt in prompts.items():
         assert len(ours[rid]) == NEW_TOKENS
         with torch.no_grad():  # transformers' logits at every position we sampled, given our tokens before it
@@ -86,3 +94,41 @@ def test_greedy_tokens_are_transformers_bf16_choices(
         chosen = logits.gather(1, torch.tensor(ours[rid])[:, None])[:, 0]
         gap = (logits.max(1).values - chosen) / logits.abs().max(1).values
         assert gap.max() <= NEAR_TIE, f"{rid}: token {int(gap.argmax())} trails transformers' choice by {gap.max():.3g}"
+
+
+ATTENTION = ("amx", "dp", "dp-prefetch", "dp-t", "dp-t-prefetch", "dp-chunked", "portable", "portable-prefetch")
+
+
+@pytest.fixture(scope="module")
+def heads64(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
+    """A Llama whose attention every decode kernel takes: 7 query heads of 64 over one KV head (Qwen2-0.5B's
+    group size), saved in bf16, with transformers' bf16 model of it."""
+    from transformers import AutoModelForCausalLM
+
+    src = build_llama(tmp_path_factory.mktemp("heads64"), hidden_size=448, intermediate_size=512,
+                      num_attention_heads=7, num_key_value_heads=1)  # fmt: skip
+    out = tmp_path_factory.mktemp("heads64-bf16")
+    AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).save_pretrained(out)
+    return out, AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16).eval()
+
+
+@pytest.mark.parametrize("mode", ["program", "layers"])
+@pytest.mark.parametrize("name", ATTENTION)
+def test_every_decode_attention_kernel_gives_transformers_bf16_choices(
+    heads64: tuple[Path, torch.nn.Module], name: str, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each decode attention kernel the op choice may pick, forced in turn, in a whole model (through the layers
+    and inside a decode program), contexts past one 256-token chunk among them: greedy tokens transformers' bf16
+    pass also ranks first, as above."""
+    import engine.model_runner
+
+    path, hf16 = heads64
+    found = {n: k for n, k in engine.model_runner.decode_attention_kernels().items() if n == name}
+    gemm = "bf16mm" if bf16mm.supported() else "amxmm" if amxmm.supported() else None
+    if not found or gemm is None:
+        pytest.skip(f"{name} is not built on this CPU, or no bf16 GEMM kernel runs here")
+    monkeypatch.setattr(engine.model_runner, "decode_attention_kernels", lambda: found)
+    core = _core(path, gemm_path=gemm, decode_program=mode)  # forced: every kernel bound untimed
+    assert all(m.kernel is found[name] for m in core.runner.model.attention_layers())
+    prompts = {**mixed_prompts(3), "long": mixed_prompts(8, seed=5)["r4"] * 5}  # 320 tokens
+    assert_transformers_choices(hf16, prompts, run_core(core, prompts, NEW_TOKENS))
