@@ -132,6 +132,26 @@ static inline __attribute__((always_inline)) void scores_transposed(const __m512
     }
 }
 
+// A 16-token slice's scores for one KV head's G query heads over transposed keys: its rows of K from kr (rows
+// `stride` apart; rows past the context are read, they are in the block, and their scores are masked by the
+// caller), transposed, then scores_transposed. Each row read asks for one line of a and of b where they are given.
+static inline __attribute__((always_inline)) void slice_scores(const uint16_t *kr, int64_t stride,
+                                                               const int64_t steps, const uint32_t *qd,
+                                                               const int64_t G, int64_t D, Ahead *a, Ahead *b,
+                                                               __m512 *sc) {
+    __m512i kt[16 * MAX_STEPS];  // kt[p] lane t: dims 2p, 2p+1 of token t
+    for (int64_t s = 0; s < steps; s++) {
+        __m512i rows[16];
+        for (int t = 0; t < 16; t++) {
+            rows[t] = _mm512_loadu_si512((const void *)(kr + t * stride + 32 * s));
+            if (a) ask_next(a);
+            if (b) ask_next(b);
+        }
+        transpose16(rows, kt + 16 * s);
+    }
+    scores_transposed(kt, qd, G, D, sc);
+}
+
 // One sequence's KV heads [k0, k1) (their G query heads each), slice by slice: each 16-token slice of a block is
 // read for all of the task's KV heads before the next slice, which walks the block's rows in address order (the
 // cache keeps a token's KV heads side by side) instead of one strided head at a time. TRANS: scores over
@@ -174,16 +194,8 @@ static inline __attribute__((always_inline)) void task(int64_t b, int64_t k0, in
             __m512 *lvh = lv + (kh - k0) * G;
             __m512 sc[MAX_G];
             if (TRANS) {
-                __m512i kt[16 * MAX_STEPS];  // kt[p] lane t: dims 2p, 2p+1 of token t
-                for (int64_t s = 0; s < steps; s++) {
-                    __m512i rows[16];
-                    for (int t = 0; t < 16; t++) {  // rows past n are read (they are in the block); scores masked
-                        rows[t] = _mm512_loadu_si512((const void *)(kr + t * stride + 32 * s));
-                        if (PF) ask_next(&pf);
-                    }
-                    transpose16(rows, kt + 16 * s);
-                }
-                scores_transposed(kt, (const uint32_t *)(qb + (kh - k0) * G * D), G, D, sc);
+                slice_scores(kr, stride, steps, (const uint32_t *)(qb + (kh - k0) * G * D), G, D, PF ? &pf : NULL,
+                             NULL, sc);
                 for (int64_t g = 0; g < G; g++) sc[g] = _mm512_mask_mov_ps(ninf, valid, _mm512_mul_ps(sc[g], vscale));
             } else {
                 for (int64_t g = 0; g < G; g++) {
@@ -265,7 +277,9 @@ static inline __attribute__((always_inline)) void task(int64_t b, int64_t k0, in
 // caches) 0.237-0.260 against 0.255-0.278; 32 x 1,024 cold 0.820-0.904 against 0.896-0.949. A constant G (the
 // common group sizes get their own copies) gave 6-8% of that. Cold, it is bound by how fast one core brings the
 // scattered 4 KB blocks in: asking for V during P.V, two slices ahead, or the next sequence's keys did not help.
-#define CHUNK 256  // 64 and 128 measured slower at 256 and 1,024 tokens (the header's case)
+// 64 and 128 measured slower at 256 and 1,024 tokens, on a Zen 4 only: elsewhere the op choice's timing decides
+// whether this entry runs at all
+#define CHUNK 256
 static inline __attribute__((always_inline)) void task_chunked(int64_t b, int64_t k0, int64_t k1, int64_t H,
                                                                int64_t KV, int64_t D, const uint16_t *q,
                                                                const uint16_t *kc, const uint16_t *vc, int64_t bs,
@@ -297,19 +311,9 @@ static inline __attribute__((always_inline)) void task_chunked(int64_t b, int64_
             Ahead pf = {kc + ahead * D, kc + ahead * D, 0, 0, (k1 - k0) * D, stride};  // the next slice's keys
             Ahead pv = {vc + (first + k0) * D, vc + (first + k0) * D, 0, 0, (k1 - k0) * D, stride};  // this V
             for (int64_t kh = k0; kh < k1; kh++) {
-                const uint16_t *kr = kc + (first + kh) * D;
-                __m512i kt[16 * MAX_STEPS];
-                for (int64_t st = 0; st < steps; st++) {
-                    __m512i rows[16];
-                    for (int t = 0; t < 16; t++) {  // rows past n are read (they are in the block); scores masked
-                        rows[t] = _mm512_loadu_si512((const void *)(kr + t * stride + 32 * st));
-                        ask_next(&pf);
-                        ask_next(&pv);
-                    }
-                    transpose16(rows, kt + 16 * st);
-                }
                 __m512 sc[MAX_G];
-                scores_transposed(kt, (const uint32_t *)(qb + (kh - k0) * G * D), G, D, sc);
+                slice_scores(kc + (first + kh) * D, stride, steps, (const uint32_t *)(qb + (kh - k0) * G * D), G, D,
+                             &pf, &pv, sc);
                 for (int64_t g = 0; g < G; g++) {
                     const int64_t h = (kh - k0) * G + g;
                     const __m512 v = _mm512_mask_mov_ps(ninf, valid, _mm512_mul_ps(sc[g], vscale));
@@ -399,17 +403,18 @@ static int64_t heads_per_task(int64_t B, int64_t H, int64_t KV, int nthreads) {
 
 // q, out: [B][H][D] bf16; caches: [blocks][bs][KV][D] bf16; tables: [B][W] block ids; ctx_lens: [B].
 // WHY a macro: OpenMP outlines a parallel loop into its own function before constants propagate into it, so the
-// loop must sit in each entry point for TRANS and PF to be compile-time constants in its copy of task().
-// The common widths get their own compiled copies too: a constant step count keeps the sums in registers.
+// loop must sit in each entry point for TRANS and PF (and the chunked task's G) to be compile-time constants in
+// its copy of the task. The common widths get their own compiled copies too: a constant step count keeps the sums
+// in registers. CALL(steps): the entry's task at that step count.
 #define TASK(steps, TRANS, PF) \
     task(b, k0, k1, H, KV, D, q, kc, vc, bs, tables, W, ctx_lens[b], scale, out, steps, TRANS, PF)
 #if MAX_STEPS >= 18
-#define LATENT_CASE(TRANS, PF) \
-    case 576: TASK(18, TRANS, PF); break;  // MLA's latent rows (DeepSeek-V2/V3: 512 + 64)
+#define LATENT_CASE(CALL) \
+    case 576: CALL(18); break;  // MLA's latent rows (DeepSeek-V2/V3: 512 + 64)
 #else
-#define LATENT_CASE(TRANS, PF)
+#define LATENT_CASE(CALL)
 #endif
-#define ENTRY(name, TRANS, PF)                                                                                        \
+#define ENTRY(name, CALL)                                                                                             \
     void name(int64_t B, int64_t H, int64_t KV, int64_t D, const uint16_t *q, const uint16_t *kc, const uint16_t *vc, \
               int64_t bs, const int64_t *tables, int64_t W, const int64_t *ctx_lens, float scale, uint16_t *out,     \
               int nthreads) {                                                                                         \
@@ -418,41 +423,35 @@ static int64_t heads_per_task(int64_t B, int64_t H, int64_t KV, int nthreads) {
         for (int64_t t = 0; t < B * groups; t++) {                                                                    \
             const int64_t b = t / groups, k0 = (t % groups) * per, k1 = k0 + per < KV ? k0 + per : KV;               \
             switch (D) {                                                                                              \
-            case 64: TASK(2, TRANS, PF); break;                                                                       \
-            case 128: TASK(4, TRANS, PF); break;                                                                      \
-            LATENT_CASE(TRANS, PF)                                                                                    \
-            default: TASK(D / 32, TRANS, PF); break;                                                                  \
+            case 64: CALL(2); break;                                                                                  \
+            case 128: CALL(4); break;                                                                                 \
+            LATENT_CASE(CALL)                                                                                         \
+            default: CALL(D / 32); break;                                                                             \
             }                                                                                                         \
         }                                                                                                             \
     }
-ENTRY(decode_attn_dp_bf16, 0, 0)
-ENTRY(decode_attn_dp_bf16_pf, 0, 1)
-ENTRY(decode_attn_dp_bf16_t, 1, 0)
-ENTRY(decode_attn_dp_bf16_t_pf, 1, 1)
+#define BY_REDUCTION(steps) TASK(steps, 0, 0)
+#define BY_REDUCTION_PF(steps) TASK(steps, 0, 1)
+#define TRANSPOSED(steps) TASK(steps, 1, 0)
+#define TRANSPOSED_PF(steps) TASK(steps, 1, 1)
+ENTRY(decode_attn_dp_bf16, BY_REDUCTION)
+ENTRY(decode_attn_dp_bf16_pf, BY_REDUCTION_PF)
+ENTRY(decode_attn_dp_bf16_t, TRANSPOSED)
+ENTRY(decode_attn_dp_bf16_t_pf, TRANSPOSED_PF)
 
-// The chunked entry; the common group sizes get their own copies (a constant G keeps the heads' loops unrolled).
+// The chunked entry, in the heads' build only (decode_attn_dp.py's HEAD_VARIANTS); the common group sizes get
+// their own copies (a constant G keeps the heads' loops unrolled).
+#if MAX_STEPS < 18
 #define CTASK(steps, G) \
     task_chunked(b, k0, k1, H, KV, D, q, kc, vc, bs, tables, W, ctx_lens[b], scale, out, steps, G)
-#define CSTEPS(steps)                                       \
-    switch (H / KV) {                                       \
-    case 1: CTASK(steps, 1); break;                         \
-    case 2: CTASK(steps, 2); break;                         \
-    case 4: CTASK(steps, 4); break;                         \
-    case 7: CTASK(steps, 7); break;                         \
-    case 8: CTASK(steps, 8); break;                         \
-    default: CTASK(steps, H / KV); break;                   \
+#define CHUNKED(steps)                    \
+    switch (H / KV) {                     \
+    case 1: CTASK(steps, 1); break;       \
+    case 2: CTASK(steps, 2); break;       \
+    case 4: CTASK(steps, 4); break;       \
+    case 7: CTASK(steps, 7); break;       \
+    case 8: CTASK(steps, 8); break;       \
+    default: CTASK(steps, H / KV); break; \
     }
-void decode_attn_dp_bf16_c(int64_t B, int64_t H, int64_t KV, int64_t D, const uint16_t *q, const uint16_t *kc,
-                           const uint16_t *vc, int64_t bs, const int64_t *tables, int64_t W, const int64_t *ctx_lens,
-                           float scale, uint16_t *out, int nthreads) {
-    const int64_t per = heads_per_task(B, H, KV, nthreads), groups = (KV + per - 1) / per;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
-    for (int64_t t = 0; t < B * groups; t++) {
-        const int64_t b = t / groups, k0 = (t % groups) * per, k1 = k0 + per < KV ? k0 + per : KV;
-        switch (D) {
-        case 64: CSTEPS(2); break;
-        case 128: CSTEPS(4); break;
-        default: CSTEPS(D / 32); break;
-        }
-    }
-}
+ENTRY(decode_attn_dp_bf16_c, CHUNKED)
+#endif

@@ -28,20 +28,40 @@ static inline v16f widen(const uint16_t *p) {
     return f;
 }
 
-// Round to nearest even, keeping the result as float32 bits with the low half zero; NaN stays a quiet NaN.
-static inline v16u round_bits(v16f f) {
+static inline v16u bits_of(v16f f) {
     v16u u;
     memcpy(&u, &f, sizeof(u));
-    const v16u rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
-    const v16i mag = (v16i)(u & 0x7FFFFFFFu);
-    const v16u nan = (v16u)(mag > 0x7F800000);
-    return (nan & ((u & 0xFFFF0000u) | 0x400000u)) | (~nan & rounded);
+    return u;
 }
 
-static inline void narrow(uint16_t *p, v16f f) {
-    const v16h h = __builtin_convertvector(round_bits(f) >> 16, v16h);
+static inline v16f float_of(v16u u) {
+    v16f f;
+    memcpy(&f, &u, sizeof(f));
+    return f;
+}
+
+// Round to nearest even, as round_bits does for every value but a NaN with bits in its low half (rmsnorm_bf16 says
+// why it never meets one), in a third of the operations: the NaN test is what costs.
+static inline v16u round_bits_number(v16f f) {
+    const v16u u = bits_of(f);
+    return (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+}
+
+// Round to nearest even, keeping the result as float32 bits with the low half zero; NaN stays a quiet NaN.
+static inline v16u round_bits(v16f f) {
+    const v16u u = bits_of(f);
+    const v16i mag = (v16i)(u & 0x7FFFFFFFu);
+    const v16u nan = (v16u)(mag > 0x7F800000);
+    return (nan & ((u & 0xFFFF0000u) | 0x400000u)) | (~nan & round_bits_number(f));
+}
+
+// float32 bits whose low half is zero (a bf16 value): their upper halves.
+static inline void store_upper(uint16_t *p, v16u u) {
+    const v16h h = __builtin_convertvector(u >> 16, v16h);
     memcpy(p, &h, sizeof(h));
 }
+
+static inline void narrow(uint16_t *p, v16f f) { store_upper(p, round_bits(f)); }
 
 static inline float widen1(uint16_t h) {
     const uint32_t u = (uint32_t)h << 16;
@@ -59,12 +79,7 @@ static inline uint16_t narrow1(float f) {
 
 static inline float round_bf16(float f) { return widen1(narrow1(f)); }
 
-static inline v16f round_bf16v(v16f f) {
-    const v16u u = round_bits(f);
-    v16f out;
-    memcpy(&out, &u, sizeof(out));
-    return out;
-}
+static inline v16f round_bf16v(v16f f) { return float_of(round_bits(f)); }
 
 static inline float rstd(float sumsq, int64_t dim, float eps) {
     return 1.0f / __builtin_sqrtf(sumsq / (float)dim + eps);
@@ -115,28 +130,10 @@ void rmsnorm_f32(int64_t rows, int64_t dim, const float *x, const float *residua
     }
 }
 
-// Round to nearest even, as round_bits does for every value but a NaN with bits in its low half (rmsnorm_bf16 says
-// why it never meets one), in a third of the operations: the NaN test is what costs.
-static inline v16u round_bits_number(v16f f) {
-    v16u u;
-    memcpy(&u, &f, sizeof(u));
-    return (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
-}
-
-static inline v16f round_number(v16f f) {
-    const v16u u = round_bits_number(f);
-    v16f out;
-    memcpy(&out, &u, sizeof(out));
-    return out;
-}
+static inline v16f round_number(v16f f) { return float_of(round_bits_number(f)); }
 
 // f already a bf16 value: its upper half.
-static inline void narrow_exact(uint16_t *p, v16f f) {
-    v16u u;
-    memcpy(&u, &f, sizeof(u));
-    const v16h h = __builtin_convertvector(u >> 16, v16h);
-    memcpy(p, &h, sizeof(h));
-}
+static inline void narrow_exact(uint16_t *p, v16f f) { store_upper(p, bits_of(f)); }
 
 // bf16: the same, every intermediate the torch code materialises rounded to bf16 where it does. The vector loops
 // round without round_bits' NaN test: every value rounded here comes from float arithmetic on bf16 values, whose
