@@ -68,4 +68,28 @@ static inline void store_deinterleaved(uint16_t *orow, const __m512 *o, int64_t 
     }
 }
 
+// Sixteen rows of 16 dwords -> their transpose: out[c] lane t = dword c of row t (the standard four stages).
+static inline void transpose16(const __m512i r[16], __m512i out[16]) {
+    __m512i a[16], b[16];
+    for (int i = 0; i < 8; i++) {
+        a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {  // b[4i + c], 128-bit lane L: dword 4L + c of rows 4i .. 4i + 3
+        b[4 * i + 0] = _mm512_unpacklo_epi64(a[4 * i + 0], a[4 * i + 2]);
+        b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i + 0], a[4 * i + 2]);
+        b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
+        b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
+    }
+    for (int c = 0; c < 4; c++) {  // gather lane L of the four row groups: dword 4L + c of all sixteen rows
+        const __m512i u = _mm512_shuffle_i32x4(b[c], b[4 + c], 0x88), v = _mm512_shuffle_i32x4(b[c], b[4 + c], 0xDD);
+        const __m512i u2 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0x88);
+        const __m512i v2 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0xDD);
+        out[c] = _mm512_shuffle_i32x4(u, u2, 0x88);
+        out[4 + c] = _mm512_shuffle_i32x4(v, v2, 0x88);
+        out[8 + c] = _mm512_shuffle_i32x4(u, u2, 0xDD);
+        out[12 + c] = _mm512_shuffle_i32x4(v, v2, 0xDD);
+    }
+}
+
 #endif

@@ -2,10 +2,20 @@
 // The portable kernel (decode_attn.c) spends most of its time on horizontal sums: each score is a dot product
 // along head_dim, and vectors run along head_dim. Here the scores of 16 cached tokens for all G query heads
 // that share a KV head are one tile product, S[16 tokens][16 heads] = K_rows . Q^T, with the K rows loaded
-// straight from the cache block (a 16-token slice of a block is 16 equally strided rows). The softmax then runs
-// with the heads in the vector lanes, and P.V is a tile product too, over pairs of tokens (P transposed by a
-// scatter, V rows interleaved), P rounded to bf16 as flash attention does. Measured against the portable kernel
-// and torch by engine.kernels.op_choice.
+// straight from the cache block (a 16-token slice of a block is 16 equally strided rows). S is transposed in
+// registers to [head][token], so the softmax runs with tokens in the vector lanes (G exponentials per 16 tokens,
+// not 16) and each head's probabilities, rounded to bf16 as flash attention does, are already the rows of P that
+// the P.V tile product takes, over pairs of tokens (V rows interleaved).
+//
+// WHY four accumulator tiles, and a task per sequence over its KV heads (at most MAX_HT query heads): a tile
+// product's result is ready tens of cycles after it starts, so one accumulator (the first version: one slice's
+// scores, then one output vector of P.V, at a time) waited on each product; and a task per KV head read 128 of
+// every KV * 128 bytes of a block, the other heads' lines left to another task, maybe on the other core. 2-core
+// AMX Xeon (model 167), ms a layer, 32 sequences of 128-256 tokens, caches of 40 layers cycled (cold) or one
+// (L3): Qwen2-0.5B's heads (7 over each of 2 KV heads) cold 0.26-0.28 against 0.34-0.37 before and 0.28-0.30 for
+// decode_attn_dp's chunked entry, L3 0.12 against 0.15 and 0.18; SmolLM2's (3 over each of 3) cold 0.35 against
+// 0.42-0.45 and 0.30, where the dot-product kernel stays ahead (this kernel's work is per KV head, not per query
+// head); MLA's 16 heads over one 576-wide latent unchanged (0.66 cold). The op choice times them all.
 //
 // Requires: bf16 cache, block_size % 16 == 0, head_dim % 32 == 0 and <= 576, G = H / KV <= 16.
 //
@@ -22,17 +32,21 @@
 #include "amx_tiles.h"
 #include "avx512_math.h"
 
-#define SEG 128     // tokens per softmax update: scores, P pairs and interleaved V of a segment stay in L1/L2
+#define SEG 128       // tokens per softmax update: scores, P and interleaved V of a segment stay in L1/L2
 #define MAX_STEPS 18  // head_dim / 32: up to 576, MLA's latent + rope width (engine/layers/mla.py)
+#define MAX_HT 32     // query heads a task keeps state for
+#define MAX_QT 32     // Q^T tiles a task keeps: its KV heads x head_dim / 32
+#define WAKE_LINES 2  // lines asked for at the start of each block (wake_blocks)
 
 int decode_attn_amx_init(void) { return request_tile_state(); }
 
-// Tiles, 16 rows x 64 bytes each: 0 scores, 1 K rows, 2 Q^T; 3 P^T, 4 interleaved V, 5 a segment's P.V.
+// Tiles, 16 rows x 64 bytes each: 0-3 accumulators (four slices' scores, then four vectors of a segment's P.V),
+// 5 Q^T (scores) or P (P.V), 4 and 6 K rows (scores) or interleaved V (P.V), used in turn.
 static void configure(void) {
     tile_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette_id = 1;
-    for (int t = 0; t < 6; t++) {
+    for (int t = 0; t < 8; t++) {
         cfg.rows[t] = 16;
         cfg.colsb[t] = 64;
     }
@@ -44,117 +58,199 @@ static inline const uint16_t *row_of(const uint16_t *cache, int64_t pos, const i
     return cache + ((table[pos / bs] * bs + pos % bs) * KV + kvh) * D;
 }
 
-static inline __attribute__((always_inline)) void task(int64_t b, int64_t kvh, int64_t H, int64_t KV, int64_t D,
-                                                       const uint16_t *q, const uint16_t *kc, const uint16_t *vc,
-                                                       int64_t bs, const int64_t *tables, int64_t W, int64_t L,
-                                                       float scale, uint16_t *out, const int64_t steps) {
-    const int64_t G = H / KV, nv = 2 * steps;
-    const int64_t *table = tables + b * W;
-    // Q^T in AMX's pair layout, one tile per 32 of head_dim: qt[s][r][g] = q_g[32s + 2r], q_g[32s + 2r + 1]
-    uint32_t qt[MAX_STEPS][16][16] __attribute__((aligned(64)));
-    memset(qt, 0, (size_t)steps * sizeof qt[0]);
-    for (int64_t g = 0; g < G; g++) {
-        const uint32_t *qr = (const uint32_t *)(q + (b * H + kvh * G + g) * D);
-        for (int64_t s = 0; s < steps; s++)
-            for (int r = 0; r < 16; r++) qt[s][r][g] = qr[16 * s + r];
+// The first lines of each cache block of tokens [from, to), the task's heads, K and V, asked for a segment ahead:
+// the blocks lie anywhere in the pool, and a request at each block's start lets the L2 streamer take the rest of
+// its page. 0.26-0.28 against 0.27-0.31 ms cold without (Qwen2's heads, as above): asking for every line, spread
+// over the work or all at once, measured no faster than nothing.
+static inline void wake_blocks(const uint16_t *kc, const uint16_t *vc, int64_t from, int64_t to, const int64_t *table,
+                               int64_t bs, int64_t KV, int64_t k0, int64_t D) {
+    for (int64_t p = from - from % bs; p < to; p += bs) {
+        const int64_t at = (table[p / bs] * bs * KV + k0) * D;
+        for (int e = 0; e < WAKE_LINES; e++) {
+            _mm_prefetch((const char *)(kc + at + 32 * e), _MM_HINT_T1);
+            if (vc != kc) _mm_prefetch((const char *)(vc + at + 32 * e), _MM_HINT_T1);  // MLA: K and V are one row
+        }
     }
-    float S[SEG][16] __attribute__((aligned(64)));     // scores, then probabilities: [token][head]
-    uint32_t PT[16 * SEG / 2] __attribute__((aligned(64)));  // [head][i]: bf16 probabilities of tokens 2i, 2i+1
-    float Oseg[16][16] __attribute__((aligned(64)));
-    // V rows of tokens 2i, 2i+1 interleaved (unpacklo/hi), packed densely ([i * nv + j]): a fixed row of
-    // MAX_STEPS * 2 vectors would map the used ones onto a few L1 sets
+}
+
+// Macros, not loops: a tile instruction names its tiles as constants. SCORE: slice u of a group of four, step s
+// of head_dim, into accumulator ACC (Q^T in tile 5). PV: output vector j0 + jj over 16 token pairs into ACC (P in
+// tile 5).
+#define SCORE(ACC, KT, u)                                                                    \
+    if (u < ns) {                                                                            \
+        _tile_loadd(KT, row_of(kc, pos + 16 * (u), table, bs, KV, kvh, D) + 32 * s, stride); \
+        _tile_dpbf16ps(ACC, KT, 5);                                                          \
+    }
+#define PV(ACC, VT, jj)                                  \
+    if (j0 + jj < nv) {                                  \
+        _tile_loadd(VT, V2 + i * nv + j0 + jj, nv * 64); \
+        _tile_dpbf16ps(ACC, 5, VT);                      \
+    }
+
+// One sequence's query heads of KV heads [k0, k1): [b][k0 * G, k1 * G) of out.
+static inline __attribute__((always_inline)) void task(int64_t b, int64_t k0, int64_t k1, int64_t H, int64_t KV,
+                                                       int64_t D, const uint16_t *q, const uint16_t *kc,
+                                                       const uint16_t *vc, int64_t bs, const int64_t *tables,
+                                                       int64_t W, int64_t L, float scale, uint16_t *out,
+                                                       const int64_t steps, const int64_t G) {
+    const int64_t nv = 2 * steps, NH = (k1 - k0) * G;
+    const int64_t *table = tables + b * W;
+    uint32_t qt[MAX_QT][16][16] __attribute__((aligned(64)));  // [kv head of the task][step]
+    memset(qt, 0, (size_t)((k1 - k0) * steps) * sizeof qt[0]);
+    for (int64_t h = 0; h < NH; h++) {
+        const uint32_t *qr = (const uint32_t *)(q + (b * H + k0 * G + h) * D);
+        for (int64_t s = 0; s < steps; s++)
+            for (int r = 0; r < 16; r++) qt[(h / G) * steps + s][r][h % G] = qr[16 * s + r];
+    }
+    float Sb[4][16][16] __attribute__((aligned(64)));       // a group's scores as the tiles leave them: [token][head]
+    float ST[MAX_HT][SEG] __attribute__((aligned(64)));     // the segment's scores, [head][token]
+    uint32_t PT[16][SEG / 2] __attribute__((aligned(64)));  // [head][i]: bf16 probabilities of tokens 2i, 2i+1
+    for (int64_t g = G; g < 16; g++) memset(PT[g], 0, sizeof PT[g]);  // rows past G: zero weights, never stale
+    float Oseg[4][16][16] __attribute__((aligned(64)));
     __m512i V2[SEG / 2 * MAX_STEPS * 2];
-    __m512 o[16][MAX_STEPS * 2];                      // fp32 output per head, in the interleaved lane order
-    for (int64_t g = 0; g < G; g++)
-        for (int64_t j = 0; j < nv; j++) o[g][j] = _mm512_setzero_ps();
-    __m512 m = _mm512_set1_ps(-1e30f), l = _mm512_setzero_ps();
-    const __m512 vscale = _mm512_set1_ps(scale);
+    __m512 o[MAX_HT][MAX_STEPS * 2];
+    float m[MAX_HT], l[MAX_HT];
+    for (int64_t h = 0; h < NH; h++) {
+        for (int64_t j = 0; j < nv; j++) o[h][j] = _mm512_setzero_ps();
+        m[h] = -INFINITY;
+        l[h] = 0.0f;
+    }
+    const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
     const int64_t stride = KV * D * 2;
+    wake_blocks(kc, vc, 0, L < SEG ? L : SEG, table, bs, KV, k0, D);
     for (int64_t seg = 0; seg < L; seg += SEG) {
         const int64_t n = L - seg < SEG ? L - seg : SEG;
-        for (int64_t t0 = 0; t0 < n; t0 += 16) {  // 16 tokens are 16 rows of one cache block (bs % 16 == 0)
-            const uint16_t *k0 = row_of(kc, seg + t0, table, bs, KV, kvh, D);
-            _tile_zero(0);
-            for (int64_t s = 0; s < steps; s++) {
-                _tile_loadd(1, k0 + 32 * s, stride);
-                _tile_loadd(2, qt[s], 64);
-                _tile_dpbf16ps(0, 1, 2);
+        if (seg + SEG < L) wake_blocks(kc, vc, seg + SEG, seg + 2 * SEG < L ? seg + 2 * SEG : L, table, bs, KV, k0, D);
+        __m512 vmax[MAX_HT];
+        for (int64_t h = 0; h < NH; h++) vmax[h] = ninf;
+        for (int64_t t0 = 0; t0 < n; t0 += 64) {  // four slices at a time: four independent accumulator tiles
+            const int64_t pos = seg + t0, ns = (n - t0 + 15) / 16 < 4 ? (n - t0 + 15) / 16 : 4;
+            for (int64_t kvh = k0; kvh < k1; kvh++) {  // the task's heads in turn over the same blocks
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                for (int64_t s = 0; s < steps; s++) {
+                    _tile_loadd(5, qt[(kvh - k0) * steps + s], 64);
+                    SCORE(0, 4, 0)
+                    SCORE(1, 6, 1)
+                    SCORE(2, 4, 2)
+                    SCORE(3, 6, 3)
+                }
+                _tile_stored(0, Sb[0], 64);
+                if (ns > 1) _tile_stored(1, Sb[1], 64);
+                if (ns > 2) _tile_stored(2, Sb[2], 64);
+                if (ns > 3) _tile_stored(3, Sb[3], 64);
+                for (int64_t u = 0; u < ns; u++) {
+                    __m512i r[16], c[16];
+                    for (int t = 0; t < 16; t++) r[t] = _mm512_load_si512((const void *)Sb[u][t]);
+                    transpose16(r, c);
+                    const int64_t at = t0 + 16 * u, nn = n - at < 16 ? n - at : 16;
+                    const __mmask16 valid = (__mmask16)((1u << nn) - 1u);
+                    for (int64_t g = 0; g < G; g++) {
+                        const int64_t h = (kvh - k0) * G + g;
+                        const __m512 v =
+                            _mm512_mask_mov_ps(ninf, valid, _mm512_mul_ps(_mm512_castsi512_ps(c[g]), vscale));
+                        _mm512_store_ps(ST[h] + at, v);
+                        vmax[h] = _mm512_max_ps(vmax[h], v);
+                    }
+                }
             }
-            _tile_stored(0, S[t0], 64);
         }
-        __m512 mx = m;
-        for (int64_t t = 0; t < n; t++) {
-            const __m512 st = _mm512_mul_ps(_mm512_load_ps(S[t]), vscale);
-            _mm512_store_ps(S[t], st);
-            mx = _mm512_max_ps(mx, st);
-        }
-        const __m512 alpha = exp512(_mm512_sub_ps(m, mx));
-        m = mx;
-        __m512 sum = _mm512_setzero_ps();
-        for (int64_t t = 0; t < n; t++) {
-            const __m512 p = exp512(_mm512_sub_ps(_mm512_load_ps(S[t]), mx));
-            _mm512_store_ps(S[t], p);
-            sum = _mm512_add_ps(sum, p);
-        }
-        if (n & 1) _mm512_store_ps(S[n], _mm512_setzero_ps());
-        l = _mm512_fmadd_ps(l, alpha, sum);
-        // P.V on tiles: O[g][d] += P[g][2r, 2r+1] . V[2r, 2r+1][d], 16 token pairs per tile product. A (tile 3)
-        // is P transposed, one row per head (written by a scatter); B (tile 4) is 16 rows of interleaved V.
         const int64_t pairs = (n + 1) / 2, padded = (pairs + 15) & ~(int64_t)15;
-        const __m512i inter = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
-                                               22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-        const __m512i rows_of_pt = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2,
-                                                                       1, 0), _mm512_set1_epi32(SEG / 2));
-        for (int64_t i = 0; i < padded; i++) {
-            if (i >= pairs) {  // the last tile's unused pairs: zero weights over zero values, never stale bytes
-                _mm512_i32scatter_epi32(PT + i, rows_of_pt, _mm512_setzero_si512(), 4);
-                for (int64_t j = 0; j < nv; j++) V2[i * nv + j] = _mm512_setzero_si512();
-                continue;
+        for (int64_t kvh = k0; kvh < k1; kvh++) {
+            float alpha[16] __attribute__((aligned(64)));
+            for (int64_t g = 0; g < G; g++) {
+                const int64_t h = (kvh - k0) * G + g;
+                const float mx = fmaxf(m[h], _mm512_reduce_max_ps(vmax[h]));
+                alpha[g] = m[h] == -INFINITY ? 0.0f : expf(m[h] - mx);
+                m[h] = mx;
+                const __m512 vm = _mm512_set1_ps(mx);
+                __m512 sum = _mm512_setzero_ps();
+                for (int64_t t0 = 0; t0 < 2 * padded; t0 += 32) {
+                    __m512 p[2];
+                    for (int e = 0; e < 2; e++) {
+                        const int64_t at = t0 + 16 * e;
+                        const int64_t nn = at >= n ? 0 : (n - at < 16 ? n - at : 16);
+                        // exp512 clamps its input, so masked lanes are zeroed outright rather than left at exp(-87)
+                        p[e] = nn ? _mm512_maskz_mov_ps((__mmask16)((1u << nn) - 1u),
+                                                        exp512(_mm512_sub_ps(_mm512_load_ps(ST[h] + at), vm)))
+                                  : _mm512_setzero_ps();
+                        sum = _mm512_add_ps(sum, p[e]);
+                    }
+                    _mm512_store_si512((void *)(PT[g] + t0 / 2), (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0]));
+                }
+                l[h] = l[h] * alpha[g] + _mm512_reduce_add_ps(sum);
             }
-            const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(_mm512_load_ps(S[2 * i + 1]), _mm512_load_ps(S[2 * i]));
-            _mm512_i32scatter_epi32(PT + i, rows_of_pt, _mm512_permutexvar_epi16(inter, both), 4);
-            const uint16_t *v0 = row_of(vc, seg + 2 * i, table, bs, KV, kvh, D);
-            const int second = 2 * i + 1 < n;  // a missing odd token is zero, never the cache's stale bytes
-            const uint16_t *v1 = second ? row_of(vc, seg + 2 * i + 1, table, bs, KV, kvh, D) : v0;
-            for (int64_t s = 0; s < steps; s++) {
-                const __m512i a = _mm512_loadu_si512((const void *)(v0 + 32 * s));
-                const __m512i c = second ? _mm512_loadu_si512((const void *)(v1 + 32 * s)) : _mm512_setzero_si512();
-                V2[i * nv + 2 * s] = _mm512_unpacklo_epi16(a, c);
-                V2[i * nv + 2 * s + 1] = _mm512_unpackhi_epi16(a, c);
+            for (int64_t i = 0; i < padded; i++) {
+                if (i >= pairs) {
+                    for (int64_t j = 0; j < nv; j++) V2[i * nv + j] = _mm512_setzero_si512();
+                    continue;
+                }
+                const uint16_t *v0 = row_of(vc, seg + 2 * i, table, bs, KV, kvh, D);
+                const int second = 2 * i + 1 < n;
+                const uint16_t *v1 = second ? row_of(vc, seg + 2 * i + 1, table, bs, KV, kvh, D) : v0;
+                for (int64_t s = 0; s < steps; s++) {
+                    const __m512i a = _mm512_loadu_si512((const void *)(v0 + 32 * s));
+                    const __m512i c =
+                        second ? _mm512_loadu_si512((const void *)(v1 + 32 * s)) : _mm512_setzero_si512();
+                    V2[i * nv + 2 * s] = _mm512_unpacklo_epi16(a, c);
+                    V2[i * nv + 2 * s + 1] = _mm512_unpackhi_epi16(a, c);
+                }
             }
-        }
-        float al[16] __attribute__((aligned(64)));
-        _mm512_store_ps(al, alpha);
-        for (int64_t j = 0; j < nv; j++) {
-            _tile_zero(5);
-            for (int64_t i = 0; i < padded; i += 16) {
-                _tile_loadd(3, PT + i, SEG / 2 * 4);
-                _tile_loadd(4, V2 + i * nv + j, nv * 64);
-                _tile_dpbf16ps(5, 3, 4);
+            for (int64_t j0 = 0; j0 < nv; j0 += 4) {  // four output vectors at a time: four accumulator tiles
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                for (int64_t i = 0; i < padded; i += 16) {
+                    _tile_loadd(5, PT[0] + i, SEG / 2 * 4);
+                    PV(0, 4, 0)
+                    PV(1, 6, 1)
+                    PV(2, 4, 2)
+                    PV(3, 6, 3)
+                }
+                const int64_t nj = nv - j0 < 4 ? nv - j0 : 4;
+                _tile_stored(0, Oseg[0], 64);
+                if (nj > 1) _tile_stored(1, Oseg[1], 64);
+                if (nj > 2) _tile_stored(2, Oseg[2], 64);
+                if (nj > 3) _tile_stored(3, Oseg[3], 64);
+                for (int64_t jj = 0; jj < nj; jj++)
+                    for (int64_t g = 0; g < G; g++) {
+                        const int64_t h = (kvh - k0) * G + g;
+                        o[h][j0 + jj] =
+                            _mm512_fmadd_ps(o[h][j0 + jj], _mm512_set1_ps(alpha[g]), _mm512_load_ps(Oseg[jj][g]));
+                    }
             }
-            _tile_stored(5, Oseg, 64);
-            for (int64_t g = 0; g < G; g++)
-                o[g][j] = _mm512_fmadd_ps(o[g][j], _mm512_set1_ps(al[g]), _mm512_load_ps(Oseg[g]));
         }
     }
-    float lv[16] __attribute__((aligned(64)));
-    _mm512_store_ps(lv, l);
-    for (int64_t g = 0; g < G; g++)
-        store_deinterleaved(out + (b * H + kvh * G + g) * D, o[g], steps,
-                            _mm512_set1_ps(lv[g] > 0.0f ? 1.0f / lv[g] : 0.0f));
+    for (int64_t h = 0; h < NH; h++)
+        store_deinterleaved(out + (b * H + k0 * G + h) * D, o[h], steps,
+                            _mm512_set1_ps(l[h] > 0.0f ? 1.0f / l[h] : 0.0f));
+}
+
+// KV heads per task: as many as the task's state holds, fewer while that leaves under two tasks per thread
+static int64_t heads_per_task(int64_t B, int64_t H, int64_t KV, int64_t steps, int nthreads) {
+    int64_t per = MAX_HT / (H / KV);
+    if (per > MAX_QT / steps) per = MAX_QT / steps;
+    if (per > KV) per = KV;
+    if (per < 1) per = 1;
+    while (per > 1 && B * ((KV + per - 1) / per) < 2 * nthreads) per = (per + 1) / 2;
+    return per;
 }
 
 // q, out: [B][H][D] bf16; caches: [blocks][bs][KV][D] bf16; tables: [B][W] block ids; ctx_lens: [B].
 void decode_attn_amx_bf16(int64_t B, int64_t H, int64_t KV, int64_t D, const uint16_t *q, const uint16_t *kc,
                           const uint16_t *vc, int64_t bs, const int64_t *tables, int64_t W, const int64_t *ctx_lens,
                           float scale, uint16_t *out, int nthreads) {
+    const int64_t per = heads_per_task(B, H, KV, D / 32, nthreads), groups = (KV + per - 1) / per;
 #pragma omp parallel num_threads(nthreads)
     {
         configure();
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t t = 0; t < B * KV; t++) {
-#define TASK(steps) task(t / KV, t % KV, H, KV, D, q, kc, vc, bs, tables, W, ctx_lens[t / KV], scale, out, steps)
-            // head_dim 64, 128 and 576 get their own compiled copies: a constant vector count keeps the sums in registers
+        for (int64_t t = 0; t < B * groups; t++) {
+            const int64_t b = t / groups, k0 = (t % groups) * per, k1 = k0 + per < KV ? k0 + per : KV;
+#define TASK(steps) task(b, k0, k1, H, KV, D, q, kc, vc, bs, tables, W, ctx_lens[b], scale, out, steps, H / KV)
             switch (D) {
             case 64: TASK(2); break;
             case 128: TASK(4); break;

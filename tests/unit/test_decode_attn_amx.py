@@ -27,9 +27,10 @@ def kernel(tmp_path_factory: pytest.TempPathFactory) -> AMXDecodeAttention:
         mp.undo()
 
 
-# G = 1, 3, 7, 8, 16 query heads per KV head; head_dim 32, 64, 128, 256 (one to eight 32-wide tile steps)
+# G = 1, 3, 7, 8, 16 query heads per KV head; head_dim 32, 64, 128, 256 (one to eight 32-wide tile steps); a
+# task takes a sequence's KV heads up to 32 query heads: 64 over 4 KV heads is two tasks a sequence
 @pytest.mark.parametrize(
-    ("h", "kv", "d"), [(2, 2, 64), (9, 3, 64), (14, 2, 64), (32, 4, 128), (16, 1, 32), (8, 2, 256)]
+    ("h", "kv", "d"), [(2, 2, 64), (9, 3, 64), (14, 2, 64), (32, 4, 128), (16, 1, 32), (8, 2, 256), (64, 4, 64)]
 )
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_equals_the_reference_over_scattered_blocks_and_stale_memory(
