@@ -11,6 +11,7 @@ import torch
 from engine.kernels.decode_attn import DecodeAttention
 from engine.kernels.grouped import GroupedKernel, GroupedLinear
 from engine.kernels.pointwise import PointwiseKernels
+from engine.kernels.prefill_attn_amx import PrefillAttention
 
 if TYPE_CHECKING:
     from engine.layers.mla import MLAttention
@@ -37,6 +38,10 @@ class CpuKernels:
     # prompt chunks of up to this many tokens attend through decode_attn, one query row per token, over the cache
     # (0: never): measured against SDPA's causal prefill (engine.kernels.op_choice.prefill_in_place_limit)
     prefill_in_place: int = 0
+    # whole prompts (nothing cached before them) of up to this many tokens attend through this kernel instead of
+    # SDPA (0: never): measured by engine.kernels.op_choice.choose_prefill_attention
+    prefill_attn: PrefillAttention | None = None
+    prefill_attn_up_to: int = 0
     # a MoE layer's routed experts in one grouped call per projection (engine.kernels.grouped.GroupedExperts), where
     # that beat a oneDNN call per expert (engine.kernels.op_choice.choose_grouped_experts)
     moe_experts: GroupedKernel | None = None

@@ -25,6 +25,7 @@ from engine.kernels import (
     decode_attn_latent,
     decode_attn_latent_dp,
     i8mm,
+    prefill_attn_amx,
     w4mm,
     wbf16,
 )
@@ -33,6 +34,7 @@ from engine.kernels.gemm import GemmPath, KernelPath, OneDNNPath, TorchPath
 from engine.kernels.grouped import GroupedExperts, GroupedKernel, GroupedLinear
 from engine.kernels.kernel_set import CpuKernels, QuantExpertsFactory
 from engine.kernels.pointwise import PointwiseKernels, apply_rotary, apply_rotary_interleaved, moe_combine, rms_norm
+from engine.kernels.prefill_attn_amx import PrefillAttention
 from engine.kernels.select import MIN_ROUNDS, CacheFlush, PlanCache, ShapeChoice, Timer
 from engine.layers.activation import ActAndMul
 from engine.layers.attention import PagedAttention
@@ -437,12 +439,15 @@ Probe = Callable[[DecodeAttention | None], Callable[[], object]]
 def _probe(
     attention: PagedAttention, dtype: torch.dtype, blocks: int, rows: int,
     context: Callable[[DecodeAttention | None], AttentionContext], copies: int = 1,
+    prefill: tuple[PrefillAttention | None, int] = (None, 0),
 ) -> Probe:  # fmt: skip
     """A copy of `attention`'s shape over random caches of `blocks` blocks (+ a spare) and `rows` query rows:
     given a kernel (None: the torch path), the call that runs one forward under `context(kernel)`. With `copies`
-    > 1, each call reads the next of that many caches, so that they come from memory as a model's layers' do."""
+    > 1, each call reads the next of that many caches, so that they come from memory as a model's layers' do.
+    `prefill`: the whole prompts' kernel and the longest prompt it takes, as the layer would have them."""
     h, kv, d = attention.num_heads, attention.num_kv_heads, attention.head_dim
     probe = PagedAttention(h, kv, d, d**-0.5, (torch.empty(0, dtype=dtype), torch.empty(0, dtype=dtype)))
+    probe.prefill_kernel, probe.prefill_up_to = prefill
     k_cache = torch.randn(blocks + 1, BLOCK, kv, d).to(dtype)
     v_cache = torch.randn_like(k_cache)
     # the copies hold the same values, so every call gives the same answer whichever it reads
@@ -512,23 +517,28 @@ def choose_decode_attention(
     return _per_class(fits, lambda rows: attention_probe(attention, dtype, rows), key, timer, cache)
 
 
-def prefill_probe(attention: PagedAttention, dtype: torch.dtype, tokens: int) -> Probe:
+def prefill_probe(
+    attention: PagedAttention, dtype: torch.dtype, tokens: int, prefill: tuple[PrefillAttention | None, int] = (None, 0)
+) -> Probe:
     """One prompt of `tokens` tokens through a copy of `attention`'s shape: given a kernel, its rows attend in
-    place (one decode row per token, the context ending at that token); None: SDPA's causal prefill."""
+    place (one decode row per token, the context ending at that token); None: the whole prompt's path (SDPA, or
+    `prefill`'s kernel where it takes the prompt)."""
     blocks = -(-tokens // BLOCK)
     table = torch.arange(blocks).view(1, blocks).expand(tokens, blocks).contiguous()
     slots = torch.arange(tokens)
     in_place = AttentionContext(slots, tokens, table, None, [], torch.arange(1, tokens + 1))
-    sdpa = AttentionContext(slots, 0, None, None, [PrefillMeta(0, tokens, tokens, None, None)])
-    return _probe(attention, dtype, blocks, tokens, lambda kernel: sdpa if kernel is None else in_place)
+    whole = AttentionContext(slots, 0, None, None, [PrefillMeta(0, tokens, tokens, None, None)])
+    return _probe(attention, dtype, blocks, tokens, lambda kernel: whole if kernel is None else in_place,
+                  prefill=prefill)  # fmt: skip
 
 
 def prefill_in_place_limit(
     kernel: DecodeAttention, attention: PagedAttention, dtype: torch.dtype, timer: Timer | None,
-    cache: PlanCache | None,
+    cache: PlanCache | None, prefill: tuple[PrefillAttention | None, int] = (None, 0),
 ) -> int:  # fmt: skip
-    """The longest prompt chunk (of PREFILL_LENGTHS) up to which `kernel` attending in place beat SDPA at every
-    length timed; 0 where it lost at the shortest. Without a timer (a forced configuration), the longest.
+    """The longest prompt chunk (of PREFILL_LENGTHS) up to which `kernel` attending in place beat the whole
+    prompt's path (SDPA, or `prefill`'s kernel where chosen) at every length timed; 0 where it lost at the
+    shortest. Without a timer (a forced configuration), the longest.
 
     WHY: a prompt token attends exactly as a decode query whose context ends at it, so the decode kernel serves
     prefill too. At short prompts SDPA's flash kernel spends more on its blocking than on arithmetic (a 158-token
@@ -536,14 +546,38 @@ def prefill_in_place_limit(
     if timer is None:
         return PREFILL_LENGTHS[-1]
     h, kv, d = attention.num_heads, attention.num_kv_heads, attention.head_dim
+    against = "" if prefill[0] is None else f" vs {type(prefill[0]).__name__} up to {prefill[1]}"
     limit = 0
     for tokens in PREFILL_LENGTHS:
-        run = prefill_probe(attention, dtype, tokens)
-        key = f"op prefill_in_place {tokens} h{h} kv{kv} d{d} {dtype} {type(kernel).__name__}"
+        run = prefill_probe(attention, dtype, tokens, prefill)
+        key = f"op prefill_in_place {tokens} h{h} kv{kv} d{d} {dtype} {type(kernel).__name__}{against}"
         if fastest(key, {"torch": run(None), "kernel": run(kernel)}, timer, cache) != "kernel":
             break
         limit = tokens
     return limit
+
+
+def choose_prefill_attention(
+    kernel: PrefillAttention | None, attention: PagedAttention, dtype: torch.dtype, timer: Timer | None,
+    cache: PlanCache | None,
+) -> tuple[PrefillAttention | None, int]:  # fmt: skip
+    """`kernel` and the longest whole prompt (of PREFILL_LENGTHS) up to which it beat SDPA at every length timed,
+    one prompt at a time; (None, 0) where it lost at the shortest or does not take the shape. Without a timer (a
+    forced configuration), the kernel up to the longest length."""
+    h, kv, d = attention.num_heads, attention.num_kv_heads, attention.head_dim
+    if kernel is None or not kernel.takes(h, kv, d, dtype):
+        return None, 0
+    if timer is None:
+        return kernel, PREFILL_LENGTHS[-1]
+    limit = 0
+    for tokens in PREFILL_LENGTHS:
+        run = prefill_probe(attention, dtype, tokens, (kernel, tokens))
+        sdpa = prefill_probe(attention, dtype, tokens)
+        key = f"op prefill_attention {tokens} h{h} kv{kv} d{d} {dtype} {type(kernel).__name__}"
+        if fastest(key, {"torch": sdpa(None), "kernel": run(None)}, timer, cache) != "kernel":
+            break
+        limit = tokens
+    return (kernel, limit) if limit else (None, 0)
 
 
 def choose_kernels(
@@ -594,7 +628,11 @@ def choose_kernels(
     if moe is not None:
         k.moe_quant = choose_quant_experts(moe, dtype, timer, cache, flush)
     if layer is not None:
+        k.prefill_attn, k.prefill_attn_up_to = choose_prefill_attention(
+            prefill_attn_amx.kernel(), layer, dtype, timer, cache
+        )
         k.decode_attn, k.decode_attn_at = choose_decode_attention(attn, layer, dtype, block_size, timer, cache)
         if k.decode_attn is not None and all(k.decode_attn_at):  # prompt rows join the decodes' class
-            k.prefill_in_place = prefill_in_place_limit(k.decode_attn, layer, dtype, timer, cache)
+            prefill = (k.prefill_attn, k.prefill_attn_up_to)
+            k.prefill_in_place = prefill_in_place_limit(k.decode_attn, layer, dtype, timer, cache, prefill)
     return k

@@ -8,6 +8,7 @@ from torch import nn
 
 from engine.context import AttentionContext, PrefillMeta, get_context
 from engine.kernels.decode_attn import DecodeAttention, runs_at
+from engine.kernels.prefill_attn_amx import PrefillAttention
 
 if TYPE_CHECKING:
     from engine.kernels.kernel_set import CpuKernels
@@ -38,6 +39,8 @@ class PagedAttention(nn.Module):
         self.kernel: DecodeAttention | None = None  # reads the paged cache in place (engine.kernels.decode_attn)
         self.kernel_at: tuple[bool, ...] = ()  # by decode batch class: whether the kernel runs (CpuKernels)
         self.prefill_in_place = 0  # prompt chunks up to this long go through the kernel too (CpuKernels)
+        self.prefill_kernel: PrefillAttention | None = None  # whole prompts' causal attention (CpuKernels)
+        self.prefill_up_to = 0  # ... for prompts of up to this many tokens
 
     @property
     def block_size(self) -> int:
@@ -51,6 +54,10 @@ class PagedAttention(nn.Module):
         self.kernel = k if fits else None
         self.kernel_at = kernels.decode_attn_at if fits else ()
         self.prefill_in_place = kernels.prefill_in_place if fits else 0
+        p = kernels.prefill_attn
+        takes = p is not None and p.takes(self.num_heads, self.num_kv_heads, self.head_dim, self.k_cache.dtype)
+        self.prefill_kernel = p if takes else None
+        self.prefill_up_to = kernels.prefill_attn_up_to if takes else 0
 
     def in_place(self, rows: int) -> bool:
         """Whether a decode step of `rows` rows reads the cache in place (no mask needed)."""
@@ -100,6 +107,8 @@ class PagedAttention(nn.Module):
         gqa = h != kv
         if p.block_ids is None:  # whole prompts: each attends to its own fresh K/V
             n = p.num_seqs
+            if self.prefill_kernel is not None and (p.end - p.start) // n <= self.prefill_up_to:
+                return self.prefill_kernel(q, k, v, n, self.scale)
             out = F.scaled_dot_product_attention(
                 q.view(n, -1, h, d).transpose(1, 2),
                 k.view(n, -1, kv, d).transpose(1, 2),
@@ -110,6 +119,10 @@ class PagedAttention(nn.Module):
             )  # [n, H, S, D]
             return out.transpose(1, 2).reshape(-1, h, d)
         # earlier tokens (prefix-cache hits or earlier chunks) live in the cache
+        # NOTE: the kernel's limit was measured on whole prompts; a chunk after cached tokens is the same work plus
+        # their keys, which the kernel reads in place where SDPA needs them gathered first
+        if self.prefill_kernel is not None and p.end - p.start <= self.prefill_up_to and self.block_size % 16 == 0:
+            return self.prefill_kernel.paged(q, self.k_cache, self.v_cache, p.block_ids, p.context_len, self.scale)
         kc, vc = self._gather(p.block_ids)
         # NOTE: 4-D [1, H, S, D], not 3-D: torch's CPU SDPA takes its flash kernel for a masked 4-D call, and
         # the math fallback for the 3-D one, 4-7x slower (a 150-token chunk after 30 cached tokens, SmolLM2's

@@ -132,3 +132,28 @@ def test_every_decode_attention_kernel_gives_transformers_bf16_choices(
     assert all(m.kernel is found[name] for m in core.runner.model.attention_layers())
     prompts = {**mixed_prompts(3), "long": mixed_prompts(8, seed=5)["r4"] * 5}  # 320 tokens
     assert_transformers_choices(hf16, prompts, run_core(core, prompts, NEW_TOKENS))
+
+
+@pytest.mark.skipif(not amxmm.supported(), reason="this CPU has no AMX tiles: prompts run torch's SDPA")
+def test_the_amx_prefill_attention_gives_transformers_bf16_choices(
+    heads64: tuple[Path, torch.nn.Module], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whole prompts through the AMX prefill attention (engine.kernels.prefill_attn_amx), forced, with no decode
+    attention kernel (which would otherwise take the prompts in place) and the prompts in chunks of at most 64
+    tokens (a 320-token prompt's later chunks read the cache through SDPA): greedy tokens transformers' bf16 pass
+    also ranks first."""
+    import engine.model_runner
+    from engine.kernels.prefill_attn_amx import PrefillAttention
+
+    path, hf16 = heads64
+    monkeypatch.setattr(engine.model_runner, "decode_attention_kernels", lambda: {})
+    calls: list[int] = []
+    original = PrefillAttention.__call__
+    monkeypatch.setattr(
+        PrefillAttention, "__call__", lambda self, q, *a: calls.append(q.shape[0]) or original(self, q, *a)
+    )
+    core = _core(path, gemm_path="amxmm", long_prefill_token_threshold=64)  # forced: every kernel bound untimed
+    assert all(m.prefill_kernel is not None for m in core.runner.model.attention_layers())
+    prompts = {**mixed_prompts(3), "long": mixed_prompts(8, seed=5)["r4"] * 5}  # 320 tokens
+    assert_transformers_choices(hf16, prompts, run_core(core, prompts, NEW_TOKENS))
+    assert calls  # the prompts' first chunks went through it

@@ -244,10 +244,10 @@ def test_prefill_in_place_goes_up_to_the_longest_length_it_won_at_every_step() -
     current = [0]
     original = prefill_probe
 
-    def counting_probe(attention: PagedAttention, d: torch.dtype, tokens: int):  # type: ignore[no-untyped-def]
+    def counting_probe(attention: PagedAttention, d: torch.dtype, tokens: int, *rest):  # type: ignore[no-untyped-def]
         current[0] = tokens
         probed.append(tokens)
-        return original(attention, d, tokens)
+        return original(attention, d, tokens, *rest)
 
     import engine.kernels.op_choice as op_choice
 
