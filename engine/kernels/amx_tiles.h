@@ -39,4 +39,32 @@ static inline void amx_configure(int rows_lo, int rows_hi) {
     _tile_loadconfig(&cfg);
 }
 
+// The attention kernels' tiles (decode_attn_amx.c, prefill_attn_amx.c): all eight 16 rows x 64 bytes, 0-3 the
+// accumulators.
+static inline void amx_configure_square(void) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+static inline void zero_accumulators(void) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+}
+
+// Accumulator tiles 0 .. n - 1 (n <= 4) as [n][16][16] float32 at dst.
+static inline void store_accumulators(float *dst, int64_t n) {
+    _tile_stored(0, dst, 64);
+    if (n > 1) _tile_stored(1, dst + 256, 64);
+    if (n > 2) _tile_stored(2, dst + 512, 64);
+    if (n > 3) _tile_stored(3, dst + 768, 64);
+}
+
 #endif

@@ -40,18 +40,8 @@
 
 int decode_attn_amx_init(void) { return request_tile_state(); }
 
-// Tiles, 16 rows x 64 bytes each: 0-3 accumulators (four slices' scores, then four vectors of a segment's P.V),
-// 5 Q^T (scores) or P (P.V), 4 and 6 K rows (scores) or interleaved V (P.V), used in turn.
-static void configure(void) {
-    tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette_id = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
-}
+// Tiles (amx_configure_square: all 16 rows x 64 bytes): 0-3 accumulators (four slices' scores, then four vectors
+// of a segment's P.V), 5 Q^T (scores) or P (P.V), 4 and 6 K rows (scores) or interleaved V (P.V), used in turn.
 
 static inline const uint16_t *row_of(const uint16_t *cache, int64_t pos, const int64_t *table, int64_t bs,
                                      int64_t KV, int64_t kvh, int64_t D) {
@@ -126,10 +116,7 @@ static inline __attribute__((always_inline)) void task(int64_t b, int64_t k0, in
         for (int64_t t0 = 0; t0 < n; t0 += 64) {  // four slices at a time: four independent accumulator tiles
             const int64_t pos = seg + t0, ns = (n - t0 + 15) / 16 < 4 ? (n - t0 + 15) / 16 : 4;
             for (int64_t kvh = k0; kvh < k1; kvh++) {  // the task's heads in turn over the same blocks
-                _tile_zero(0);
-                _tile_zero(1);
-                _tile_zero(2);
-                _tile_zero(3);
+                zero_accumulators();
                 for (int64_t s = 0; s < steps; s++) {
                     _tile_loadd(5, qt[(kvh - k0) * steps + s], 64);
                     SCORE(0, 4, 0)
@@ -137,10 +124,7 @@ static inline __attribute__((always_inline)) void task(int64_t b, int64_t k0, in
                     SCORE(2, 4, 2)
                     SCORE(3, 6, 3)
                 }
-                _tile_stored(0, Sb[0], 64);
-                if (ns > 1) _tile_stored(1, Sb[1], 64);
-                if (ns > 2) _tile_stored(2, Sb[2], 64);
-                if (ns > 3) _tile_stored(3, Sb[3], 64);
+                store_accumulators(&Sb[0][0][0], ns);
                 for (int64_t u = 0; u < ns; u++) {
                     __m512i r[16], c[16];
                     for (int t = 0; t < 16; t++) r[t] = _mm512_load_si512((const void *)Sb[u][t]);
@@ -199,10 +183,7 @@ static inline __attribute__((always_inline)) void task(int64_t b, int64_t k0, in
                 }
             }
             for (int64_t j0 = 0; j0 < nv; j0 += 4) {  // four output vectors at a time: four accumulator tiles
-                _tile_zero(0);
-                _tile_zero(1);
-                _tile_zero(2);
-                _tile_zero(3);
+                zero_accumulators();
                 for (int64_t i = 0; i < padded; i += 16) {
                     _tile_loadd(5, PT[0] + i, SEG / 2 * 4);
                     PV(0, 4, 0)
@@ -211,10 +192,7 @@ static inline __attribute__((always_inline)) void task(int64_t b, int64_t k0, in
                     PV(3, 6, 3)
                 }
                 const int64_t nj = nv - j0 < 4 ? nv - j0 : 4;
-                _tile_stored(0, Oseg[0], 64);
-                if (nj > 1) _tile_stored(1, Oseg[1], 64);
-                if (nj > 2) _tile_stored(2, Oseg[2], 64);
-                if (nj > 3) _tile_stored(3, Oseg[3], 64);
+                store_accumulators(&Oseg[0][0][0], nj);
                 for (int64_t jj = 0; jj < nj; jj++)
                     for (int64_t g = 0; g < G; g++) {
                         const int64_t h = (kvh - k0) * G + g;
@@ -246,7 +224,7 @@ void decode_attn_amx_bf16(int64_t B, int64_t H, int64_t KV, int64_t D, const uin
     const int64_t per = heads_per_task(B, H, KV, D / 32, nthreads), groups = (KV + per - 1) / per;
 #pragma omp parallel num_threads(nthreads)
     {
-        configure();
+        amx_configure_square();
 #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < B * groups; t++) {
             const int64_t b = t / groups, k0 = (t % groups) * per, k1 = k0 + per < KV ? k0 + per : KV;

@@ -38,8 +38,8 @@ class CpuKernels:
     # prompt chunks of up to this many tokens attend through decode_attn, one query row per token, over the cache
     # (0: never): measured against SDPA's causal prefill (engine.kernels.op_choice.prefill_in_place_limit)
     prefill_in_place: int = 0
-    # whole prompts (nothing cached before them) of up to this many tokens attend through this kernel instead of
-    # SDPA (0: never): measured by engine.kernels.op_choice.choose_prefill_attention
+    # prompt chunks of up to this many tokens, whole or after cached tokens, attend through this kernel instead of
+    # SDPA (0: never): measured on whole prompts by engine.kernels.op_choice.choose_prefill_attention
     prefill_attn: PrefillAttention | None = None
     prefill_attn_up_to: int = 0
     # a MoE layer's routed experts in one grouped call per projection (engine.kernels.grouped.GroupedExperts), where

@@ -36,18 +36,9 @@
 
 int prefill_attn_amx_init(void) { return request_tile_state(); }
 
-// Tiles, 16 rows x 64 bytes each: 0-3 accumulators (four key blocks' scores, then four blocks of O^T), 5 Q^T
-// (scores) or P^T (P.V), 4 and 6 K rows (scores) or V^T (P.V), used in turn, 7 the last, partial key block.
-static void configure(void) {
-    tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette_id = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
-}
+// Tiles (amx_configure_square: all 16 rows x 64 bytes): 0-3 accumulators (four key blocks' scores, then four
+// blocks of O^T), 5 Q^T (scores) or P^T (P.V), 4 and 6 K rows (scores) or V^T (P.V), used in turn, 7 the last,
+// partial key block.
 
 // 16 rows of 16 dwords at src (rows ld bytes apart; rows >= n read as zero) -> their transpose, 64-byte rows at dst.
 static inline void transpose_rows(const char *src, int64_t ld, int64_t n, uint32_t *dst) {
@@ -97,8 +88,9 @@ static int64_t part_start(int64_t p, int64_t parts, int64_t qblocks, int64_t c0)
     }
 
 // One prompt's (or chunk's) KV head kvh: its G query heads at queries [q0, q1) of q (q0 a multiple of 16), which
-// follow c0 earlier keys: keys [0, c0 + q1), rows of kc / vc as key_row finds them.
-static void task(int64_t H, int64_t KV, int64_t D, const uint16_t *q, int64_t ldq, const uint16_t *kc,
+// follow c0 earlier keys: keys [0, c0 + q1), rows of kc / vc as key_row finds them. 0, or -1 without memory for
+// its scratch (its outputs then unwritten).
+static int task(int64_t H, int64_t KV, int64_t D, const uint16_t *q, int64_t ldq, const uint16_t *kc,
                  const uint16_t *vc, int64_t ld, const int64_t *table, int64_t bs, int64_t c0, int64_t kvh, int64_t q0,
                  int64_t q1, float scale, uint16_t *out) {
     static __thread thread_buffer kpad_b, vt_b, sb_b, pb_b;
@@ -108,7 +100,7 @@ static void task(int64_t H, int64_t KV, int64_t D, const uint16_t *q, int64_t ld
     uint32_t *vt = grow_aligned(&vt_b, (size_t)kgroups * ndb * 256 * 4);    // V^T tiles
     float *sb = grow_aligned(&sb_b, (size_t)kgroups * 32 * 16 * 4);        // scores, then P: [key][query]
     uint32_t *pb = grow_aligned(&pb_b, (size_t)kgroups * 16 * 16 * 4);    // P^T pairs: [key pair][query]
-    if (!kpad || !vt || !sb || !pb) return;  // NOTE: out of memory; the caller's self-check never sees this
+    if (!kpad || !vt || !sb || !pb) return -1;
     const __m512i po = pair_order();
     for (int64_t kg = 0; kg < kgroups; kg++)
         for (int64_t db = 0; db < ndb; db++) {
@@ -144,10 +136,7 @@ static void task(int64_t H, int64_t KV, int64_t D, const uint16_t *q, int64_t ld
                 const int64_t nb = kblocks - kb0 < 4 ? kblocks - kb0 : 4;
                 const int partial = (kb0 + nb) * 16 > full;  // the group's last block is the padded one
                 const int64_t nread = partial ? nb - 1 : nb;
-                _tile_zero(0);
-                _tile_zero(1);
-                _tile_zero(2);
-                _tile_zero(3);
+                zero_accumulators();
                 for (int64_t s = 0; s < steps; s++) {
                     _tile_loadd(5, qt[s], 64);
                     SCORE(0, 4, 0)
@@ -164,11 +153,7 @@ static void task(int64_t H, int64_t KV, int64_t D, const uint16_t *q, int64_t ld
                         }
                     }
                 }
-                float *dst = sb + kb0 * 256;
-                _tile_stored(0, dst, 64);
-                if (nb > 1) _tile_stored(1, dst + 256, 64);
-                if (nb > 2) _tile_stored(2, dst + 512, 64);
-                if (nb > 3) _tile_stored(3, dst + 768, 64);
+                store_accumulators(sb + kb0 * 256, nb);
             }
             __m512 m = ninf;
             for (int64_t key = 0; key < nk; key++) {
@@ -196,10 +181,7 @@ static void task(int64_t H, int64_t KV, int64_t D, const uint16_t *q, int64_t ld
             _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), sum));  // every query attends to key 0
             for (int64_t d0 = 0; d0 < ndb; d0 += 4) {
                 const int64_t nd = ndb - d0 < 4 ? ndb - d0 : 4;
-                _tile_zero(0);
-                _tile_zero(1);
-                _tile_zero(2);
-                _tile_zero(3);
+                zero_accumulators();
                 for (int64_t kg = 0; kg < kg_used; kg++) {
                     _tile_loadd(5, pb + kg * 256, 64);
                     PV(0, 4, 0)
@@ -207,10 +189,7 @@ static void task(int64_t H, int64_t KV, int64_t D, const uint16_t *q, int64_t ld
                     PV(2, 4, 2)
                     PV(3, 6, 3)
                 }
-                _tile_stored(0, ob[0], 64);
-                if (nd > 1) _tile_stored(1, ob[1], 64);
-                if (nd > 2) _tile_stored(2, ob[2], 64);
-                if (nd > 3) _tile_stored(3, ob[3], 64);
+                store_accumulators(&ob[0][0][0], nd);
                 for (int64_t db = 0; db < nd; db++) {
                     __m512i r[16], c[16];
                     for (int t = 0; t < 16; t++) r[t] = _mm512_load_si512((const void *)ob[db][t]);
@@ -224,49 +203,59 @@ static void task(int64_t H, int64_t KV, int64_t D, const uint16_t *q, int64_t ld
             }
         }
     }
+    return 0;
 }
 
-#define PARTS(n_tasks, qblocks, nthreads) /* at least four tasks a thread where the KV heads are fewer */ \
-    ((4 * (nthreads) + (n_tasks) - 1) / (n_tasks) < (qblocks) ? (4 * (nthreads) + (n_tasks) - 1) / (n_tasks) : (qblocks))
+// Parts a task's queries split into: at least four tasks a thread where prompts x KV heads are fewer.
+static int64_t parts_for(int64_t tasks, int64_t qblocks, int nthreads) {
+    const int64_t parts = (4 * nthreads + tasks - 1) / tasks;
+    return parts < qblocks ? parts : qblocks;
+}
 
 // n prompts of S tokens side by side: q [n * S] token rows of H heads (ldq elements apart), k, v [n * S] rows of
-// KV heads (ldk elements apart, both); out [n * S][H][D], contiguous. Causal within each prompt.
-void prefill_attn_amx_bf16(int64_t n, int64_t S, int64_t H, int64_t KV, int64_t D, const uint16_t *q, int64_t ldq,
+// KV heads (ldk elements apart, both); out [n * S][H][D], contiguous. Causal within each prompt. 0, or -1 where a
+// thread had no memory for its scratch.
+int prefill_attn_amx_bf16(int64_t n, int64_t S, int64_t H, int64_t KV, int64_t D, const uint16_t *q, int64_t ldq,
                            const uint16_t *k, const uint16_t *v, int64_t ldk, float scale, uint16_t *out,
                            int nthreads) {
-    const int64_t qblocks = (S + 15) / 16, parts = PARTS(n * KV, qblocks, nthreads);
-#pragma omp parallel num_threads(nthreads)
+    const int64_t qblocks = (S + 15) / 16, parts = parts_for(n * KV, qblocks, nthreads);
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads) reduction(| : failed)
     {
-        configure();
+        amx_configure_square();
 #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < n * KV * parts; t++) {
             const int64_t p = t % parts, kvh = (t / parts) % KV, i = t / parts / KV;
             const int64_t q0 = part_start(p, parts, qblocks, 0) * 16;
             const int64_t end = part_start(p + 1, parts, qblocks, 0) * 16, q1 = end < S ? end : S;
             if (q0 < q1)
-                task(H, KV, D, q + i * S * ldq, ldq, k + i * S * ldk, v + i * S * ldk, ldk, NULL, 1, 0, kvh, q0, q1,
-                     scale, out + i * S * H * D);
+                failed |= task(H, KV, D, q + i * S * ldq, ldq, k + i * S * ldk, v + i * S * ldk, ldk, NULL, 1, 0, kvh,
+                               q0, q1, scale, out + i * S * H * D);
         }
         _tile_release();
     }
+    return failed;
 }
 
 // One sequence's chunk of S tokens whose keys, the chunk's own among them, are the first L in the paged caches
-// ([blocks][bs][KV][D], bs % 16 == 0; table: the sequence's block ids): queries at positions L - S .. L - 1.
-void prefill_attn_amx_paged_bf16(int64_t S, int64_t H, int64_t KV, int64_t D, const uint16_t *q, int64_t ldq,
+// ([blocks][bs][KV][D], bs % 16 == 0; table: the sequence's block ids): queries at positions L - S .. L - 1. As
+// the entry above, 0 or -1.
+int prefill_attn_amx_paged_bf16(int64_t S, int64_t H, int64_t KV, int64_t D, const uint16_t *q, int64_t ldq,
                                  const uint16_t *kc, const uint16_t *vc, int64_t bs, const int64_t *table, int64_t L,
                                  float scale, uint16_t *out, int nthreads) {
-    const int64_t qblocks = (S + 15) / 16, parts = PARTS(KV, qblocks, nthreads), c0 = L - S;
-#pragma omp parallel num_threads(nthreads)
+    const int64_t qblocks = (S + 15) / 16, parts = parts_for(KV, qblocks, nthreads), c0 = L - S;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads) reduction(| : failed)
     {
-        configure();
+        amx_configure_square();
 #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < KV * parts; t++) {
             const int64_t p = t % parts, kvh = t / parts;
             const int64_t q0 = part_start(p, parts, qblocks, c0) * 16;
             const int64_t end = part_start(p + 1, parts, qblocks, c0) * 16, q1 = end < S ? end : S;
-            if (q0 < q1) task(H, KV, D, q, ldq, kc, vc, KV * D, table, bs, c0, kvh, q0, q1, scale, out);
+            if (q0 < q1) failed |= task(H, KV, D, q, ldq, kc, vc, KV * D, table, bs, c0, kvh, q0, q1, scale, out);
         }
         _tile_release();
     }
+    return failed;
 }

@@ -36,7 +36,7 @@ class PrefillAttention:
                                 ctypes.c_int]  # fmt: skip
         self._paged.argtypes = [_i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, ctypes.c_float, _ptr,
                                 ctypes.c_int]  # fmt: skip
-        self._whole.restype = self._paged.restype = None
+        self._whole.restype = self._paged.restype = ctypes.c_int  # 0, or -1: a thread had no memory for scratch
 
     @classmethod
     def build(cls, flags: tuple[str, ...] = ("-march=native", "-mamx-tile", "-mamx-bf16")) -> PrefillAttention:
@@ -57,11 +57,11 @@ class PrefillAttention:
         if k.stride(0) != v.stride(0):  # the kernel takes one row stride for both (views of one projection's rows)
             k, v = k.contiguous(), v.contiguous()
         out = torch.empty(t, h, d, dtype=q.dtype)
-        self._whole(
+        rc = self._whole(
             num_seqs, t // num_seqs, h, k.shape[1], d, q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(),
             k.stride(0), scale, out.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
-        return out
+        return _written(out, rc)
 
     def paged(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor,
@@ -74,11 +74,17 @@ class PrefillAttention:
         q, ids = rows_of(q), block_ids.contiguous()
         assert ids.dtype == torch.int64 and k_cache.is_contiguous() and v_cache.is_contiguous()
         out = torch.empty(s, h, d, dtype=q.dtype)
-        self._paged(
+        rc = self._paged(
             s, h, k_cache.shape[2], d, q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
             k_cache.shape[1], ids.data_ptr(), context_len, scale, out.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
-        return out
+        return _written(out, rc)
+
+
+def _written(out: torch.Tensor, rc: int) -> torch.Tensor:
+    if rc != 0:  # some rows were never written: never hand them on
+        raise MemoryError("prefill attention could not allocate its per-thread scratch")
+    return out
 
 
 def rows_of(x: torch.Tensor) -> torch.Tensor:
