@@ -1,5 +1,6 @@
-// What the AMX kernels (amxmm.c, decode_attn_amx.c) share: the tile configuration record and the request for
-// tile state. cbuild.py hashes this header with every source that includes it.
+// What the AMX kernels (amxmm.c, w4amx.c, i8amx.c, decode_attn_amx.c, prefill_attn_amx.c) share: the tile
+// configuration record, the request for tile state, the tile layouts and the attention kernels' accumulators.
+// cbuild.py hashes this header with every source that includes it.
 #ifndef TIANMEN_AMX_TILES_H
 #define TIANMEN_AMX_TILES_H
 #include <immintrin.h>

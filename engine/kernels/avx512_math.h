@@ -1,5 +1,5 @@
 // AVX-512 float32 math shared by the bf16 kernels (bf16mm.c, amxmm.c, w4mm.c, decode_attn_amx.c, decode_attn_dp.c,
-// decode_attn_latent_dp.c).
+// decode_attn_latent_dp.c, prefill_attn_amx.c), and the 16 x 16 dword transposes of the attention kernels.
 // cbuild.py hashes this header with every source that includes it, so a change here rebuilds them all.
 #ifndef TIANMEN_AVX512_MATH_H
 #define TIANMEN_AVX512_MATH_H
@@ -90,6 +90,14 @@ static inline void transpose16(const __m512i r[16], __m512i out[16]) {
         out[8 + c] = _mm512_shuffle_i32x4(u, u2, 0xDD);
         out[12 + c] = _mm512_shuffle_i32x4(v, v2, 0xDD);
     }
+}
+
+// Sixteen rows of 16 dwords at src, `ld` bytes apart (rows n and past read as zero) -> their transpose in out.
+static inline void load_transposed(const void *src, int64_t ld, int64_t n, __m512i out[16]) {
+    __m512i r[16];
+    for (int t = 0; t < 16; t++)
+        r[t] = t < n ? _mm512_loadu_si512((const void *)((const char *)src + t * ld)) : _mm512_setzero_si512();
+    transpose16(r, out);
 }
 
 #endif

@@ -126,9 +126,8 @@ static inline __attribute__((always_inline)) void task(int64_t b, int64_t k0, in
                 }
                 store_accumulators(&Sb[0][0][0], ns);
                 for (int64_t u = 0; u < ns; u++) {
-                    __m512i r[16], c[16];
-                    for (int t = 0; t < 16; t++) r[t] = _mm512_load_si512((const void *)Sb[u][t]);
-                    transpose16(r, c);
+                    __m512i c[16];
+                    load_transposed(Sb[u], 64, 16, c);
                     const int64_t at = t0 + 16 * u, nn = n - at < 16 ? n - at : 16;
                     const __mmask16 valid = (__mmask16)((1u << nn) - 1u);
                     for (int64_t g = 0; g < G; g++) {

@@ -42,10 +42,8 @@ int prefill_attn_amx_init(void) { return request_tile_state(); }
 
 // 16 rows of 16 dwords at src (rows ld bytes apart; rows >= n read as zero) -> their transpose, 64-byte rows at dst.
 static inline void transpose_rows(const char *src, int64_t ld, int64_t n, uint32_t *dst) {
-    __m512i r[16], c[16];
-    for (int t = 0; t < 16; t++)
-        r[t] = t < n ? _mm512_loadu_si512((const void *)(src + t * ld)) : _mm512_setzero_si512();
-    transpose16(r, c);
+    __m512i c[16];
+    load_transposed(src, ld, n, c);
     for (int t = 0; t < 16; t++) _mm512_store_si512((void *)(dst + 16 * t), c[t]);
 }
 
@@ -191,9 +189,8 @@ static int task(int64_t H, int64_t KV, int64_t D, const uint16_t *q, int64_t ldq
                 }
                 store_accumulators(&ob[0][0][0], nd);
                 for (int64_t db = 0; db < nd; db++) {
-                    __m512i r[16], c[16];
-                    for (int t = 0; t < 16; t++) r[t] = _mm512_load_si512((const void *)ob[db][t]);
-                    transpose16(r, c);  // c[query]: its 16 outputs of this block of head_dim
+                    __m512i c[16];
+                    load_transposed(ob[db], 64, 16, c);  // c[query]: its 16 outputs of this block of head_dim
                     for (int64_t c2 = 0; c2 < nq; c2++) {
                         const __m512 o = _mm512_mul_ps(_mm512_castsi512_ps(c[c2]), _mm512_set1_ps(inv[c2]));
                         _mm256_storeu_si256((void *)(out + ((t0 + c2) * H + h) * D + 16 * (d0 + db)),
