@@ -467,6 +467,7 @@ def _probe(
                 reset_context()
 
         step.kernel, step.rows = kernel, rows  # type: ignore[attr-defined]  # what the step times (tests, logs)
+        step.prefill = probe.prefill_kernel  # type: ignore[attr-defined]  # the whole prompts' kernel, if any
         return step
 
     return run

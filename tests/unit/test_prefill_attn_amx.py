@@ -81,6 +81,14 @@ def test_self_check_catches_a_wrong_kernel(kernel: PrefillAttention, monkeypatch
         self_check(kernel)
 
 
+def _counting(monkeypatch: pytest.MonkeyPatch, entry: str) -> list[int]:
+    """The query rows of each call of PrefillAttention's `entry` from now on."""
+    calls: list[int] = []
+    original = getattr(PrefillAttention, entry)
+    monkeypatch.setattr(PrefillAttention, entry, lambda self, q, *a: calls.append(q.shape[0]) or original(self, q, *a))
+    return calls
+
+
 def _whole_prompts(layer: PagedAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int) -> torch.Tensor:
     t = q.shape[0]
     layer.k_cache = torch.zeros(t // 16 + 2, 16, layer.num_kv_heads, layer.head_dim, dtype=q.dtype)
@@ -95,11 +103,7 @@ def _whole_prompts(layer: PagedAttention, q: torch.Tensor, k: torch.Tensor, v: t
 def test_the_layer_takes_it_for_whole_prompts_up_to_its_limit(
     kernel: PrefillAttention, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    calls: list[int] = []
-    original = PrefillAttention.__call__
-    monkeypatch.setattr(
-        PrefillAttention, "__call__", lambda self, q, *a: calls.append(q.shape[0]) or original(self, q, *a)
-    )
+    calls = _counting(monkeypatch, "__call__")
     layer = PagedAttention(9, 3, 64, 0.125)
     sdpa = _whole_prompts(layer, *projected(2, 40, 9, 3, 64), 2)
     layer.prefill_kernel, layer.prefill_up_to = kernel, 40
@@ -115,12 +119,9 @@ def test_the_choice_keeps_it_up_to_the_longest_length_it_won_at_every_step(kerne
     layer = PagedAttention(9, 3, 64, 0.125)
 
     def timer_losing_from(tokens: int) -> Callable[[Callable[[], object]], float]:
-        def timer(fn: Callable[[], object]) -> float:  # the kernel's probe is the layer copy holding it
+        def timer(fn: Callable[[], object]) -> float:  # the kernel's probe: the layer copy that holds it
             rows = fn.rows  # type: ignore[attr-defined]
-            ours = fn.__closure__ is not None and any(  # type: ignore[attr-defined]
-                isinstance(c.cell_contents, PagedAttention) and c.cell_contents.prefill_kernel is not None
-                for c in fn.__closure__  # type: ignore[attr-defined]
-            )
+            ours = fn.prefill is not None  # type: ignore[attr-defined]
             return 1e-3 if ours == (rows < tokens) else 1.0
 
         return timer
@@ -166,11 +167,7 @@ def test_a_chunk_after_cached_tokens_equals_float32_attention(
 def test_the_layer_takes_it_for_a_chunk_after_cached_tokens(
     kernel: PrefillAttention, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    calls: list[int] = []
-    original = PrefillAttention.paged
-    monkeypatch.setattr(
-        PrefillAttention, "paged", lambda self, q, *a: calls.append(q.shape[0]) or original(self, q, *a)
-    )
+    calls = _counting(monkeypatch, "paged")
     layer = PagedAttention(9, 3, 64, 0.125, (torch.empty(0).bfloat16(), torch.empty(0).bfloat16()))
     layer.k_cache, layer.v_cache = (torch.randn(8, 16, 3, 64).bfloat16() for _ in range(2))
     q, k, v = projected(1, 20, 9, 3, 64)
