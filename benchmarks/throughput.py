@@ -3,12 +3,15 @@
     python -m benchmarks.throughput [--shape qwen2-0.5b|deepseek-v2-tiny] [--num-prompts 32] [--prompt-len 128]
                                     [--output-len 128] [--vllm /path/to/vllm-venv/bin/python] [--onednn-row]
                                     [--layers-row]
-                                    [--quantization w8a8|w4a16 [--group-size 128] [--quantize-lm-head] [--rotate]]
+                                    [--quantization w8a8|w4a16 [--group-size 128] [--quantize-lm-head] [--rotate]
+                                                               [--alternate N]]
                                     [--device cpu|cuda] [--llamacpp DIR]
 
 With --quantization, the shape's checkpoint is also quantized with `tianmen quantize` (round-to-nearest; kept
 beside it for later runs) and a "tianmen <scheme>" row runs on it, beside the bf16 row and the peers; --rotate adds
-a row on a `--rotate` copy (its down_proj inputs rotated online: what that costs at run time).
+a row on a `--rotate` copy (its down_proj inputs rotated online: what that costs at run time); --alternate N
+measures batch-1 of the bf16 and the quantized model N times in turn in one process and prints each round's
+ratio (on a VM whose bandwidth drifts, rows minutes apart compare different moments).
 
 With --llamacpp DIR (llama.cpp's binaries, built from source), llama.cpp runs the same shape exported to GGUF in
 BF16 and, with --quantization, in its nearest type (Q8_0 for w8a8, Q4_0 for w4a16: pair it with --group-size 32),
@@ -43,6 +46,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -50,6 +54,8 @@ from benchmarks.bound import Machine, Workload
 from benchmarks.shapes import SHAPES, checkpoint
 from engine import LLM, EngineConfig, SamplingParams
 from engine.models.decode_program import TRIALS
+
+T = TypeVar("T")
 
 
 def ours(
@@ -81,13 +87,32 @@ def ours(
     outs = llm.generate(prompts, params)
     batch_s = time.perf_counter() - t
     assert all(len(o.token_ids) == n for o in outs)
+    return len(prompts) * n / batch_s, batch_one_ms(llm, prompts[0], prompts[1], n)
+
+
+def batch_one_ms(llm: LLM, warm: list[int], prompt: list[int], n: int) -> float:
+    """ms per decoded token of one sequence: `prompt` (already in the prefix cache) decoded for n tokens, less a
+    one-token run of `warm` (its cached prefill), over the n - 1 decode steps."""
     t = time.perf_counter()
-    llm.generate([prompts[0]], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+    llm.generate([warm], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
     prefill_s = time.perf_counter() - t
     t = time.perf_counter()
-    llm.generate([prompts[1]], params)
+    llm.generate([prompt], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
     one_s = time.perf_counter() - t
-    return len(prompts) * n / batch_s, (one_s - prefill_s) / (n - 1) * 1e3
+    return (one_s - prefill_s) / (n - 1) * 1e3
+
+
+def alternated(paths: list[str], prompts: list[list[int]], n: int, dtype: str, rounds: int) -> list[list[float]]:
+    """Batch-1 ms/token of each model in `paths`, all loaded in this process and measured in turn, `rounds`
+    times: [round][model]. WHY: a shared VM's read bandwidth moved 24-64 GB/s within minutes (a 2-core Zen 4,
+    2026-12-06), and rows run minutes apart in processes of their own compared different moments of it; measured
+    in turn, a ratio compares the same one."""
+    llms = []
+    for path in paths:
+        llm = LLM(EngineConfig(model=path, dtype=dtype, max_num_seqs=len(prompts), max_model_len=1024))
+        llm.generate(prompts[:2], SamplingParams(max_tokens=2 * TRIALS + 4, temperature=0, ignore_eos=True))
+        llms.append(llm)
+    return [[batch_one_ms(llm, prompts[0], prompts[1], n) for llm in llms] for _ in range(rounds)]
 
 
 def resident_mib() -> float:
@@ -155,7 +180,7 @@ def vllm_preloads(python: str) -> str:
     return f"{tcmalloc}:{iomp}" if tcmalloc and iomp else ""
 
 
-def isolated(fn: Callable[..., tuple[float, float]], *args: object) -> tuple[float, float]:
+def isolated(fn: Callable[..., T], *args: object) -> T:
     """fn(*args) in a fresh interpreter (spawned, not forked)."""
     with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
         return pool.submit(fn, *args).result()
@@ -180,6 +205,10 @@ def main() -> None:
     ap.add_argument("--group-size", type=int, default=128, help="W4A16's group size")
     ap.add_argument("--quantize-lm-head", action="store_true", help="quantize the LM head too (tied: its own copy)")
     ap.add_argument("--rotate", action="store_true", help="with --quantization: a row on a rotated copy too")
+    ap.add_argument(
+        "--alternate", type=int, default=0, metavar="N",
+        help="with --quantization: also N rounds of batch-1 with both models in one process, measured in turn",
+    )  # fmt: skip
     ap.add_argument("--device", default="cpu", help="cpu, or cuda[:N]: both tianmen and transformers run there")
     ap.add_argument("--llamacpp", metavar="DIR", help="also run llama.cpp (its binaries in DIR): BF16, and Q8_0 / Q4_0")
     args = ap.parse_args()
@@ -269,6 +298,14 @@ def main() -> None:
         peer += f" {name.split()[-1]}" if name in pairs else ""
         label = f"ratio vs {peer}" + (f" ({mine[0]})" if mine is not ours_row else "")
         print(f"{label:<28} {mine[1] / tps:>11.2f}x {ms / mine[2]:>17.2f}x faster")
+    if args.quantization and args.alternate > 0:
+        turns = isolated(alternated, [path, qpath], chosen[:2] if len(chosen) > 1 else prompts[:2],
+                                args.output_len, dname, args.alternate)  # fmt: skip
+        print(f"\nbatch-1 measured in turn, one process ({args.alternate} rounds): bf16 ms, {qname} ms, ratio")
+        ratios = sorted(q / b for b, q in turns)
+        for b, q in turns:
+            print(f"  {b:8.1f} {q:8.1f} {q / b:8.2f}x")
+        print(f"  median {ratios[len(ratios) // 2]:.2f}x, range {ratios[0]:.2f}-{ratios[-1]:.2f}x of the bf16 time")
 
 
 def quantized(src: Path, scheme: str, group_size: int, lm_head: bool = False, rotate: bool = False) -> Path:
