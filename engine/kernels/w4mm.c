@@ -27,7 +27,8 @@
 #include "grouped_tasks.h"
 #include "w4mm_common.h"
 
-#define QR 6  // rows per tile of the direct kernel, up to 3 over the block's 4 column chunks, past that over 2
+#define QR 6   // rows per tile of the direct kernel, up to 3 over the block's 4 column chunks, past that over 2
+#define QT 16  // rows of a tall tile: one 16-column chunk at a time, while 16 rows are left (tile_rows)
 
 // mr rows of x (row stride K) against nc 16-column chunks (from chunk c0) of one block's nibbles wq and scales sc;
 // xs: the rows' sums per group [mr][K/G]; out [mr][64] float (those chunks' columns), before the bias. Each
@@ -37,7 +38,7 @@ static inline __attribute__((always_inline)) void qtile(const int mr, const int 
                                                         int64_t G, const uint16_t *x, const uint8_t *wq,
                                                         const float *sc, const float *xs, float *out) {
     const int64_t groups = K / G;
-    __m512 tot[QR][4], acc[QR][4];
+    __m512 tot[QT][4], acc[QT][4];
     for (int r = 0; r < mr; r++)
         for (int c = 0; c < nc; c++) tot[r][c] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
@@ -46,7 +47,7 @@ static inline __attribute__((always_inline)) void qtile(const int mr, const int 
         for (int64_t kq = g * G / 4; kq < (g + 1) * G / 4; kq++) {
             const uint8_t *wk = wq + kq * 128;
             if (c0 == 0) prefetch_nibbles(wk);
-            int32_t p0[QR], p1[QR];
+            int32_t p0[QT], p1[QT];
             for (int r = 0; r < mr; r++) {
                 memcpy(&p0[r], x + r * K + 4 * kq, 4);
                 memcpy(&p1[r], x + r * K + 4 * kq + 2, 4);
@@ -77,10 +78,17 @@ static inline __attribute__((always_inline)) void qtile(const int mr, const int 
 // columns each (2 x 2 a row, 24 registers at 6 rows). WHY: a tile widens its nibbles once for all its rows, and
 // the widening shares the vector pipes with the products: 6-row tiles widen each weight half as often as 3-row
 // ones, ~5% more products a cycle on a Zen 4 in cache, and at 32 rows Qwen2-0.5B's decode GEMMs through 3-row
-// tiles ran ~9% behind bf16mm over the bf16 weights.
+// tiles ran ~9% behind bf16mm over the bf16 weights. QT rows: four tiles of one 16-column chunk each (16 running
+// sums a chunk, the group totals spilled once a group), each weight widened once for 16 rows: on a 2-core Zen 4,
+// 12 Qwen2-0.5B layers in turn at 32 rows, gate/up 1.44 -> 1.38 ms a call, down 0.73 -> 0.71, QKV 0.181 ->
+// 0.176; at 8 and 13 rows such tiles were slower (0.45 against 0.41 ms, 8 rows as one tall tile), at 16 and 24 as
+// fast or faster, hence only whole tall tiles.
 static void qtile_any(int mr, int64_t K, int64_t G, const uint16_t *x, const uint8_t *wq, const float *sc,
                       const float *xs, float *out) {
     switch (mr) {  // constant shapes keep every accumulator in a register
+    case QT:
+        for (int c = 0; c < 4; c++) qtile(QT, 1, c, K, G, x, wq, sc, xs, out);
+        break;
     case 1: qtile(1, 4, 0, K, G, x, wq, sc, xs, out); break;
     case 2: qtile(2, 4, 0, K, G, x, wq, sc, xs, out); break;
     case 3: qtile(3, 4, 0, K, G, x, wq, sc, xs, out); break;
@@ -89,6 +97,9 @@ static void qtile_any(int mr, int64_t K, int64_t G, const uint16_t *x, const uin
     default: qtile(6, 2, 0, K, G, x, wq, sc, xs, out), qtile(6, 2, 2, K, G, x, wq, sc, xs, out); break;
     }
 }
+
+// The rows the next tile takes of the `left` still to do (qtile_any's shapes).
+static inline int tile_rows(int64_t left) { return left >= QT ? QT : left < QR ? (int)left : QR; }
 
 static int direct(int64_t M, int64_t N, int64_t K, int64_t G, const uint16_t *x, const uint8_t *wq, const float *sc,
                   const uint16_t *b, uint16_t *y, int nthreads, const int silu_mul) {
@@ -100,10 +111,10 @@ static int direct(int64_t M, int64_t N, int64_t K, int64_t G, const uint16_t *x,
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t nb = 0; nb < nblocks; nb++) {
         const int64_t n0 = nb * NB, nn = N - n0 < NB ? N - n0 : NB;
-        float out[QR * NB], bias[NB];
+        float out[QT * NB], bias[NB];
         load_bias(b, n0, nn, bias);
-        for (int64_t r0 = 0; r0 < M; r0 += QR) {
-            const int mr = M - r0 < QR ? (int)(M - r0) : QR;
+        for (int64_t r0 = 0, mr; r0 < M; r0 += mr) {
+            mr = tile_rows(M - r0);
             qtile_any(mr, K, G, x + r0 * K, wq + nb * K * 32, sc + nb * groups * 128, xs + r0 * groups, out);
             for (int r = 0; r < mr; r++) store_out(out + r * NB, bias, y, r0 + r, N, n0, nn, silu_mul);
         }
@@ -145,9 +156,9 @@ static void w4group_task(const void *ctx, int64_t p, int64_t nb, int64_t end) {
     const int64_t e = g->layer[p], N = g->N, K = g->K, G = g->G, groups = K / G, n0 = nb * NB;
     const int64_t nn = N - n0 < NB ? N - n0 : NB, width = g->silu_mul ? N / 2 : N;
     static const float zeros[NB];
-    float out[QR * NB];
-    for (int64_t r0 = g->first[p]; r0 < g->first[p] + g->counts[e]; r0 += QR) {
-        const int mr = g->first[p] + g->counts[e] - r0 < QR ? (int)(g->first[p] + g->counts[e] - r0) : QR;
+    float out[QT * NB];
+    for (int64_t r0 = g->first[p], mr; r0 < g->first[p] + g->counts[e]; r0 += mr) {
+        mr = tile_rows(g->first[p] + g->counts[e] - r0);
         qtile_any(mr, K, G, g->x + r0 * K, g->wq[e] + nb * K * 32, g->sc[e] + nb * groups * 128, g->xs + r0 * groups,
                   out);
         for (int r = 0; r < mr; r++) {

@@ -90,13 +90,23 @@ static __thread thread_buffer sums_buf;
 // The calling thread's buffer for n group sums; NULL without memory.
 static float *sums_for(int64_t n) { return grow(&sums_buf, sizeof(float) * (size_t)n); }
 
-// The sums of x's rows over each group of G inputs, in float: [M][K/G].
+// The sums of x's rows over each group of G inputs, in float: [M][K/G]; 16 lanes at a time, then the lanes'
+// sum (and the rest of a group of G % 16 one by one). WHY: one float added at a time, a chain the compiler must
+// keep in order, took ~25 us for 32 rows of 896 inputs on a Zen 4, on the calling thread while the other waited:
+// 13% of Qwen2-0.5B's QKV projection at 32 rows.
 static void group_sums(int64_t M, int64_t K, int64_t G, const uint16_t *x, float *xs, int nthreads) {
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (M * K > 65536)
     for (int64_t m = 0; m < M; m++)
         for (int64_t g = 0; g < K / G; g++) {
-            float s = 0;
-            for (int64_t k = g * G; k < (g + 1) * G; k++) s += bf16_to_f32(x[m * K + k]);
+            const uint16_t *p = x + m * K + g * G;
+            __m512 acc = _mm512_setzero_ps();
+            int64_t k = 0;
+            for (; k + 16 <= G; k += 16) {
+                const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p + k)));
+                acc = _mm512_add_ps(acc, _mm512_castsi512_ps(_mm512_slli_epi32(h, 16)));
+            }
+            float s = _mm512_reduce_add_ps(acc);
+            for (; k < G; k++) s += bf16_to_f32(p[k]);
             xs[m * (K / G) + g] = s;
         }
 }

@@ -67,8 +67,9 @@ def test_every_entry_point_equals_the_reference(
 
 @pytest.mark.parametrize("fused", [False, True])
 def test_the_direct_kernel_gives_a_row_the_same_bits_whatever_tile_it_falls_in(kernel: W4MM, fused: bool) -> None:
-    # 1-3 rows run as one 64-column tile, 4-6 as two 32-column ones: every row count up to two full tiles and a
-    # tail, each row against the same row computed alone (and the fused gated MLP's, which shares the tiles)
+    # 1-3 rows run as one 64-column tile, 4-6 as two 32-column ones, 16 as four 16-column tall ones: every row count
+    # up to two full tiles and a tail, then tall tiles with each kind of tail, each row against the same row
+    # computed alone (and the fused gated MLP's, which shares the tiles)
     w = int4_weight(192, 256, 64, symmetric=False)
     i = interleave_halves
     packed = (
@@ -76,7 +77,7 @@ def test_the_direct_kernel_gives_a_row_the_same_bits_whatever_tile_it_falls_in(k
     )
     bias = torch.randn(192, generator=torch.Generator().manual_seed(2)).bfloat16()
     run = kernel.silu_mul if fused else kernel.direct
-    for rows in range(1, 14):
+    for rows in (*range(1, 14), 16, 17, 19, 22, 23, 32, 33, 38):
         x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).bfloat16()
         y = run(x, packed, bias)
         for r in range(rows):
