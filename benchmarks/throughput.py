@@ -10,8 +10,8 @@
 With --quantization, the shape's checkpoint is also quantized with `tianmen quantize` (round-to-nearest; kept
 beside it for later runs) and a "tianmen <scheme>" row runs on it, beside the bf16 row and the peers; --rotate adds
 a row on a `--rotate` copy (its down_proj inputs rotated online: what that costs at run time); --alternate N
-measures batch-1 of the bf16 and the quantized model N times in turn in one process and prints each round's
-ratio (on a VM whose bandwidth drifts, rows minutes apart compare different moments).
+then measures the bf16 and the quantized model in turn in one process, N rounds of new prompts, and prints each
+round's ratios and their medians (on a VM whose bandwidth drifts, rows minutes apart compare different moments).
 
 With --llamacpp DIR (llama.cpp's binaries, built from source), llama.cpp runs the same shape exported to GGUF in
 BF16 and, with --quantization, in its nearest type (Q8_0 for w8a8, Q4_0 for w4a16: pair it with --group-size 32),
@@ -67,24 +67,36 @@ def ours(
     device: str = "auto",
     decode_program: str = "auto",
 ) -> tuple[float, float]:
+    llm = engine(path, len(prompts), dtype, cpu_kernels, device, decode_program)
+    print(f"{Path(path).name}: {resident_mib():.0f} MiB resident after load", flush=True)  # weights, layouts, KV
+    return measure(llm, prompts, n)
+
+
+def engine(
+    path: str, seqs: int, dtype: str, cpu_kernels: bool = True, device: str = "auto", decode_program: str = "auto"
+) -> LLM:
+    """An engine on `path` for `seqs` sequences at a time, warmed up: long enough for batch-1 decode steps to settle
+    whether they run as one program (the batch's steps settle within their first 2 * TRIALS + 2 of a timed run).
+    The warm-up's 16 token ids share no prefix with the measured prompts' (random ids, another seed)."""
     config = EngineConfig(
         model=path,
         dtype=dtype,
         device=device,
-        max_num_seqs=max(len(prompts), 1),
+        max_num_seqs=max(seqs, 1),
         max_model_len=1024,
         cpu_kernels=cpu_kernels,
         decode_program=decode_program,
     )
     llm = LLM(config)
-    print(f"{Path(path).name}: {resident_mib():.0f} MiB resident after load", flush=True)  # weights, layouts, KV
-    params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
-    # warm-up, long enough for batch-1 decode steps to settle whether they run as one program (the batch's steps
-    # settle within their first 2 * TRIALS + 2 of the timed run)
-    warm = SamplingParams(max_tokens=2 * TRIALS + 4, temperature=0, ignore_eos=True)
-    llm.generate([prompts[0][:16]], warm)
+    warm = random.Random(1).choices(range(1000), k=16)
+    llm.generate([warm], SamplingParams(max_tokens=2 * TRIALS + 4, temperature=0, ignore_eos=True))
+    return llm
+
+
+def measure(llm: LLM, prompts: list[list[int]], n: int) -> tuple[float, float]:
+    """Batch tok/s of `prompts` (met for the first time), then batch-1 ms/token (batch_one_ms)."""
     t = time.perf_counter()
-    outs = llm.generate(prompts, params)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
     batch_s = time.perf_counter() - t
     assert all(len(o.token_ids) == n for o in outs)
     return len(prompts) * n / batch_s, batch_one_ms(llm, prompts[0], prompts[1], n)
@@ -102,17 +114,14 @@ def batch_one_ms(llm: LLM, warm: list[int], prompt: list[int], n: int) -> float:
     return (one_s - prefill_s) / (n - 1) * 1e3
 
 
-def alternated(paths: list[str], prompts: list[list[int]], n: int, dtype: str, rounds: int) -> list[list[float]]:
-    """Batch-1 ms/token of each model in `paths`, all loaded in this process and measured in turn, `rounds`
-    times: [round][model]. WHY: a shared VM's read bandwidth moved 24-64 GB/s within minutes (a 2-core Zen 4,
-    2026-12-06), and rows run minutes apart in processes of their own compared different moments of it; measured
-    in turn, a ratio compares the same one."""
-    llms = []
-    for path in paths:
-        llm = LLM(EngineConfig(model=path, dtype=dtype, max_num_seqs=len(prompts), max_model_len=1024))
-        llm.generate(prompts[:2], SamplingParams(max_tokens=2 * TRIALS + 4, temperature=0, ignore_eos=True))
-        llms.append(llm)
-    return [[batch_one_ms(llm, prompts[0], prompts[1], n) for llm in llms] for _ in range(rounds)]
+def alternated(paths: list[str], rounds: list[list[list[int]]], n: int, dtype: str) -> list[list[tuple[float, float]]]:
+    """Batch tok/s and batch-1 ms/token (as `measure`) of each model in `paths`, all loaded in this process and
+    measured in turn, one round per prompt set in `rounds` (each set new to every engine): [round][model]. WHY: a
+    shared VM's read bandwidth moved 24-64 GB/s within minutes (a 2-core Zen 4, 2026-12-06), and rows run minutes
+    apart in processes of their own compared different moments of it; measured in turn, a ratio compares the
+    same one."""
+    llms = [engine(path, len(rounds[0]), dtype) for path in paths]
+    return [[measure(llm, prompts, n) for llm in llms] for prompts in rounds]
 
 
 def resident_mib() -> float:
@@ -207,7 +216,7 @@ def main() -> None:
     ap.add_argument("--rotate", action="store_true", help="with --quantization: a row on a rotated copy too")
     ap.add_argument(
         "--alternate", type=int, default=0, metavar="N",
-        help="with --quantization: also N rounds of batch-1 with both models in one process, measured in turn",
+        help="with --quantization: also N rounds of both models in one process, measured in turn",
     )  # fmt: skip
     ap.add_argument("--device", default="cpu", help="cpu, or cuda[:N]: both tianmen and transformers run there")
     ap.add_argument("--llamacpp", metavar="DIR", help="also run llama.cpp (its binaries in DIR): BF16, and Q8_0 / Q4_0")
@@ -299,13 +308,17 @@ def main() -> None:
         label = f"ratio vs {peer}" + (f" ({mine[0]})" if mine is not ours_row else "")
         print(f"{label:<28} {mine[1] / tps:>11.2f}x {ms / mine[2]:>17.2f}x faster")
     if args.quantization and args.alternate > 0:
-        turns = isolated(alternated, [path, qpath], chosen[:2] if len(chosen) > 1 else prompts[:2],
-                                args.output_len, dname, args.alternate)  # fmt: skip
-        print(f"\nbatch-1 measured in turn, one process ({args.alternate} rounds): bf16 ms, {qname} ms, ratio")
-        ratios = sorted(q / b for b, q in turns)
-        for b, q in turns:
-            print(f"  {b:8.1f} {q:8.1f} {q / b:8.2f}x")
-        print(f"  median {ratios[len(ratios) // 2]:.2f}x, range {ratios[0]:.2f}-{ratios[-1]:.2f}x of the bf16 time")
+        sets = [[[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(max(args.num_prompts, 2))]
+                for _ in range(args.alternate)]  # fmt: skip
+        turns = isolated(alternated, [path, qpath], sets, args.output_len, dname)
+        print(f"\nmeasured in turn, one process, {args.alternate} rounds (new prompts each): bf16, then {qname}")
+        print(f"{'batch tok/s':>24} {'ratio':>7} {'batch-1 ms':>22} {'ratio':>7}")
+        for (bt, bm), (qt, qm) in turns:
+            print(f"{bt:>11.1f} {qt:>11.1f} {qt / bt:>6.2f}x {bm:>10.1f} {qm:>10.1f} {qm / bm:>6.2f}x")
+        batch = sorted(q[0] / b[0] for b, q in turns)
+        one = sorted(q[1] / b[1] for b, q in turns)
+        print(f"median: batch {batch[len(batch) // 2]:.2f}x ({batch[0]:.2f}-{batch[-1]:.2f}x) the bf16 throughput, "
+              f"batch-1 {one[len(one) // 2]:.2f}x ({one[0]:.2f}-{one[-1]:.2f}x) the bf16 time")  # fmt: skip
 
 
 def quantized(src: Path, scheme: str, group_size: int, lm_head: bool = False, rotate: bool = False) -> Path:
