@@ -114,13 +114,15 @@ def batch_one_ms(llm: LLM, warm: list[int], prompt: list[int], n: int) -> float:
     return (one_s - prefill_s) / (n - 1) * 1e3
 
 
-def alternated(paths: list[str], rounds: list[list[list[int]]], n: int, dtype: str) -> list[list[tuple[float, float]]]:
+def alternated(
+    paths: list[str], rounds: list[list[list[int]]], n: int, dtype: str, device: str = "auto"
+) -> list[list[tuple[float, float]]]:
     """Batch tok/s and batch-1 ms/token (as `measure`) of each model in `paths`, all loaded in this process and
     measured in turn, one round per prompt set in `rounds` (each set new to every engine): [round][model]. WHY: a
     shared VM's read bandwidth moved 24-64 GB/s within minutes (a 2-core Zen 4, 2026-12-06), and rows run minutes
     apart in processes of their own compared different moments of it; measured in turn, a ratio compares the
     same one."""
-    llms = [engine(path, len(rounds[0]), dtype) for path in paths]
+    llms = [engine(path, len(rounds[0]), dtype, device=device) for path in paths]
     return [[measure(llm, prompts, n) for llm in llms] for prompts in rounds]
 
 
@@ -310,7 +312,7 @@ def main() -> None:
     if args.quantization and args.alternate > 0:
         sets = [[[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(max(args.num_prompts, 2))]
                 for _ in range(args.alternate)]  # fmt: skip
-        turns = isolated(alternated, [path, qpath], sets, args.output_len, dname)
+        turns = isolated(alternated, [path, qpath], sets, args.output_len, dname, dev)
         print(f"\nmeasured in turn, one process, {args.alternate} rounds (new prompts each): bf16, then {qname}")
         print(f"{'batch tok/s':>24} {'ratio':>7} {'batch-1 ms':>22} {'ratio':>7}")
         for (bt, bm), (qt, qm) in turns:
