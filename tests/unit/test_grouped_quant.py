@@ -46,7 +46,7 @@ def _per_expert_path(kernel: w4mm.W4MM | i8mm.I8MM) -> W4MMPath | I8MMPath:
     return W4MMPath(kernel, "direct") if isinstance(kernel, w4mm.W4MM) else I8MMPath(kernel)
 
 
-# every expert a few rows; empty experts between busy ones and one past the kernels' row tiles (3 and 6 rows);
+# every expert a few rows; empty experts between busy ones and one past the kernels' row tiles (3, 6 and 16 rows);
 # single rows; none at all
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("counts", [[3, 3, 3, 3], [0, 5, 0, 40, 1, 0], [1, 0, 0, 1], [0, 0, 0], [7, 2]])
