@@ -223,6 +223,8 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="cpu, or cuda[:N]: both tianmen and transformers run there")
     ap.add_argument("--llamacpp", metavar="DIR", help="also run llama.cpp (its binaries in DIR): BF16, and Q8_0 / Q4_0")
     args = ap.parse_args()
+    if args.alternate < 0 or (args.alternate and not args.quantization):
+        ap.error("--alternate takes a number of rounds >= 0, with --quantization")
 
     path = str(checkpoint(args.shape))
     vocab = SHAPES[args.shape]["vocab_size"]

@@ -49,7 +49,9 @@ def test_the_packed_layout_holds_each_nibble_and_scale_where_the_kernel_reads_it
 
 @pytest.mark.parametrize("entry", W4MM_ENTRIES)
 @pytest.mark.parametrize(
-    ("n", "k", "g", "symmetric"), [(96, 256, 128, False), (130, 96, 32, True), (64, 64, 64, False), (8, 32, 8, False)]
+    ("n", "k", "g", "symmetric"),
+    # g 20: a group's input sums are taken 16 lanes at a time and the rest one by one
+    [(96, 256, 128, False), (130, 96, 32, True), (64, 64, 64, False), (8, 32, 8, False), (64, 80, 20, True)],
 )
 def test_every_entry_point_equals_the_reference(
     kernel: W4MM, entry: str, n: int, k: int, g: int, symmetric: bool
@@ -57,7 +59,7 @@ def test_every_entry_point_equals_the_reference(
     w = int4_weight(n, k, g, symmetric)
     bias = torch.randn(n, generator=torch.Generator().manual_seed(1)).bfloat16()
     packed = W4MM.pack(w.values(), w.scale, w.zero, g)
-    for rows in (1, 2, 3, 4, 7, 33, 200):  # tiles of 3 (direct) and 6 (panel, block), and more than 192 (one pass)
+    for rows in (1, 2, 3, 4, 7, 33, 200):  # direct's tiles of 3, 6 and 16 rows; 6 (panel, block); past 192 (a pass)
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).bfloat16()
         want = w.reference(x, bias.float())
         got = getattr(kernel, entry)(x, packed, bias)
