@@ -25,6 +25,7 @@
 #endif
 #include <immintrin.h>
 #include <omp.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -32,6 +33,7 @@
 #include "amx_tiles.h"
 #include "bf16mm_block.h"
 #include "deal.h"
+#include "grouped_tasks.h"
 #include "w4mm_common.h"
 
 #define TILE_ELEMS 512  // 16 rows x 32 bf16
@@ -104,6 +106,36 @@ static void scale_into(int mr, const float *restrict c, const float *restrict sc
     }
 }
 
+// M rows of x (row stride K; xs: their sums per group, [M][K/G]) through one 64-column block, a group at a time
+// (the header): its nibbles wb and scales sb, its bias (NB floats), into y's rows row0.. (store_out's layout, N
+// wide, columns n0.., nn of them). wg: the calling thread's buffer of G x 64 bf16; *configured: the rows its tiles
+// are configured for (-1: none yet).
+static void block_by_group(int64_t M, int64_t N, int64_t K, int64_t G, const uint16_t *x, const float *xs,
+                           const uint8_t *wb, const float *sb, const float *bias, uint16_t *y, int64_t row0, int64_t n0,
+                           int64_t nn, uint16_t *wg, int *configured, const int silu_mul) {
+    const int64_t groups = K / G;
+    float out[MC * NB];
+    float c[32 * NB] __attribute__((aligned(64)));
+    // rows a pass at most MC, so they stay in L2 while the block's groups go past them
+    for (int64_t m0 = 0; m0 < M; m0 += MC) {
+        const int64_t mc = M - m0 < MC ? M - m0 : MC;
+        memset(out, 0, sizeof(float) * (size_t)(mc * NB));
+        for (int64_t g = 0; g < groups; g++) {
+            widen_group_tiles(G, wb + g * G * 32, wg);
+            for (int64_t r = 0; r < mc; r += 32) {
+                const int mr = mc - r < 32 ? (int)(mc - r) : 32;
+                if (*configured != mr) {  // a row tail's configuration differs from a full 32 rows'
+                    amx_configure(mr < 16 ? mr : 16, mr > 16 ? mr - 16 : 0);
+                    *configured = mr;
+                }
+                tile_rows(mr, K, G / 32, x + (m0 + r) * K + g * G, wg, c);
+                scale_into(mr, c, sb + g * 128, xs + (m0 + r) * groups + g, groups, out + r * NB);
+            }
+        }
+        for (int64_t r = 0; r < mc; r++) store_out(out + r * NB, bias, y, row0 + m0 + r, N, n0, nn, silu_mul);
+    }
+}
+
 // A group at a time (the header). With silu_mul, w is a gated MLP's [gate; up] packed with its rows interleaved in
 // blocks of 32 (w4mm_linear_silu_mul's copy, N % 64 == 0: checked by the caller) and y [M][N / 2] = silu(gate) *
 // up, w4mm's fused epilogue. Returns 0, or -1 where a buffer could not be had (y is then incomplete).
@@ -121,38 +153,74 @@ static int by_group(int64_t M, int64_t N, int64_t K, int64_t G, const uint16_t *
     {
         uint16_t *wg = bf16_buffer(G * NB);
         failed = wg == NULL;
-        float out[MC * NB], bias[NB];
-        float c[32 * NB] __attribute__((aligned(64)));
-        int configured = -1;  // a row tail's configuration differs from a full 32 rows'
+        float bias[NB];
+        int configured = -1;
         // Dealt as amxmm's blocks (deal.h): a thread the event loop preempts leaves its blocks to the other.
         for (int64_t nb; (nb = deal_next(&deal, omp_get_thread_num())) >= 0;) {
             if (!wg) continue;
             const int64_t n0 = nb * NB, nn = N - n0 < NB ? N - n0 : NB;
             load_bias(b, n0, nn, bias);
-            const uint8_t *wb = wq + nb * K * 32;
-            const float *sb = sc + nb * groups * 128;
-            // rows a pass at most MC, so they stay in L2 while the block's groups go past them
-            for (int64_t m0 = 0; m0 < M; m0 += MC) {
-                const int64_t mc = M - m0 < MC ? M - m0 : MC;
-                memset(out, 0, sizeof(float) * (size_t)(mc * NB));
-                for (int64_t g = 0; g < groups; g++) {
-                    widen_group_tiles(G, wb + g * G * 32, wg);
-                    for (int64_t r = 0; r < mc; r += 32) {
-                        const int mr = mc - r < 32 ? (int)(mc - r) : 32;
-                        if (configured != mr) {
-                            amx_configure(mr < 16 ? mr : 16, mr > 16 ? mr - 16 : 0);
-                            configured = mr;
-                        }
-                        tile_rows(mr, K, G / 32, x + (m0 + r) * K + g * G, wg, c);
-                        scale_into(mr, c, sb + g * 128, xs + (m0 + r) * groups + g, groups, out + r * NB);
-                    }
-                }
-                for (int64_t r = 0; r < mc; r++) store_out(out + r * NB, bias, y, m0 + r, N, n0, nn, silu_mul);
-            }
+            block_by_group(M, N, K, G, x, xs, wq + nb * K * 32, sc + nb * groups * 128, bias, y, 0, n0, nn, wg,
+                           &configured, silu_mul);
         }
         if (configured != -1) _tile_release();
     }
     return failed ? -1 : 0;
+}
+
+typedef struct {
+    const int64_t *counts;
+    int64_t N, K, G;
+    const uint16_t *x;
+    const uint8_t *const *wq;
+    const float *const *sc;
+    uint16_t *y;
+    const float *xs;
+    const int64_t *first, *layer;
+    int silu_mul;
+    _Atomic int *failed;
+} w4agroup_t;
+
+// One task of w4amx_grouped: a layer's rows (piece p) through one column block (grouped_tasks.h), a group at a
+// time; its tiles configured for the task and released after it (a task's rows are its layer's).
+static void w4agroup_task(const void *ctx, int64_t p, int64_t nb, int64_t end) {
+    (void)end;  // the widening asks for nibbles PF_BYTES ahead, in whichever block they lie
+    const w4agroup_t *g = ctx;
+    static const float zeros[NB];
+    uint16_t *wg = bf16_buffer(g->G * NB);
+    if (!wg) {
+        atomic_store(g->failed, 1);
+        return;
+    }
+    const int64_t e = g->layer[p], N = g->N, K = g->K, G = g->G, groups = K / G, n0 = nb * NB, r0 = g->first[p];
+    const int64_t nn = N - n0 < NB ? N - n0 : NB;
+    int configured = -1;
+    block_by_group(g->counts[e], N, K, G, g->x + r0 * K, g->xs + r0 * groups, g->wq[e] + nb * K * 32,
+                   g->sc[e] + nb * groups * 128, zeros, g->y, r0, n0, nn, wg, &configured, g->silu_mul);
+    if (configured != -1) _tile_release();
+}
+
+// E W4A16 linear layers of one shape (no bias) in one call on AMX tiles, as w4mm_grouped (its arguments, layout
+// and silu_mul): layer e takes counts[e] consecutive rows of x. WHY: a MoE layer's quantized experts took w4amx
+// one call per expert and projection on AMX CPUs (w4mm_grouped's VDPBF16PS loops lost to them there), each a
+// Python round trip and a parallel region. Returns 0, or -1 where a buffer could not be had (y is then incomplete).
+int w4amx_grouped(int64_t E, const int64_t *counts, int64_t N, int64_t K, int64_t G, const uint16_t *x,
+                  const uint8_t *const *wq, const float *const *sc, uint16_t *y, int nthreads, int silu_mul) {
+    const int64_t nblocks = (N + NB - 1) / NB, groups = K / G;
+    int64_t M = 0, P = 0;
+    for (int64_t e = 0; e < E; e++) M += counts[e], P += counts[e] > 0;
+    if (M <= 0) return 0;
+    float *xs = sums_for(M * groups);
+    if (!xs) return -1;
+    group_sums(M, K, G, x, xs, nthreads);
+    int64_t first[P], layer[P];  // each layer with rows: its first row and its index
+    P = 0;
+    for (int64_t e = 0, row = 0; e < E; row += counts[e++])
+        if (counts[e] > 0) first[P] = row, layer[P++] = e;
+    _Atomic int failed = 0;
+    const w4agroup_t g = {counts, N, K, G, x, wq, sc, y, xs, first, layer, silu_mul, &failed};
+    grouped_tasks(P, nblocks, nthreads, 2, w4agroup_task, &g);
+    return atomic_load(&failed) ? -1 : 0;
 }
 
 // A whole block dequantized at a time (the header); silu_mul as by_group's.

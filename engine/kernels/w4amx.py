@@ -16,7 +16,7 @@ import torch
 
 from engine.kernels import amxmm
 from engine.kernels.cbuild import BuildError, Once, build
-from engine.kernels.w4mm import W4MM, PackedInt4, check_int4_kernel, check_int4_silu_mul
+from engine.kernels.w4mm import W4MM, PackedInt4, check_int4_kernel, check_int4_silu_mul, run_grouped
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,8 @@ class W4AMX:
         for f in (*entries, lib.w4amx_linear_dequant_silu_mul):
             f.argtypes = [_i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _int]
             f.restype = _int
+        lib.w4amx_grouped.argtypes = [_i64, _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _int, _int]
+        lib.w4amx_grouped.restype = _int
         lib.w4amx_init.restype = _int
         if lib.w4amx_init() != 0:
             raise BuildError("the kernel cannot use AMX: Linux refused the tile state (arch_prctl)")
@@ -69,6 +71,13 @@ class W4AMX:
     def amx_dequant_silu_mul(self, x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None) -> torch.Tensor:
         """`amx-dequant` over such a weight, the same fused output."""
         return W4MM.run(self.lib.w4amx_linear_dequant_silu_mul, x, w, bias, "w4amx", w.n // 2)
+
+    def grouped(
+        self, x: torch.Tensor, counts: ctypes.Array, shape: tuple[int, int, int], nibbles: ctypes.Array,
+        scales: ctypes.Array, silu_mul: bool,
+    ) -> torch.Tensor:  # fmt: skip
+        """W4MM.grouped on AMX tiles (`amx`'s way, a group at a time): a MoE layer's experts in one call."""
+        return run_grouped(self.lib.w4amx_grouped, x, counts, shape, nibbles, scales, silu_mul, "w4amx")
 
 
 def self_check(kernel: W4AMX) -> None:

@@ -127,15 +127,7 @@ class W4MM:
         nibbles and scales pointers; all of shape (N, K, G), no bias) in one call → [rows, N] bf16, or
         [rows, N / 2] = silu(gate) * up where the weights are gated MLPs' [gate; up] rows interleaved in blocks of
         32 (N a multiple of 64). The C side trusts its arguments: engine.quant.grouped checks them."""
-        n, k, g = shape
-        y = torch.empty(x.shape[0], n // 2 if silu_mul else n, dtype=torch.bfloat16)
-        rc = self.lib.w4mm_grouped(
-            len(counts), counts, n, k, g, x.data_ptr(), nibbles, scales, y.data_ptr(), torch.get_num_threads(),
-            int(silu_mul),
-        )  # fmt: skip
-        if rc != 0:
-            raise MemoryError("w4mm: no memory for the kernel's buffers")
-        return y
+        return run_grouped(self.lib.w4mm_grouped, x, counts, shape, nibbles, scales, silu_mul, "w4mm")
 
     def dense(self, x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None) -> torch.Tensor:
         """The same from the weight as stored: dequantized to bf16 rows, DENSE_ROWS_MAX weights at a time, in a
@@ -182,6 +174,22 @@ class W4MM:
         if rc != 0:
             raise MemoryError(f"{name}: no memory for the kernel's buffers")
         return y.view(*x.shape[:-1], out_cols)
+
+
+def run_grouped(
+    fn: ctypes._CFuncPtr, x: torch.Tensor, counts: ctypes.Array, shape: tuple[int, int, int], nibbles: ctypes.Array,
+    scales: ctypes.Array, silu_mul: bool, name: str,
+) -> torch.Tensor:  # fmt: skip
+    """Calls a grouped entry point over this layout (w4mm_grouped, w4amx_grouped: W4MM.grouped's arguments)."""
+    n, k, g = shape
+    y = torch.empty(x.shape[0], n // 2 if silu_mul else n, dtype=torch.bfloat16)
+    rc = fn(
+        len(counts), counts, n, k, g, x.data_ptr(), nibbles, scales, y.data_ptr(), torch.get_num_threads(),
+        int(silu_mul),
+    )  # fmt: skip
+    if rc != 0:
+        raise MemoryError(f"{name}: no memory for the kernel's buffers")
+    return y
 
 
 def w4_entry(fn: ctypes._CFuncPtr, w: PackedInt4, bias: torch.Tensor | None, cols: int) -> CEntry:

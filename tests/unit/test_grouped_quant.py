@@ -1,6 +1,6 @@
-"""engine.quant.grouped: a MoE layer's quantized experts in two kernel calls (w4mm's grouped entry for W4A16,
-i8mm's for W8A8) give what that kernel's call per expert and projection (the GEMM plans they replace) gives, and
-a quantized DeepSeek takes them."""
+"""engine.quant.grouped: a MoE layer's quantized experts in two kernel calls (w4mm's grouped entry for W4A16, or
+w4amx's on AMX CPUs, i8mm's for W8A8) give what that kernel's call per expert and projection (the GEMM plans they
+replace) gives, and a quantized DeepSeek takes them."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.kernels import bf16mm, i8mm, op_choice, w4mm
+from engine.kernels import bf16mm, i8mm, op_choice, w4amx, w4mm
 from engine.layers.activation import ActAndMul
 from engine.quant.grouped import GroupedQuantExperts, GroupedQuantLinear
-from engine.quant.paths import I8MMPath, W4MMPath
+from engine.quant.paths import I8MMPath, W4AMXPath, W4MMPath
 from engine.quant.quantize import quantize
 from tests.int4_kernels import int4_weight
 from tests.int8_kernels import int8_weight
@@ -24,12 +24,14 @@ pytestmark = pytest.mark.skipif(not bf16mm.supported(), reason="the grouped quan
 
 HIDDEN, INNER, GROUP = 128, 64, 32
 SCHEMES = ["w4a16", "w8a8"]
+KERNELS = ["w4a16", "w4a16-amx", "w8a8"]  # a scheme, and the kernel when not its first: w4amx needs AMX
+Kernel = w4mm.W4MM | w4amx.W4AMX | i8mm.I8MM
 
 
-def _kernel(scheme: str) -> w4mm.W4MM | i8mm.I8MM:
-    kernel = w4mm.kernel() if scheme == "w4a16" else i8mm.kernel()
+def _kernel(name: str) -> Kernel:
+    kernel = {"w4a16": w4mm.kernel, "w4a16-amx": w4amx.kernel, "w8a8": i8mm.kernel}[name]()
     if kernel is None:
-        pytest.skip(f"no {scheme} kernel on this CPU")
+        pytest.skip(f"no {name} kernel on this CPU")
     return kernel
 
 
@@ -42,16 +44,19 @@ def _experts(scheme: str, e: int, symmetric: bool = False) -> tuple[list, list]:
     return gate_up, [_weight(scheme, HIDDEN, INNER, 50 + i, symmetric) for i in range(e)]
 
 
-def _per_expert_path(kernel: w4mm.W4MM | i8mm.I8MM) -> W4MMPath | I8MMPath:
+def _per_expert_path(kernel: Kernel) -> W4MMPath | W4AMXPath | I8MMPath:
+    if isinstance(kernel, w4amx.W4AMX):
+        return W4AMXPath(kernel, "amx")  # the same per-block code as its grouped call
     return W4MMPath(kernel, "direct") if isinstance(kernel, w4mm.W4MM) else I8MMPath(kernel)
 
 
 # every expert a few rows; empty experts between busy ones and one past the kernels' row tiles (3, 6 and 16 rows);
 # single rows; none at all
-@pytest.mark.parametrize("scheme", SCHEMES)
+# (w4amx: and one past its 32-row tile steps)
+@pytest.mark.parametrize("name", KERNELS)
 @pytest.mark.parametrize("counts", [[3, 3, 3, 3], [0, 5, 0, 40, 1, 0], [1, 0, 0, 1], [0, 0, 0], [7, 2]])
-def test_grouped_experts_equal_the_kernel_s_call_per_expert(scheme: str, counts: list[int]) -> None:
-    kernel = _kernel(scheme)
+def test_grouped_experts_equal_the_kernel_s_call_per_expert(name: str, counts: list[int]) -> None:
+    kernel, scheme = _kernel(name), name.split("-")[0]
     gate_up, down = _experts(scheme, len(counts), symmetric=len(counts) % 2 == 0)
     x = torch.randn(sum(counts), HIDDEN, generator=torch.Generator().manual_seed(3)).bfloat16()
     got = GroupedQuantExperts(kernel, gate_up, down)(x, counts)
@@ -66,9 +71,9 @@ def test_grouped_experts_equal_the_kernel_s_call_per_expert(scheme: str, counts:
         start += n
 
 
-@pytest.mark.parametrize("scheme", SCHEMES)
-def test_wrong_counts_are_refused_before_the_kernel_reads_anything(scheme: str) -> None:
-    kernel = _kernel(scheme)
+@pytest.mark.parametrize("name", KERNELS)
+def test_wrong_counts_are_refused_before_the_kernel_reads_anything(name: str) -> None:
+    kernel, scheme = _kernel(name), name.split("-")[0]
     gate_up, down = _experts(scheme, 2)
     grouped = GroupedQuantExperts(kernel, gate_up, down)
     x = torch.zeros(4, HIDDEN, dtype=torch.bfloat16)
@@ -79,9 +84,9 @@ def test_wrong_counts_are_refused_before_the_kernel_reads_anything(scheme: str) 
         grouped(torch.zeros(4, HIDDEN + 8, dtype=torch.bfloat16), [2, 2])
 
 
-@pytest.mark.parametrize("scheme", SCHEMES)
-def test_only_chained_experts_of_one_shape_and_the_kernel_s_scheme_fit(scheme: str) -> None:
-    kernel = _kernel(scheme)
+@pytest.mark.parametrize("name", KERNELS)
+def test_only_chained_experts_of_one_shape_and_the_kernel_s_scheme_fit(name: str) -> None:
+    kernel, scheme = _kernel(name), name.split("-")[0]
     gate_up, down = _experts(scheme, 2)
     other = "w8a8" if scheme == "w4a16" else "w4a16"
     assert GroupedQuantExperts.accepts(kernel, gate_up, down)
@@ -93,6 +98,8 @@ def test_only_chained_experts_of_one_shape_and_the_kernel_s_scheme_fit(scheme: s
     assert not GroupedQuantLinear.accepts(kernel, [gate_up[0], _weight(scheme, 2 * INNER, 2 * HIDDEN, 1)])
     if scheme == "w4a16":  # two group sizes
         assert not GroupedQuantLinear.accepts(kernel, [gate_up[0], int4_weight(2 * INNER, HIDDEN, 64, True)])
+    if name == "w4a16-amx":  # its tiles take 32 inputs a step: a group of 16 does not fit them
+        assert not GroupedQuantLinear.accepts(kernel, [int4_weight(HIDDEN, HIDDEN, 16, True)])
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
@@ -140,3 +147,31 @@ def test_the_experts_choice_takes_the_kernel_build_that_timed_fastest(
     else:
         assert moes and all(isinstance(m.grouped, GroupedQuantExperts) for m in moes)
         assert all(m.grouped.gate_up.kernel is plain and m.grouped.down.kernel is plain for m in moes)
+
+
+def test_the_experts_choice_takes_w4amx_s_grouped_call_where_it_timed_fastest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On AMX CPUs w4amx's builds are grouped candidates beside w4mm's (the same packed copy): the timer's fastest
+    makes the layers' grouped calls, and the model answers as with a call per expert."""
+    amx = _kernel("w4a16-amx")
+    # v2-lite: every input width a multiple of 32 (v2-grouped's q_lora_rank of 24 is not)
+    quantize(build_deepseek("v2-lite", tmp_path / "src"), tmp_path / "q", "w4a16", group_size=32)
+
+    def timer(fn: object) -> float:
+        d = getattr(fn, "__defaults__", None) or ()
+        return 1e-3 if d and isinstance(d[0], GroupedQuantExperts) and d[0].gate_up.kernel is amx else 1.0
+
+    choose = op_choice.choose_quant_experts
+    monkeypatch.setattr(op_choice, "choose_quant_experts", lambda moe, dtype, *_: choose(moe, dtype, timer, None))
+    grouped = make_core(tmp_path / "q", dtype="bfloat16", max_num_seqs=8)
+    moes = [m for m in grouped.runner.model.modules() if type(m).__name__ == "MoE"]
+    assert moes and all(isinstance(m.grouped, GroupedQuantExperts) for m in moes)
+    assert all(m.grouped.gate_up.kernel is amx and m.grouped.down.kernel is amx for m in moes)
+    monkeypatch.setattr(op_choice, "choose_quant_experts", lambda *_: None)
+    each = make_core(tmp_path / "q", dtype="bfloat16", max_num_seqs=8)
+    prompts = mixed_prompts(4)
+    same = torch.ones(len(prompts), dtype=torch.bool)  # rows whose tokens so far agree (a near-tie may flip one)
+    for a, b in zip(step_logits(grouped, prompts, 3), step_logits(each, prompts, 3), strict=True):
+        assert same.any() and (a[same].float() - b[same].float()).abs().max() <= 3e-2 * b.float().abs().max()
+        same &= a.argmax(-1) == b.argmax(-1)
