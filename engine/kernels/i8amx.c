@@ -25,6 +25,7 @@
 
 #include "amx_tiles.h"
 #include "deal.h"
+#include "grouped_tasks.h"
 #include "i8_rows.h"
 #ifdef __AVX512BF16__  // the fused gated-MLP entry's epilogue rounds to bf16 (i8amx_linear_silu_mul), as i8mm's
 #include "avx512_math.h"
@@ -76,6 +77,38 @@ static void block_rows(int mr, int64_t K, const uint8_t *xq, const uint8_t *w, i
     }
 }
 
+// M quantized rows xq (row stride K; xs: their scales) through one 64-column block's packed weight wb, 32 rows at a
+// time, into y's rows row0.. (bf16 when bf16, else float32; N wide, columns n0.., nn of them; with silu_mul, bf16
+// and N / 2 wide: see i8amx_linear_silu_mul). colsum, ws, bias: the block's 64 column sums, scales and biases.
+// *configured: the rows the calling thread's tiles are configured for (-1: none yet).
+static void block_out(int64_t M, int64_t N, int64_t K, const uint8_t *xq, const float *xs, const uint8_t *wb,
+                      const int32_t *colsum, const float *ws, const float *bias, void *y, int bf16, int64_t row0,
+                      int64_t n0, int64_t nn, int *configured, const int silu_mul) {
+    int32_t acc[32 * NB] __attribute__((aligned(64)));
+    for (int64_t m0 = 0; m0 < M; m0 += 32) {
+        const int mr = M - m0 < 32 ? (int)(M - m0) : 32;
+        if (*configured != mr) {  // a row tail's configuration differs from a full 32 rows'
+            amx_configure(mr < 16 ? mr : 16, mr > 16 ? mr - 16 : 0);
+            *configured = mr;
+        }
+        block_rows(mr, K, xq + m0 * K, wb, acc);
+        for (int r = 0; r < mr; r++) {
+            __m512i a[4];
+            for (int j = 0; j < 4; j++) a[j] = _mm512_load_si512((const void *)(acc + r * NB + 16 * j));
+            const int64_t row = row0 + m0 + r;
+            if (!silu_mul) {
+                store_row(a, colsum, ws, bias, xs[m0 + r], y, bf16, row * N + n0, nn);
+                continue;
+            }
+#ifdef __AVX512BF16__
+            float o[NB];  // 32 gate then 32 up columns (N % 64 == 0: whole blocks), as i8mm's epilogue
+            store_row(a, colsum, ws, bias, xs[m0 + r], o, 0, 0, NB);
+            store_silu_mul_block(o, (uint16_t *)y + row * (N / 2) + n0 / 2);
+#endif
+        }
+    }
+}
+
 // x [M][K] (bf16 when bf16, else float32) → y [M][N] of the same type (with silu_mul, bf16 only: y [M][N / 2], see
 // i8amx_linear_silu_mul). w: the packed weight; colsum, ws, b: int32 / float [ceil(N/64) * 64] (b may be NULL).
 // Returns 0, or -1 without memory for the quantized rows.
@@ -91,33 +124,12 @@ static int linear(int64_t M, int64_t N, int64_t K, const void *x, int bf16, cons
     deal_init(&deal, nblocks, nthreads);
 #pragma omp parallel num_threads(nthreads)
     {
-        int32_t acc[32 * NB] __attribute__((aligned(64)));
-        int configured = -1;  // a row tail's configuration differs from a full 32 rows'
+        int configured = -1;
         // Dealt as amxmm's blocks (deal.h): a thread the event loop preempts leaves its blocks to the other.
         for (int64_t nb; (nb = deal_next(&deal, omp_get_thread_num())) >= 0;) {
             const int64_t n0 = nb * NB, nn = N - n0 < NB ? N - n0 : NB;
-            for (int64_t m0 = 0; m0 < M; m0 += 32) {
-                const int mr = M - m0 < 32 ? (int)(M - m0) : 32;
-                if (configured != mr) {
-                    amx_configure(mr < 16 ? mr : 16, mr > 16 ? mr - 16 : 0);
-                    configured = mr;
-                }
-                block_rows(mr, K, xq + m0 * K, w + nb * K * NB, acc);
-                for (int r = 0; r < mr; r++) {
-                    __m512i a[4];
-                    for (int j = 0; j < 4; j++) a[j] = _mm512_load_si512((const void *)(acc + r * NB + 16 * j));
-                    const float *bias = b ? b + n0 : zeros;
-                    if (!silu_mul) {
-                        store_row(a, colsum + n0, ws + n0, bias, xs[m0 + r], y, bf16, (m0 + r) * N + n0, nn);
-                        continue;
-                    }
-#ifdef __AVX512BF16__
-                    float o[NB];  // 32 gate then 32 up columns (N % 64 == 0: whole blocks), as i8mm's epilogue
-                    store_row(a, colsum + n0, ws + n0, bias, xs[m0 + r], o, 0, 0, NB);
-                    store_silu_mul_block(o, (uint16_t *)y + (m0 + r) * (N / 2) + n0 / 2);
-#endif
-                }
-            }
+            block_out(M, N, K, xq, xs, w + nb * K * NB, colsum + n0, ws + n0, b ? b + n0 : zeros, y, bf16, 0, n0, nn,
+                      &configured, silu_mul);
         }
         if (configured != -1) _tile_release();
     }
@@ -139,5 +151,58 @@ int i8amx_linear(int64_t M, int64_t N, int64_t K, const void *x, int bf16, const
 int i8amx_linear_silu_mul(int64_t M, int64_t N, int64_t K, const uint16_t *x, const uint8_t *w,
                           const int32_t *colsum, const float *ws, const float *b, uint16_t *y, int nthreads) {
     return linear(M, N, K, x, 1, w, colsum, ws, b, y, nthreads, 1);
+}
+#endif
+
+#ifdef __AVX512BF16__
+typedef struct {
+    const int64_t *counts;
+    int64_t N, K;
+    const uint8_t *xq;
+    const float *xs;
+    const uint8_t *const *w;
+    const int32_t *const *colsum;
+    const float *const *ws;
+    uint16_t *y;
+    const int64_t *first, *layer;
+    int silu_mul;
+} i8agroup_t;
+
+// One task of i8amx_grouped: a layer's rows (piece p) through one column block (grouped_tasks.h); its tiles
+// configured for the task and released after it (a task's rows are its layer's).
+static void i8agroup_task(const void *ctx, int64_t p, int64_t nb, int64_t end) {
+    (void)end;  // block_rows asks only for the block's own k-steps ahead
+    const i8agroup_t *g = ctx;
+    static const float zeros[NB];
+    const int64_t e = g->layer[p], N = g->N, K = g->K, n0 = nb * NB, r0 = g->first[p];
+    const int64_t nn = N - n0 < NB ? N - n0 : NB;
+    int configured = -1;
+    block_out(g->counts[e], N, K, g->xq + r0 * K, g->xs + r0, g->w[e] + nb * K * NB, g->colsum[e] + n0,
+              g->ws[e] + n0, zeros, g->y, 1, r0, n0, nn, &configured, g->silu_mul);
+    if (configured != -1) _tile_release();
+}
+
+// E W8A8 linear layers of one shape (no bias) in one call on AMX-INT8 tiles, as i8mm_grouped (its arguments, over
+// the same packed copies; bf16 rows in and out, silu_mul as there): layer e takes counts[e] consecutive rows of x.
+// WHY: on AMX CPUs a MoE layer's W8A8 experts otherwise run a call per expert and projection (a Python round trip
+// and a parallel region each) or i8mm's VPDPBUSD loops, which AMX's tiles outrun from a few rows on. Returns 0, or
+// -1 without memory for the quantized rows.
+int i8amx_grouped(int64_t E, const int64_t *counts, int64_t N, int64_t K, const uint16_t *x,
+                  const uint8_t *const *w, const int32_t *const *colsum, const float *const *ws, uint16_t *y,
+                  int nthreads, int silu_mul) {
+    const int64_t nblocks = (N + NB - 1) / NB;
+    int64_t M = 0, P = 0;
+    for (int64_t e = 0; e < E; e++) M += counts[e], P += counts[e] > 0;
+    if (M <= 0) return 0;
+    float *xs;
+    const uint8_t *xq = quantize_rows(M, K, K, x, 1, nthreads, &xs);
+    if (!xq) return -1;
+    int64_t first[P], layer[P];  // each layer with rows: its first row and its index
+    P = 0;
+    for (int64_t e = 0, row = 0; e < E; row += counts[e++])
+        if (counts[e] > 0) first[P] = row, layer[P++] = e;
+    const i8agroup_t g = {counts, N, K, xq, xs, w, colsum, ws, y, first, layer, silu_mul};
+    grouped_tasks(P, nblocks, nthreads, 2, i8agroup_task, &g);
+    return 0;
 }
 #endif

@@ -36,6 +36,10 @@ class I8AMX:
         if self.has_silu_mul:
             lib.i8amx_linear_silu_mul.argtypes = [_i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _int]
             lib.i8amx_linear_silu_mul.restype = _int
+        self.has_grouped = hasattr(lib, "i8amx_grouped")  # the same (bf16 rows in and out)
+        if self.has_grouped:
+            lib.i8amx_grouped.argtypes = [_i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _int, _int]
+            lib.i8amx_grouped.restype = _int
         lib.i8amx_init.restype = _int
         if lib.i8amx_init() != 0:
             raise BuildError("the kernel cannot use AMX: Linux refused the tile state (arch_prctl)")
@@ -61,6 +65,13 @@ class I8AMX:
     def linear_silu_mul(self, x: torch.Tensor, w: PackedInt8) -> torch.Tensor:
         """I8MM.linear_silu_mul on AMX tiles, over the same interleaved copy: the same bits."""
         return I8MM.run_silu_mul(self.lib.i8amx_linear_silu_mul, x, w, "i8amx")
+
+    def grouped(
+        self, x: torch.Tensor, counts: ctypes.Array, shape: tuple[int, int], weights: tuple[ctypes.Array, ...],
+        silu_mul: bool,
+    ) -> torch.Tensor:  # fmt: skip
+        """I8MM.grouped on AMX tiles, over the same packed copies (K a multiple of 64: accepts)."""
+        return I8MM.run_grouped(self.lib.i8amx_grouped, x, counts, shape, weights, silu_mul, "i8amx")
 
 
 def supported() -> bool:

@@ -114,13 +114,19 @@ class I8MM:
         [rows, N] bf16, or [rows, N / 2] = silu(gate) * up where the weights are gated MLPs' [gate; up] rows
         interleaved in blocks of 32 (N a multiple of 64). The C side trusts its arguments: engine.quant.grouped
         checks them."""
+        return self.run_grouped(self.lib.i8mm_grouped, x, counts, shape, weights, silu_mul, "i8mm")
+
+    @staticmethod
+    def run_grouped(
+        fn: ctypes._CFuncPtr, x: torch.Tensor, counts: ctypes.Array, shape: tuple[int, int],
+        weights: tuple[ctypes.Array, ...], silu_mul: bool, name: str,
+    ) -> torch.Tensor:  # fmt: skip
+        """Calls a grouped entry point over this layout (i8mm_grouped, i8amx_grouped: `grouped`'s arguments)."""
         n, k = shape
         y = torch.empty(x.shape[0], n // 2 if silu_mul else n, dtype=torch.bfloat16)
-        rc = self.lib.i8mm_grouped(
-            len(counts), counts, n, k, x.data_ptr(), *weights, y.data_ptr(), torch.get_num_threads(), int(silu_mul)
-        )
+        rc = fn(len(counts), counts, n, k, x.data_ptr(), *weights, y.data_ptr(), torch.get_num_threads(), int(silu_mul))
         if rc != 0:
-            raise MemoryError("i8mm: no memory for the quantized rows")
+            raise MemoryError(f"{name}: no memory for the quantized rows")
         return y
 
     @staticmethod

@@ -24,6 +24,7 @@ from engine.kernels import (
     decode_attn_dp,
     decode_attn_latent,
     decode_attn_latent_dp,
+    i8amx,
     i8mm,
     prefill_attn_amx,
     w4amx,
@@ -223,19 +224,19 @@ def choose_quant_experts(
     moe: MoE, dtype: torch.dtype, timer: Timer | None, cache: PlanCache | None,
     flush: Callable[[], None] | None = None,
 ) -> QuantExpertsFactory | None:  # fmt: skip
-    """The grouped call over quantized experts (engine.quant.grouped.GroupedQuantExperts: w4mm's, and on AMX CPUs
-    w4amx's, for W4A16, i8mm's for W8A8; each kernel's builds with and without software prefetch), where it beat
-    a call per expert and projection on `moe`'s own first experts, ROWS tokens routed at random to its top-k; None
-    where that lost, the math is not bf16, the kernel is missing here or the experts do not fit it. What it returns
-    makes the grouped call for a layer's experts (None where they do not fit). `flush`: as fastest's."""
+    """The grouped call over quantized experts (engine.quant.grouped.GroupedQuantExperts: w4mm's for W4A16, i8mm's
+    for W8A8, and on AMX CPUs also w4amx's or i8amx's; each kernel's builds with and without software prefetch),
+    where it beat a call per expert and projection on `moe`'s own first experts, ROWS tokens routed at random to its
+    top-k; None where that lost, the math is not bf16, the kernel is missing here or the experts do not fit it. What
+    it returns makes the grouped call for a layer's experts (None where they do not fit). `flush`: as fastest's."""
     experts = moe.local_experts()
     if dtype != torch.bfloat16 or not experts or not all(hasattr(e.gate_up_proj, "gemm_weight") for e in experts):
         return None
     e = min(len(experts), PROBE_EXPERTS)
     gate_up = [x.gate_up_proj.gemm_weight() for x in experts[:e]]  # type: ignore[operator]
     down = [x.down_proj.gemm_weight() for x in experts[:e]]  # type: ignore[operator]
-    # w4mm's (or i8mm's) builds, and for W4A16 on AMX CPUs w4amx's over the same packed copy
-    modules = (w4mm, w4amx) if isinstance(gate_up[0], Int4Weight) else (i8mm,)
+    # w4mm's (or i8mm's) builds, and on AMX CPUs w4amx's (or i8amx's) over the same packed copy
+    modules = (w4mm, w4amx) if isinstance(gate_up[0], Int4Weight) else (i8mm, i8amx)
     builds: dict[str, object] = {}
     for module in modules:
         name = module.__name__.rsplit(".", 1)[1]

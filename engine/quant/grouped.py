@@ -1,6 +1,6 @@
 """A MoE layer's quantized routed experts in two kernel calls a step (the grouped entry points of
-engine.kernels.w4mm, or engine.kernels.w4amx on AMX CPUs, for W4A16 and engine.kernels.i8mm for W8A8): every
-expert's gate/up projection with the fused SiLU, then every expert's down projection; bf16 rows in and out.
+engine.kernels.w4mm, or w4amx on AMX CPUs, for W4A16 and engine.kernels.i8mm, or i8amx on AMX CPUs, for W8A8):
+every expert's gate/up projection with the fused SiLU, then every expert's down projection; bf16 rows in and out.
 
 The bf16 experts have had this since engine.kernels.grouped; quantized ones ran a GEMM plan per expert and
 projection, a Python round trip and a parallel region each (~25 us on a 2-core Zen 4), two per active expert
@@ -15,11 +15,14 @@ import ctypes
 import torch
 
 from engine.kernels.grouped import check_groups
+from engine.kernels.i8amx import I8AMX
 from engine.kernels.i8mm import I8MM
 from engine.kernels.w4amx import W4AMX
 from engine.kernels.w4mm import W4MM
 from engine.quant.paths import W4MMPath, interleaved
 from engine.quant.weights import Int4Weight, Int8Weight, QuantWeight
+
+QuantKernel = W4MM | W4AMX | I8MM | I8AMX  # w4mm's packed layout serves both W4 kernels, i8mm's both W8
 
 
 def _pointers(tensors: list[torch.Tensor]) -> ctypes.Array:
@@ -29,7 +32,7 @@ def _pointers(tensors: list[torch.Tensor]) -> ctypes.Array:
 class GroupedQuantLinear:
     """Quantized linear layers of one shape and scheme (no bias) over consecutive row groups of one input."""
 
-    def __init__(self, kernel: W4MM | W4AMX | I8MM, weights: list[QuantWeight], silu_mul: bool = False) -> None:
+    def __init__(self, kernel: QuantKernel, weights: list[QuantWeight], silu_mul: bool = False) -> None:
         self.kernel, self.silu_mul = kernel, silu_mul
         self.n, self.k = weights[0].shape
         ws = [interleaved(w) if silu_mul else w for w in weights]
@@ -44,7 +47,7 @@ class GroupedQuantLinear:
             self.pointers = tuple(_pointers([getattr(p, f) for p in self.packed]) for f in fields)
 
     @staticmethod
-    def accepts(kernel: W4MM | W4AMX | I8MM, weights: list[object], silu_mul: bool = False) -> bool:
+    def accepts(kernel: QuantKernel, weights: list[object], silu_mul: bool = False) -> bool:
         """Weights of one shape (and group size) of the kernel's scheme that it takes (N a multiple of 64 for
         silu_mul)."""
         if not weights or (silu_mul and weights[0].shape[0] % 64):  # type: ignore[attr-defined]
@@ -56,6 +59,8 @@ class GroupedQuantLinear:
             same = all(w.shape == (n, k) and w.group_size == g for w in weights)  # type: ignore[attr-defined]
             return same and kernel.accepts(n, k, g)
         shape = weights[0].shape  # type: ignore[attr-defined]
+        if isinstance(kernel, I8AMX) and not I8AMX.accepts(shape[1]):
+            return False
         return kernel.has_grouped and all(isinstance(w, Int8Weight) and w.shape == shape for w in weights)
 
     def __call__(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
@@ -71,13 +76,13 @@ class GroupedQuantLinear:
 class GroupedQuantExperts:
     """A MoE layer's routed experts (SiLU gated MLPs, no bias, W4A16 or W8A8) in two grouped calls."""
 
-    def __init__(self, kernel: W4MM | W4AMX | I8MM, gate_up: list[QuantWeight], down: list[QuantWeight]) -> None:
+    def __init__(self, kernel: QuantKernel, gate_up: list[QuantWeight], down: list[QuantWeight]) -> None:
         """gate_up: each expert's [2I, H] merged weight ([gate; up]); down: each expert's [H, I]."""
         self.gate_up = GroupedQuantLinear(kernel, gate_up, silu_mul=True)
         self.down = GroupedQuantLinear(kernel, down)
 
     @staticmethod
-    def accepts(kernel: W4MM | W4AMX | I8MM, gate_up: list[object], down: list[object]) -> bool:
+    def accepts(kernel: QuantKernel, gate_up: list[object], down: list[object]) -> bool:
         """Both projections GroupedQuantLinear's, one expert each, and they chain: [2I, H] then [H, I]."""
         if not gate_up or len(gate_up) != len(down):
             return False

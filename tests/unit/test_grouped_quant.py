@@ -9,13 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.kernels import bf16mm, i8mm, op_choice, w4amx, w4mm
+from engine.kernels import bf16mm, i8amx, i8mm, op_choice, w4amx, w4mm
 from engine.layers.activation import ActAndMul
 from engine.quant.grouped import GroupedQuantExperts, GroupedQuantLinear
 from engine.quant.paths import I8MMPath, W4AMXPath, W4MMPath
 from engine.quant.quantize import quantize
 from tests.int4_kernels import int4_weight
 from tests.int8_kernels import int8_weight
+from tests.parity import test_deepseek
 from tests.parity.conftest import make_core, mixed_prompts, step_logits
 from tests.parity.test_deepseek import build_deepseek
 
@@ -24,12 +25,13 @@ pytestmark = pytest.mark.skipif(not bf16mm.supported(), reason="the grouped quan
 
 HIDDEN, INNER, GROUP = 128, 64, 32
 SCHEMES = ["w4a16", "w8a8"]
-KERNELS = ["w4a16", "w4a16-amx", "w8a8"]  # a scheme, and the kernel when not its first: w4amx needs AMX
-Kernel = w4mm.W4MM | w4amx.W4AMX | i8mm.I8MM
+KERNELS = ["w4a16", "w4a16-amx", "w8a8", "w8a8-amx"]  # a scheme, and "-amx" for its AMX kernel (AMX CPUs only)
+Kernel = w4mm.W4MM | w4amx.W4AMX | i8mm.I8MM | i8amx.I8AMX
 
 
 def _kernel(name: str) -> Kernel:
-    kernel = {"w4a16": w4mm.kernel, "w4a16-amx": w4amx.kernel, "w8a8": i8mm.kernel}[name]()
+    makers = {"w4a16": w4mm.kernel, "w4a16-amx": w4amx.kernel, "w8a8": i8mm.kernel, "w8a8-amx": i8amx.kernel}
+    kernel = makers[name]()
     if kernel is None:
         pytest.skip(f"no {name} kernel on this CPU")
     return kernel
@@ -47,7 +49,7 @@ def _experts(scheme: str, e: int, symmetric: bool = False) -> tuple[list, list]:
 def _per_expert_path(kernel: Kernel) -> W4MMPath | W4AMXPath | I8MMPath:
     if isinstance(kernel, w4amx.W4AMX):
         return W4AMXPath(kernel, "amx")  # the same per-block code as its grouped call
-    return W4MMPath(kernel, "direct") if isinstance(kernel, w4mm.W4MM) else I8MMPath(kernel)
+    return W4MMPath(kernel, "direct") if isinstance(kernel, w4mm.W4MM) else I8MMPath(kernel)  # i8amx: its `linear`
 
 
 # every expert a few rows; empty experts between busy ones and one past the kernels' row tiles (3, 6 and 16 rows);
@@ -100,6 +102,8 @@ def test_only_chained_experts_of_one_shape_and_the_kernel_s_scheme_fit(name: str
         assert not GroupedQuantLinear.accepts(kernel, [gate_up[0], int4_weight(2 * INNER, HIDDEN, 64, True)])
     if name == "w4a16-amx":  # its tiles take 32 inputs a step: a group of 16 does not fit them
         assert not GroupedQuantLinear.accepts(kernel, [int4_weight(HIDDEN, HIDDEN, 16, True)])
+    if name == "w8a8-amx":  # its tiles take 64 inputs a step
+        assert not GroupedQuantLinear.accepts(kernel, [int8_weight(HIDDEN, 96, 1)])
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
@@ -149,14 +153,19 @@ def test_the_experts_choice_takes_the_kernel_build_that_timed_fastest(
         assert all(m.grouped.gate_up.kernel is plain and m.grouped.down.kernel is plain for m in moes)
 
 
-def test_the_experts_choice_takes_w4amx_s_grouped_call_where_it_timed_fastest(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("name", ["w4a16-amx", "w8a8-amx"])
+def test_the_experts_choice_takes_the_amx_kernel_s_grouped_call_where_it_timed_fastest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str
 ) -> None:
-    """On AMX CPUs w4amx's builds are grouped candidates beside w4mm's (the same packed copy): the timer's fastest
-    makes the layers' grouped calls, and the model answers as with a call per expert."""
-    amx = _kernel("w4a16-amx")
-    # v2-lite: every input width a multiple of 32 (v2-grouped's q_lora_rank of 24 is not)
-    quantize(build_deepseek("v2-lite", tmp_path / "src"), tmp_path / "q", "w4a16", group_size=32)
+    """On AMX CPUs w4amx's and i8amx's builds are grouped candidates beside w4mm's and i8mm's (over the same packed
+    copies): the timer's fastest makes the layers' grouped calls, and the model answers as with a call per
+    expert."""
+    amx, scheme = _kernel(name), name.split("-")[0]
+    # v2-lite with experts 64 wide: every expert's input width a multiple of 64 (i8amx's k-step), and every
+    # layer's of 32 (w4amx's group); v2-grouped's q_lora_rank of 24 is neither
+    wide = test_deepseek.CONFIGS["v2-lite"] | {"moe_intermediate_size": 64}
+    monkeypatch.setitem(test_deepseek.CONFIGS, "v2-amx", wide)
+    quantize(build_deepseek("v2-amx", tmp_path / "src"), tmp_path / "q", scheme, group_size=32)
 
     def timer(fn: object) -> float:
         d = getattr(fn, "__defaults__", None) or ()
