@@ -33,4 +33,15 @@ static inline void grouped_tasks(int64_t pieces, int64_t nblocks, int nthreads, 
     for (int64_t t = 0; t < pieces * nblocks; t++) run(ctx, t / nblocks, t % nblocks, nblocks);
 }
 
+// A grouped call's layers that have rows (counts[e] > 0), in order: each one's first row of x and its index, into
+// first and layer (E slots each); returns how many (the call's pieces), and in *rows the rows of all E layers.
+static inline int64_t grouped_pieces(int64_t E, const int64_t *counts, int64_t *first, int64_t *layer,
+                                     int64_t *rows) {
+    int64_t P = 0, row = 0;
+    for (int64_t e = 0; e < E; row += counts[e++])
+        if (counts[e] > 0) first[P] = row, layer[P++] = e;
+    *rows = row;
+    return P;
+}
+
 #endif

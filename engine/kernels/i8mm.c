@@ -209,16 +209,12 @@ int i8mm_grouped(int64_t E, const int64_t *counts, int64_t N, int64_t K, const u
                  const uint8_t *const *w, const int32_t *const *colsum, const float *const *ws, uint16_t *y,
                  int nthreads, int silu_mul) {
     const int64_t K4 = (K + 3) / 4 * 4, nblocks = (N + NB - 1) / NB;
-    int64_t M = 0, P = 0;
-    for (int64_t e = 0; e < E; e++) M += counts[e], P += counts[e] > 0;
+    int64_t first[E > 0 ? E : 1], layer[E > 0 ? E : 1], M;  // each layer with rows: its first row, its index
+    const int64_t P = grouped_pieces(E, counts, first, layer, &M);
     if (M <= 0) return 0;
     float *xs;
     const uint8_t *xq = quantize_rows(M, K, K4, x, 1, nthreads, &xs);
     if (!xq) return -1;
-    int64_t first[P], layer[P];  // each layer with rows: its first row and its index
-    P = 0;
-    for (int64_t e = 0, row = 0; e < E; row += counts[e++])
-        if (counts[e] > 0) first[P] = row, layer[P++] = e;
     const i8group_t g = {counts, N, K4, xq, w, colsum, ws, y, xs, first, layer, silu_mul};
     grouped_tasks(P, nblocks, nthreads, 2, i8group_task, &g);
     return 0;

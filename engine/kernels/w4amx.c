@@ -207,16 +207,12 @@ static void w4agroup_task(const void *ctx, int64_t p, int64_t nb, int64_t end) {
 int w4amx_grouped(int64_t E, const int64_t *counts, int64_t N, int64_t K, int64_t G, const uint16_t *x,
                   const uint8_t *const *wq, const float *const *sc, uint16_t *y, int nthreads, int silu_mul) {
     const int64_t nblocks = (N + NB - 1) / NB, groups = K / G;
-    int64_t M = 0, P = 0;
-    for (int64_t e = 0; e < E; e++) M += counts[e], P += counts[e] > 0;
+    int64_t first[E > 0 ? E : 1], layer[E > 0 ? E : 1], M;  // each layer with rows: its first row, its index
+    const int64_t P = grouped_pieces(E, counts, first, layer, &M);
     if (M <= 0) return 0;
     float *xs = sums_for(M * groups);
     if (!xs) return -1;
     group_sums(M, K, G, x, xs, nthreads);
-    int64_t first[P], layer[P];  // each layer with rows: its first row and its index
-    P = 0;
-    for (int64_t e = 0, row = 0; e < E; row += counts[e++])
-        if (counts[e] > 0) first[P] = row, layer[P++] = e;
     _Atomic int failed = 0;
     const w4agroup_t g = {counts, N, K, G, x, wq, sc, y, xs, first, layer, silu_mul, &failed};
     grouped_tasks(P, nblocks, nthreads, 2, w4agroup_task, &g);
