@@ -25,7 +25,6 @@
 #endif
 #include <immintrin.h>
 #include <omp.h>
-#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -168,24 +167,11 @@ static int by_group(int64_t M, int64_t N, int64_t K, int64_t G, const uint16_t *
     return failed ? -1 : 0;
 }
 
-typedef struct {
-    const int64_t *counts;
-    int64_t N, K, G;
-    const uint16_t *x;
-    const uint8_t *const *wq;
-    const float *const *sc;
-    uint16_t *y;
-    const float *xs;
-    const int64_t *first, *layer;
-    int silu_mul;
-    _Atomic int *failed;
-} w4agroup_t;
-
 // One task of w4amx_grouped: a layer's rows (piece p) through one column block (grouped_tasks.h), a group at a
 // time; its tiles configured for the task and released after it (a task's rows are its layer's).
-static void w4agroup_task(const void *ctx, int64_t p, int64_t nb, int64_t end) {
+static void w4group_task(const void *ctx, int64_t p, int64_t nb, int64_t end) {
     (void)end;  // the widening asks for nibbles PF_BYTES ahead, in whichever block they lie
-    const w4agroup_t *g = ctx;
+    const w4group_t *g = ctx;
     static const float zeros[NB];
     uint16_t *wg = bf16_buffer(g->G * NB);
     if (!wg) {
@@ -214,8 +200,8 @@ int w4amx_grouped(int64_t E, const int64_t *counts, int64_t N, int64_t K, int64_
     if (!xs) return -1;
     group_sums(M, K, G, x, xs, nthreads);
     _Atomic int failed = 0;
-    const w4agroup_t g = {counts, N, K, G, x, wq, sc, y, xs, first, layer, silu_mul, &failed};
-    grouped_tasks(P, nblocks, nthreads, 2, w4agroup_task, &g);
+    const w4group_t g = {counts, N, K, G, x, wq, sc, y, xs, first, layer, silu_mul, &failed};
+    grouped_tasks(P, nblocks, nthreads, 2, w4group_task, &g);
     return atomic_load(&failed) ? -1 : 0;
 }
 

@@ -144,18 +144,6 @@ int w4mm_linear_silu_mul(int64_t M, int64_t N, int64_t K, int64_t G, const uint1
     return direct(M, N, K, G, x, wq, sc, b, y, nthreads, 1);
 }
 
-typedef struct {
-    const int64_t *counts;
-    int64_t N, K, G;
-    const uint16_t *x;
-    const uint8_t *const *wq;
-    const float *const *sc;
-    uint16_t *y;
-    const float *xs;
-    const int64_t *first, *layer;
-    int silu_mul;
-} w4group_t;
-
 // One task of w4mm_grouped: a layer's rows (piece p) through one column block (grouped_tasks.h).
 static void w4group_task(const void *ctx, int64_t p, int64_t nb, int64_t end) {
     (void)end;  // the direct kernel asks for nibbles PF_BYTES ahead, in whichever block they lie
@@ -193,7 +181,7 @@ int w4mm_grouped(int64_t E, const int64_t *counts, int64_t N, int64_t K, int64_t
     float *xs = sums_for(M * groups);
     if (!xs) return -1;
     group_sums(M, K, G, x, xs, nthreads);
-    const w4group_t g = {counts, N, K, G, x, wq, sc, y, xs, first, layer, silu_mul};
+    const w4group_t g = {counts, N, K, G, x, wq, sc, y, xs, first, layer, silu_mul, NULL};
     grouped_tasks(P, nblocks, nthreads, 2, w4group_task, &g);
     return 0;
 }

@@ -5,6 +5,7 @@
 #ifndef W4MM_COMMON_H
 #define W4MM_COMMON_H
 #include <immintrin.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -138,6 +139,22 @@ static inline void store_out(float *o, const float *bias, uint16_t *y, int64_t r
 static void load_bias(const uint16_t *b, int64_t n0, int64_t nn, float bias[NB]) {
     for (int64_t j = 0; j < NB; j++) bias[j] = b && j < nn ? bf16_to_f32(b[n0 + j]) : 0.0f;
 }
+
+// A grouped call's arguments for its tasks (w4mm_grouped, w4amx_grouped): layer e's counts[e] rows of x from row
+// first[p] of piece p = its layer[p]; xs the rows' group sums; failed: set by a task that found no buffer (w4amx's;
+// NULL where a task needs none).
+typedef struct {
+    const int64_t *counts;
+    int64_t N, K, G;
+    const uint16_t *x;
+    const uint8_t *const *wq;
+    const float *const *sc;
+    uint16_t *y;
+    const float *xs;
+    const int64_t *first, *layer;
+    int silu_mul;
+    _Atomic int *failed;
+} w4group_t;
 
 static __thread thread_buffer bf16_buf;
 
