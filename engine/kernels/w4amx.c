@@ -192,17 +192,7 @@ static void w4group_task(const void *ctx, int64_t p, int64_t nb, int64_t end) {
 // Python round trip and a parallel region. Returns 0, or -1 where a buffer could not be had (y is then incomplete).
 int w4amx_grouped(int64_t E, const int64_t *counts, int64_t N, int64_t K, int64_t G, const uint16_t *x,
                   const uint8_t *const *wq, const float *const *sc, uint16_t *y, int nthreads, int silu_mul) {
-    const int64_t nblocks = (N + NB - 1) / NB, groups = K / G;
-    int64_t first[E > 0 ? E : 1], layer[E > 0 ? E : 1], M;  // each layer with rows: its first row, its index
-    const int64_t P = grouped_pieces(E, counts, first, layer, &M);
-    if (M <= 0) return 0;
-    float *xs = sums_for(M * groups);
-    if (!xs) return -1;
-    group_sums(M, K, G, x, xs, nthreads);
-    _Atomic int failed = 0;
-    const w4group_t g = {counts, N, K, G, x, wq, sc, y, xs, first, layer, silu_mul, &failed};
-    grouped_tasks(P, nblocks, nthreads, 2, w4group_task, &g);
-    return atomic_load(&failed) ? -1 : 0;
+    return w4_grouped(E, counts, N, K, G, x, wq, sc, y, nthreads, silu_mul, w4group_task);
 }
 
 // A whole block dequantized at a time (the header); silu_mul as by_group's.

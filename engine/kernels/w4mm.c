@@ -174,16 +174,7 @@ static void w4group_task(const void *ctx, int64_t p, int64_t nb, int64_t end) {
 // (~25 us a call on a 2-core Zen 4), hundreds a decode step at batch 32. Returns 0, or -1 as w4mm_linear.
 int w4mm_grouped(int64_t E, const int64_t *counts, int64_t N, int64_t K, int64_t G, const uint16_t *x,
                  const uint8_t *const *wq, const float *const *sc, uint16_t *y, int nthreads, int silu_mul) {
-    const int64_t nblocks = (N + NB - 1) / NB, groups = K / G;
-    int64_t first[E > 0 ? E : 1], layer[E > 0 ? E : 1], M;  // each layer with rows: its first row, its index
-    const int64_t P = grouped_pieces(E, counts, first, layer, &M);
-    if (M <= 0) return 0;
-    float *xs = sums_for(M * groups);
-    if (!xs) return -1;
-    group_sums(M, K, G, x, xs, nthreads);
-    const w4group_t g = {counts, N, K, G, x, wq, sc, y, xs, first, layer, silu_mul, NULL};
-    grouped_tasks(P, nblocks, nthreads, 2, w4group_task, &g);
-    return 0;
+    return w4_grouped(E, counts, N, K, G, x, wq, sc, y, nthreads, silu_mul, w4group_task);
 }
 
 // One group's nibbles of a 64-column block widened to bf16 (128 + q, exact) in bf16mm's layout [G/2][64][2].

@@ -1,7 +1,7 @@
 // What the W4A16 kernels over w4mm's packed layout share (w4mm.c for AVX512-BF16, w4amx.c for AMX): widening
 // nibbles to bf16, the rows' sums per group, the thread's buffers, the rows' store (plain or the fused gated
-// MLP's). Include after bf16mm_block.h (NB, to_bf16); cbuild.py hashes them, and thread_buffer.h, with every
-// source that includes them.
+// MLP's), a grouped call's frame around each kernel's task. Include after bf16mm_block.h (NB, to_bf16); cbuild.py
+// hashes them, and thread_buffer.h and grouped_tasks.h, with every source that includes them.
 #ifndef W4MM_COMMON_H
 #define W4MM_COMMON_H
 #include <immintrin.h>
@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "avx512_math.h"
+#include "grouped_tasks.h"
 #include "thread_buffer.h"
 
 // How far ahead of the nibbles being widened the kernels ask for the next ones (past a block: the next block's,
@@ -141,8 +142,7 @@ static void load_bias(const uint16_t *b, int64_t n0, int64_t nn, float bias[NB])
 }
 
 // A grouped call's arguments for its tasks (w4mm_grouped, w4amx_grouped): layer e's counts[e] rows of x from row
-// first[p] of piece p = its layer[p]; xs the rows' group sums; failed: set by a task that found no buffer (w4amx's;
-// NULL where a task needs none).
+// first[p] of piece p = its layer[p]; xs the rows' group sums; failed: set by a task that found no buffer.
 typedef struct {
     const int64_t *counts;
     int64_t N, K, G;
@@ -155,6 +155,25 @@ typedef struct {
     int silu_mul;
     _Atomic int *failed;
 } w4group_t;
+
+// E W4A16 layers of one shape over their own rows in one call (w4mm_grouped's arguments): the rows' group sums,
+// then `task` (w4mm's or w4amx's) over every (layer with rows, column block) as grouped_tasks.h spreads them.
+// Returns 0, or -1 where the sums or a task's buffer could not be had (y is then incomplete).
+static int w4_grouped(int64_t E, const int64_t *counts, int64_t N, int64_t K, int64_t G, const uint16_t *x,
+                      const uint8_t *const *wq, const float *const *sc, uint16_t *y, int nthreads, int silu_mul,
+                      grouped_task_fn task) {
+    const int64_t nblocks = (N + NB - 1) / NB, groups = K / G;
+    int64_t first[E > 0 ? E : 1], layer[E > 0 ? E : 1], M;  // each layer with rows: its first row, its index
+    const int64_t P = grouped_pieces(E, counts, first, layer, &M);
+    if (M <= 0) return 0;
+    float *xs = sums_for(M * groups);
+    if (!xs) return -1;
+    group_sums(M, K, G, x, xs, nthreads);
+    _Atomic int failed = 0;
+    const w4group_t g = {counts, N, K, G, x, wq, sc, y, xs, first, layer, silu_mul, &failed};
+    grouped_tasks(P, nblocks, nthreads, 2, task, &g);
+    return atomic_load(&failed) ? -1 : 0;
+}
 
 static __thread thread_buffer bf16_buf;
 
