@@ -6,7 +6,7 @@ longer than running it: module calls, argument checks, a `torch.empty` per outpu
 their weights, caches and buffers, and replays them in C; what changes between steps (the rows, the block tables,
 the context lengths, the cache slots, the rotary angles, the input) is read from a handful of step values.
 
-The entry points are the kernels' own (bf16mm.c, amxmm.c, wbf16.c, i8mm.c / i8amx.c, w4mm.c / w4amx.c,
+The entry points are the kernels' own (bf16mm.c, amxmm.c, wbf16.c, i8mm.c / i8amx.c, w4mm.c / w4amx.c / w4fp16.c,
 pointwise.c, decode_attn*.c), called with the same arguments as from Python, so a program computes exactly what
 the layers compute; torch code with no kernel (a gated MLP's act after a plain GEMM) runs between two C calls.
 """
@@ -93,7 +93,7 @@ class ProgramBuilder:
     def w4mm(
         self, fn: int, n: int, k: int, group: int, x: int, nibbles: int, scales: int, bias: int | None, y: int
     ) -> None:
-        """W4A16 (w4mm.c / w4amx.c, bf16 rows): any of their entry points, plain or fused."""
+        """W4A16 (w4mm.c / w4amx.c / w4fp16.c, bf16 rows): any of their entry points, plain or fused."""
         self._op(OP_W4, fn, ROWS, n, k, group, x, nibbles, scales, bias, y, THREADS)
 
     def norm(self, fn: int, dim: int, x: Arg, residual: Arg, w: int, eps: float, out: int, total: Arg) -> None:

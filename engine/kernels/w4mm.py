@@ -217,13 +217,16 @@ def _random_case(
 
 
 def check_int4_kernel(
-    name: str, entries: dict[str, Callable[..., torch.Tensor]], shapes: tuple[tuple[int, int, int, int], ...]
+    name: str, entries: dict[str, Callable[..., torch.Tensor]], shapes: tuple[tuple[int, int, int, int], ...],
+    magnitude: float = 1.0,
 ) -> None:  # fmt: skip
     """Each entry point over w4mm's layout (entry(x, packed, bias)) against the reference at (M, N, K, G) shapes,
-    asymmetric zero points and a bias; raises SelfCheckError naming the first that differs."""
+    asymmetric zero points and a bias, rows of x about `magnitude` in size; raises SelfCheckError naming the first
+    that differs."""
     g = torch.Generator().manual_seed(0)
     for m, n, k, gs in shapes:
         values, scale, zero, x, bias = _random_case(g, m, n, k, gs)
+        x = (x.float() * magnitude).bfloat16()
         want = Int4Weight(pack_nibbles(values), scale, zero, gs).reference(x, bias.float())
         packed = W4MM.pack(values, scale, zero, gs)
         for entry, fn in entries.items():

@@ -20,13 +20,14 @@ from collections.abc import Callable
 
 import torch
 
-from engine.kernels import i8amx, i8avx2, i8mm, w4amx, w4f32, w4mm
+from engine.kernels import i8amx, i8avx2, i8mm, w4amx, w4f32, w4fp16, w4mm
 from engine.kernels.gemm import Act, CEntry, EntryRun, GemmPath, Run, interleave_halves, packed_once, with_act
 from engine.kernels.i8amx import I8AMX
 from engine.kernels.i8avx2 import I8AVX2, PackedInt8Rows
 from engine.kernels.i8mm import I8MM, PackedInt8, i8_entry
 from engine.kernels.w4amx import W4AMX
 from engine.kernels.w4f32 import W4F32, PackedInt4F32
+from engine.kernels.w4fp16 import W4FP16
 from engine.kernels.w4mm import W4MM, PackedInt4, w4_entry
 from engine.quant.weights import Int4Weight, Int8Weight, quantize_tokens
 
@@ -292,7 +293,7 @@ class _Int4KernelPath:
     copy = ""  # the packed copy's name where it is not the kernel's own (default: prefix)
     bias_dtype = torch.float32
 
-    def __init__(self, kernel: W4MM | W4AMX | W4F32, entry: str, variant: str = "") -> None:
+    def __init__(self, kernel: W4MM | W4AMX | W4FP16 | W4F32, entry: str, variant: str = "") -> None:
         """variant: a suffix naming a build of the kernel ("-noprefetch": timed beside the default build)."""
         self.kernel, self.entry = kernel, entry
         self.name = (self.prefix if entry == "direct" else f"{self.prefix}-{entry}") + variant
@@ -318,9 +319,9 @@ class _Int4KernelPath:
         return with_act(EntryRun(lambda x: fn(x, packed, b).to(x.dtype), self._entry(packed, b, 1)), act)
 
     def _entry(self, packed: object, bias: torch.Tensor | None, per_row: int) -> CEntry | None:
-        """The decode program's call of this entry point (w4mm's and w4amx's entries; not w4f32's), `per_row`
-        weight rows to an output column (2 for a fused gated MLP)."""
-        if not isinstance(self.kernel, W4MM | W4AMX) or not isinstance(packed, PackedInt4):  # w4f32: float32 rows
+        """The decode program's call of this entry point (w4mm's, w4amx's and w4fp16's entries; not w4f32's, whose
+        rows are float32), `per_row` weight rows to an output column (2 for a fused gated MLP)."""
+        if not isinstance(self.kernel, W4MM | W4AMX | W4FP16) or not isinstance(packed, PackedInt4):
             return None
         fn = self.kernel.c_fn(self.entry.replace("-", "_"))
         if fn is None:
@@ -396,6 +397,23 @@ class W4AMXSiluPath(W4MMSiluPath):
 W4AMX_SILU_ENTRIES = ("amx-silu-mul", "amx-dequant-silu-mul")
 
 
+class W4FP16Path(W4MMPath):
+    """engine.kernels.w4fp16 over w4mm's packed weight (the same copy): entry `fp16`, AVX512-FP16 products of
+    each row scaled by a power of two, summed 32 inputs at a time in fp16 and then in float."""
+
+    @staticmethod
+    def fits(weight: Int4Weight) -> bool:
+        return W4FP16.accepts(*weight.shape, weight.group_size)
+
+
+class W4FP16SiluPath(W4MMSiluPath):
+    """w4fp16's fused gated-MLP entry (`fp16-silu-mul`) over w4mm-silu-mul's interleaved copy."""
+
+    @staticmethod
+    def fits(weight: Int4Weight) -> bool:
+        return W4FP16.accepts(*weight.shape, weight.group_size)
+
+
 class Int4DensePath:
     """engine.kernels.w4mm's `dense`: each call dequantizes the weight as stored into bf16 rows (a scratch buffer,
     not a copy per weight) and runs oneDNN's GEMM over them; for prefill, where that GEMM's blocking outruns the
@@ -466,6 +484,8 @@ def quant_paths(dtype: torch.dtype) -> list[GemmPath]:
         if (plain4a := w4amx.kernel_without_prefetch()) is not None:
             fast += [W4AMXPath(plain4a, "amx", "-noprefetch"), W4AMXPath(plain4a, "amx-dequant", "-noprefetch")]
             fast += [W4AMXSiluPath(plain4a, entry, "-noprefetch") for entry in W4AMX_SILU_ENTRIES]
+    if dtype == torch.bfloat16 and (k4h := w4fp16.kernel()) is not None:
+        fast += [W4FP16Path(k4h, "fp16"), W4FP16SiluPath(k4h, "fp16-silu-mul")]
     if dtype == torch.float32 and (k8a := i8avx2.kernel()) is not None:
         fast += [I8AVX2Path(k8a), I8AVX2Path(k8a, "i8avx2-panel", "panel")]
         if (plain8 := i8avx2.kernel_without_prefetch()) is not None:  # its prefetch distance was set on one CPU
