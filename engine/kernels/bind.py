@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 _HERE = Path(__file__).parent
 _SOURCES = sorted(
     [*_HERE.glob("*.c"), *_HERE.glob("*.h")]
-    + [_HERE / n for n in ("gemm.py", "select.py", "op_choice.py", "w4mm.py", "w4amx.py", "w4f32.py")]
+    + [_HERE / n for n in ("gemm.py", "select.py", "op_choice.py", "w4mm.py", "w4amx.py", "w4f32.py", "w4fp16.py")]
     + [_HERE / n for n in ("i8mm.py", "i8amx.py", "i8avx2.py")]
     + [_HERE.parent / "quant" / n for n in ("paths.py", "weights.py")]
 )
@@ -132,18 +132,25 @@ def bind_cpu_kernels(
 
 
 def plan_linears(model: nn.Module, selector: GemmSelector, max_rows: dict[int, int] | None = None) -> BindReport:
-    """A GemmPlan for every packable linear layer, chosen per weight shape; `max_rows`: by module id."""
+    """A GemmPlan for every packable linear layer, chosen per weight shape; `max_rows`: by module id. Layers a
+    decode program calls (the model's `programmed_linears()`, after its kernels are bound) are timed as a program
+    calls them at decode classes, and keyed apart ("... program") in the table."""
     rows_of = max_rows or {}
+    listed = getattr(model, "programmed_linears", None)
+    programmed = {id(m) for m in listed() if not _rotated(m)} if listed is not None else set()
     groups: dict[str, list[tuple[GatedMLP | Linear, Linear, Act | None]]] = defaultdict(list)
     gated = set()
     for m in model.modules():
         if isinstance(m, GatedMLP) and m.gate_up_proj.packable:
             gated.add(id(m.gate_up_proj))
-            groups[_shape(m.gate_up_proj, m.act)].append((m, m.gate_up_proj, m.act))
+            groups[_shape(m.gate_up_proj, m.act) + (" program" if id(m) in programmed else "")].append(
+                (m, m.gate_up_proj, m.act)
+            )
     for m in model.modules():
         if isinstance(m, Linear) and m.packable and id(m) not in gated:
             rows = rows_of.get(id(m))
-            groups[_shape(m, None) + (f" rows<={rows}" if rows else "")].append((m, m, None))
+            tail = (f" rows<={rows}" if rows else "") + (" program" if id(m) in programmed else "")
+            groups[_shape(m, None) + tail].append((m, m, None))
     report = BindReport()
     quantized: GemmSelector | None = None
     for shape, units in groups.items():
@@ -152,7 +159,8 @@ def plan_linears(model: nn.Module, selector: GemmSelector, max_rows: dict[int, i
         if not isinstance(samples[0][0], torch.Tensor):  # quantized weights: their own candidates, same rules
             quantized = quantized or _quant_selector(selector)
             chooser = quantized
-        choice = chooser.choose(shape, samples, units[0][2], rows_of.get(id(units[0][0])))  # type: ignore[arg-type]
+        prog = shape.endswith(" program")
+        choice = chooser.choose(shape, samples, units[0][2], rows_of.get(id(units[0][0])), prog)  # type: ignore[arg-type]
         for owner, lin, act in units:
             w = _weight(lin)
             prepared = {name: chooser.paths[name].prepare(w, _bias(lin), act) for name in choice.layouts()}  # type: ignore[arg-type]
@@ -178,6 +186,13 @@ def _quant_selector(selector: GemmSelector) -> GemmSelector:
         measure=selector.measure,
         flush=selector.flush,
     )
+
+
+def _rotated(m: nn.Module) -> bool:
+    """Whether a layer (a gated MLP: its gate/up projection) rotates its inputs before its GEMM: a decode program
+    then calls it whole from Python (llama_program._part), as the layers do."""
+    lin = m.gate_up_proj if isinstance(m, GatedMLP) else m
+    return getattr(lin, "input_block", None) is not None
 
 
 def _bias(lin: Linear) -> torch.Tensor | None:

@@ -26,6 +26,7 @@ import torch
 
 from engine.kernels.busy import Contention
 from engine.kernels.gemm import Act, GemmPath, Run
+from engine.kernels.program_step import program_step
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,7 @@ ROWS = (1, 8, 32, 128, 512)  # the rows timed for each class; a call with r rows
 CLASSES = ("1", "<=8", "<=32", "<=128", "prefill")
 MAX_SAMPLES = 8  # weights of one shape timed together: several layers' worth streams from memory as in the model
 COLD_ROWS = 32  # classes up to this many rows are timed with cold caches (CacheFlush): they stream weights
+PROGRAM_ROWS = 128  # classes up to this many rows may run in a decode program: timed as one calls them
 MIN_ROUNDS, MAX_ROUNDS, ROUND_BUDGET_S = 3, 15, 0.1  # per class: rounds of every candidate, more while cheap
 # (or while the two best are close: _close)
 PRUNE = 2.0  # past MIN_ROUNDS, paths slower than this many times the best stop being timed for the class
@@ -184,9 +186,12 @@ class GemmSelector:
         samples: Sequence[tuple[torch.Tensor, torch.Tensor | None]],
         act: Act | None,
         max_rows: int | None = None,
+        programmed: bool = False,
     ) -> ShapeChoice:
         """The paths for a weight shape (`samples`: weights and biases of that shape); classes past `max_rows`
-        (the most rows a call can have, e.g. the LM head's max_num_seqs) are not timed and take the last one's."""
+        (the most rows a call can have, e.g. the LM head's max_num_seqs) are not timed and take the last one's.
+        `programmed`: the layers run in decode programs, so each path's calls at decode classes are timed as a
+        program makes them (engine.kernels.program_step); the caller keys such a shape apart in the cache."""
         weight = samples[0][0]
         usable = [n for n, p in self.paths.items() if p.accepts(weight, act)]
         cached = self.cache.get(shape) if self.cache is not None else None
@@ -196,9 +201,9 @@ class GemmSelector:
             choice = ShapeChoice([usable[0]] * len(ROWS), {usable[0]: [math.nan] * len(ROWS)})
         else:
             paths = {n: self.paths[n] for n in usable}
-            us = self._measure(paths, samples, act, max_rows)
+            us = self._measure(paths, samples, act, max_rows, programmed)
             if self.cache is not None and self.cache.busy():  # contended: timed again (see op_choice.fastest)
-                again = self._measure(paths, samples, act, max_rows)
+                again = self._measure(paths, samples, act, max_rows, programmed)
                 us = {n: [min(a, b) for a, b in zip(us[n], again[n], strict=True)] for n in us}
             choice = self._decide(us)
         if self.cache is not None:
@@ -211,6 +216,7 @@ class GemmSelector:
         samples: Sequence[tuple[torch.Tensor, torch.Tensor | None]],
         act: Act | None,
         max_rows: int | None,
+        programmed: bool = False,
     ) -> dict[str, list[float]]:
         """µs a call per path and class. Candidates take turns, round after round, and each keeps its fastest
         round: a burst of load from elsewhere on the machine then slows one round of each, not one candidate."""
@@ -233,6 +239,12 @@ class GemmSelector:
                 _over(prepared, x)()
         for i, x in classes:
             steps = {name: _over(prepared, x) for name, prepared in runs.items()}
+            if programmed and x.shape[0] <= PROGRAM_ROWS:
+                outputs: dict[tuple[int, int], torch.Tensor] = {}  # one set for every path: never read
+                programs = {name: program_step(prepared, x, outputs) for name, prepared in runs.items()}
+                steps |= {name: step for name, step in programs.items() if step is not None}
+                for step in steps.values():  # the programs' first touches
+                    step()
             spent, rounds = 0.0, 0
             while rounds < MIN_ROUNDS or (rounds < MAX_ROUNDS and (spent < ROUND_BUDGET_S or _close(us, steps, i))):
                 for name, step in steps.items():

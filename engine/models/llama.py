@@ -146,6 +146,17 @@ class LlamaForCausalLM(nn.Module):
         build = partial(llama_program.build, self)
         self.programs = DecodePrograms(build, kernels.decode_program) if usable else None
 
+    def programmed_linears(self) -> list[nn.Module]:
+        """The linear layers and gated MLPs whose GEMMs decode programs call, where programs may run: the selection
+        times them as a program calls them (engine.kernels.bind.plan_linears)."""
+        dtype = self.model.norm.weight.dtype
+        if self.programs is None or self.programs.mode == "layers" or self.group.size != 1:
+            return []
+        if dtype not in (torch.bfloat16, torch.float32):  # as llama_program.build
+            return []
+        parts = [(la.self_attn.qkv_proj, la.self_attn.o_proj, la.mlp, la.mlp.down_proj) for la in self.model.layers]
+        return [m for part in parts for m in part]
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         cos, sin = self.rotary(positions, self.model.norm.weight.dtype)
         if self.programs is not None:

@@ -187,3 +187,16 @@ def test_gemms_without_a_c_entry_run_as_the_layers_plans_between_the_c_calls(bf1
     layers = len(core.runner.model.model.layers)
     programs = [c.program for c in core.runner.model.programs._choices.values() if c.program is not None]
     assert programs and all(p.python_calls == 4 * layers for p in programs)
+
+
+def test_the_gemms_programs_call_are_timed_as_programs_call_them(bf16_dir: Path) -> None:
+    """Each decoder layer's GEMMs (QKV, O, gate/up, down) are chosen by timing them as a program calls them at
+    decode classes (engine.kernels.program_step), under shapes keyed apart; the LM head, which no program calls,
+    and every GEMM of an engine that runs its steps through the layers are timed from Python."""
+    runner = make_core(bf16_dir, dtype="float32", decode_program="auto").runner
+    shapes = runner.kernel_report.shapes
+    programmed = [s for s in shapes if s.endswith(" program")]
+    assert len(programmed) == len(shapes) - 1  # every shape but the head's
+    assert sum(shapes[s][0] for s in programmed) == 4 * len(runner.model.model.layers)  # four GEMMs a layer
+    layers = make_core(bf16_dir, dtype="float32", decode_program="layers").runner.kernel_report.shapes
+    assert not any(s.endswith(" program") for s in layers) and len(layers) == len(shapes)
