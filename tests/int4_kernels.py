@@ -20,6 +20,12 @@ def int4_weight(n: int, k: int, g: int, symmetric: bool, seed: int = 0) -> Int4W
     return Int4Weight(pack_nibbles(values), scale, zero.to(torch.uint8), g)
 
 
+def packed_copies(run: Any, kind: type) -> set[int]:
+    """The ids of the packed copies (instances of `kind`: any kernel's, int8 ones too) a prepared run's call closes
+    over: paths over one layout must share one copy of a weight."""
+    return {id(c.cell_contents) for c in run.call.__closure__ or () if isinstance(c.cell_contents, kind)}
+
+
 class _Spy:
     """A kernel whose entry points say when they ran."""
 

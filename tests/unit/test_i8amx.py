@@ -19,6 +19,7 @@ from engine.kernels.select import _matches_reference
 from engine.layers.activation import ActAndMul
 from engine.quant.paths import I8MMPath, I8MMSiluPath, quant_paths
 from engine.quant.weights import Int8Weight, quantize_tokens
+from tests.int4_kernels import packed_copies
 from tests.int8_kernels import (
     assert_an_all_zero_row_gives_zero_alone,
     assert_no_rows_give_no_rows,
@@ -94,9 +95,7 @@ def test_its_path_shares_i8mms_packed_copy_and_is_a_timed_candidate(kernel: I8AM
     paths = [I8MMPath(kernel, "i8mm-amx"), I8MMPath(i8mm.kernel(), "i8mm")]  # type: ignore[arg-type]
     assert paths[0].layout == paths[1].layout
     runs = [p.prepare(w, bias, None) for p in paths]
-    cells = [
-        {id(c.cell_contents) for c in r.call.__closure__ or () if isinstance(c.cell_contents, PackedInt8)} for r in runs
-    ]
+    cells = [packed_copies(r, PackedInt8) for r in runs]
     assert cells[0] and cells[0] == cells[1]
     for rows in (1, 8, 33):
         for dtype in (torch.float32, torch.bfloat16):

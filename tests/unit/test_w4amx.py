@@ -17,7 +17,7 @@ from engine.kernels.w4amx import W4AMX
 from engine.kernels.w4mm import W4MM, PackedInt4
 from engine.layers.activation import ActAndMul
 from engine.quant.paths import W4AMXPath, W4AMXSiluPath, W4MMPath, W4MMSiluPath, interleaved, quant_paths
-from tests.int4_kernels import assert_the_selection_keeps_the_fastest_entry, int4_weight
+from tests.int4_kernels import assert_the_selection_keeps_the_fastest_entry, int4_weight, packed_copies
 
 pytestmark = pytest.mark.skipif(not amxmm.supported(), reason="this CPU has no AMX")
 ENTRIES = ("amx", "amx-dequant")
@@ -83,9 +83,7 @@ def test_the_amx_and_the_avx512_entry_points_share_one_packed_copy(kernel: W4AMX
     w = int4_weight(64, 128, 32, symmetric=True)
     paths = [W4MMPath(k4, "direct"), W4AMXPath(kernel, "amx"), W4AMXPath(kernel, "amx-dequant")]
     runs = [p.prepare(w, None, None) for p in paths]
-    cells = [
-        {id(c.cell_contents) for c in r.call.__closure__ or () if isinstance(c.cell_contents, PackedInt4)} for r in runs
-    ]
+    cells = [packed_copies(r, PackedInt4) for r in runs]
     assert cells[0] and cells[0] == cells[1] == cells[2]
 
 
@@ -131,7 +129,5 @@ def test_the_fused_entries_are_timed_candidates_over_w4mm_silu_muls_copy(kernel:
     assert amx.accepts(w, act) and not amx.accepts(w, None)  # only where it replaces a SiLU act
     assert not amx.accepts(int4_weight(128, 64, 16, symmetric=True), act)  # a tile step is 32 inputs
     runs = [p.prepare(w, None, act) for p in (amx, avx)]
-    cells = [
-        {id(c.cell_contents) for c in r.call.__closure__ or () if isinstance(c.cell_contents, PackedInt4)} for r in runs
-    ]
+    cells = [packed_copies(r, PackedInt4) for r in runs]
     assert cells[0] and cells[0] == cells[1]

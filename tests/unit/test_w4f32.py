@@ -16,7 +16,7 @@ from engine.kernels.w4f32 import W4F32
 from engine.layers.activation import ActAndMul
 from engine.quant.paths import W4F32Path, quant_paths
 from engine.quant.weights import Int8Weight
-from tests.int4_kernels import assert_the_selection_keeps_the_fastest_entry, int4_weight
+from tests.int4_kernels import assert_the_selection_keeps_the_fastest_entry, int4_weight, packed_copies
 
 
 @pytest.fixture(scope="module")
@@ -104,10 +104,7 @@ def test_a_group_size_that_does_not_divide_the_inputs_is_refused() -> None:
 def test_both_entry_points_share_one_packed_copy(kernel: W4F32) -> None:
     w = int4_weight(64, 128, 32, symmetric=True)
     runs = [W4F32Path(kernel, e).prepare(w, None, None) for e in ("direct", "panel")]
-    cells = [
-        {id(c.cell_contents) for c in r.call.__closure__ or () if isinstance(c.cell_contents, w4f32.PackedInt4F32)}
-        for r in runs
-    ]
+    cells = [packed_copies(r, w4f32.PackedInt4F32) for r in runs]
     assert cells[0] and cells[0] == cells[1]
 
 

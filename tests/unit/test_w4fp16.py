@@ -18,7 +18,7 @@ from engine.kernels.w4fp16 import W4FP16
 from engine.kernels.w4mm import W4MM, PackedInt4
 from engine.layers.activation import ActAndMul
 from engine.quant.paths import W4FP16Path, W4FP16SiluPath, W4MMPath, W4MMSiluPath, interleaved, quant_paths
-from tests.int4_kernels import assert_the_selection_keeps_the_fastest_entry, int4_weight
+from tests.int4_kernels import assert_the_selection_keeps_the_fastest_entry, int4_weight, packed_copies
 
 pytestmark = pytest.mark.skipif(not w4fp16.supported(), reason="this CPU has no AVX512-FP16")
 
@@ -89,9 +89,7 @@ def test_the_path_matches_the_reference_as_the_selector_checks_it_and_shares_w4m
     k4 = w4mm.kernel()
     assert k4 is not None  # every AVX512-FP16 CPU has AVX512-BF16
     runs = [path.prepare(w, None, None), W4MMPath(k4, "direct").prepare(w, None, None)]
-    cells = [
-        {id(c.cell_contents) for c in r.call.__closure__ or () if isinstance(c.cell_contents, PackedInt4)} for r in runs
-    ]
+    cells = [packed_copies(r, PackedInt4) for r in runs]
     assert cells[0] and cells[0] == cells[1]
     entry = path._entry(W4MMPath.pack(w), None, 1)
     assert entry is not None and entry.cols == 96 and entry.dtype == torch.bfloat16  # a decode program calls it

@@ -18,7 +18,7 @@ from engine.kernels.w4mm import W4MM
 from engine.layers.activation import ActAndMul
 from engine.quant.paths import W4MM_ENTRIES, W4MMPath, W4MMSiluPath, interleaved, quant_paths
 from engine.quant.weights import Int8Weight
-from tests.int4_kernels import assert_the_selection_keeps_the_fastest_entry, int4_weight
+from tests.int4_kernels import assert_the_selection_keeps_the_fastest_entry, int4_weight, packed_copies
 
 pytestmark = pytest.mark.skipif(not bf16mm.supported(), reason="this CPU has no AVX512-BF16")
 
@@ -154,10 +154,7 @@ def test_a_group_size_that_does_not_divide_the_inputs_is_refused(kernel: W4MM) -
 def test_every_entry_point_shares_one_packed_copy(kernel: W4MM) -> None:
     w = int4_weight(64, 128, 32, symmetric=True)
     runs = [W4MMPath(kernel, e).prepare(w, None, None) for e in W4MM_ENTRIES]
-    cells = [
-        {id(c.cell_contents) for c in r.call.__closure__ or () if isinstance(c.cell_contents, w4mm.PackedInt4)}
-        for r in runs
-    ]
+    cells = [packed_copies(r, w4mm.PackedInt4) for r in runs]
     assert cells[0] and all(c == cells[0] for c in cells)
 
 
