@@ -26,7 +26,6 @@
 
 #define HR 3     // rows a tile: 3 x 4 fp16 running sums and 3 x 4 float totals in registers
 #define SPAN 8   // k quads (32 inputs) summed in fp16 before they are widened to float
-#define TOP 64.f  // each row scaled so that max |x| < TOP (and >= TOP / 2)
 
 // Nibble → fp16 (q - 8), for vpermw: a word's low 5 bits index it, so a byte's low nibble needs no mask (the
 // table repeats) and a high nibble shifted down lands on the same 16 values.
