@@ -17,7 +17,7 @@ import torch
 
 import engine.kernels.bind
 import engine.model_runner
-from engine.kernels import amxmm, bf16mm, i8mm
+from engine.kernels import amxmm, bf16mm, i8mm, w4fp16
 from engine.kernels.bind import gemm_paths
 from engine.kernels.gemm import FusedSiluPath
 from engine.models.decode_program import TRIALS
@@ -122,6 +122,36 @@ def test_quantized_programs_give_the_layers_logits_bit_for_bit(
     assert "<=8" in _programs_run(core)
     programs = [c.program for c in core.runner.model.programs._choices.values() if c.program is not None]
     assert all(p.python_calls == (0 if fused else len(core.runner.model.model.layers)) for p in programs)
+
+
+@pytest.mark.skipif(not w4fp16.supported(), reason="this CPU has no AVX512-FP16 (w4fp16's products)")
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
+def test_w4fp16_programs_give_the_layers_logits_bit_for_bit(
+    bf16_dir: Path, tmp_path: Path, fused: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """W4A16 (group 32, whole fp16 spans) through w4fp16's entries where they take the shape, forced and untimed as
+    above (w4mm's behind them for a shape they refuse): the program calls the same entries and gives the layers'
+    logits bit for bit."""
+    from engine.quant.quantize import quantize
+
+    quantize(bf16_dir, tmp_path / "q", "w4a16", group_size=32)
+
+    def ours(dtype: torch.dtype) -> list:
+        paths = quant_paths(dtype)
+        fp16 = [p for p in paths if p.name.startswith("w4mm-fp16") and ("silu" in p.name) == fused]
+        rest = [p for p in paths if p.name.startswith("w4mm-fp16") and "silu" not in p.name]
+        return fp16 + rest + [p for p in paths if p.name.startswith("w4mm") and "fp16" not in p.name]
+
+    monkeypatch.setattr(engine.kernels.bind, "quant_paths", ours)
+    prompts = mixed_prompts(6)
+    core = make_core(tmp_path / "q", dtype="bfloat16", gemm_path=BF16_GEMM, decode_program="program")
+    got = step_logits(core, prompts, 10)
+    layers = make_core(tmp_path / "q", dtype="bfloat16", gemm_path=BF16_GEMM, decode_program="layers")
+    want = step_logits(layers, prompts, 10)
+    assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert "<=8" in _programs_run(core)
+    chosen = {p for _, choice in core.runner.kernel_report.shapes.values() for p in choice.per_class}
+    assert any(p.startswith("w4mm-fp16") for p in chosen), chosen
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
