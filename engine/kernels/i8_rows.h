@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "grouped_tasks.h"
 #include "thread_buffer.h"
 
 static inline float bf16_to_f32(uint16_t h) {
@@ -83,6 +84,39 @@ static const uint8_t *quantize_rows(int64_t M, int64_t K, int64_t K4, const void
     for (int64_t m = 0; m < M; m++) quantize_row(K, K4, x, bf16, m, xq, scales);
     *xs = scales;
     return xq;
+}
+
+// A grouped call's arguments for its tasks (i8mm_grouped, i8amx_grouped): layer e's counts[e] rows of the
+// quantized rows xq (Kq wide, scales xs) from row first[p] of piece p = its layer[p].
+typedef struct {
+    const int64_t *counts;
+    int64_t N, Kq;
+    const uint8_t *xq;
+    const float *xs;
+    const uint8_t *const *w;
+    const int32_t *const *colsum;
+    const float *const *ws;
+    uint16_t *y;
+    const int64_t *first, *layer;
+    int silu_mul;
+} i8group_t;
+
+// E W8A8 layers of one shape over their own bf16 rows in one call (i8mm_grouped's arguments): every row quantized
+// once (Kq wide: i8mm's K rounded up to 4, i8amx's K), then `task` (i8mm's or i8amx's) over every (layer with
+// rows, column block) as grouped_tasks.h spreads them. Returns 0, or -1 without memory for the quantized rows.
+static int i8_grouped(int64_t E, const int64_t *counts, int64_t N, int64_t K, int64_t Kq, const uint16_t *x,
+                      const uint8_t *const *w, const int32_t *const *colsum, const float *const *ws, uint16_t *y,
+                      int nthreads, int silu_mul, grouped_task_fn task) {
+    const int64_t nblocks = (N + NB - 1) / NB;
+    int64_t first[E > 0 ? E : 1], layer[E > 0 ? E : 1], M;  // each layer with rows: its first row, its index
+    const int64_t P = grouped_pieces(E, counts, first, layer, &M);
+    if (M <= 0) return 0;
+    float *xs;
+    const uint8_t *xq = quantize_rows(M, K, Kq, x, 1, nthreads, &xs);
+    if (!xq) return -1;
+    const i8group_t g = {counts, N, Kq, xq, xs, w, colsum, ws, y, first, layer, silu_mul};
+    grouped_tasks(P, nblocks, nthreads, 2, task, &g);
+    return 0;
 }
 
 // One row's int32 sums acc (64 columns: (xq + 128) . w) → y: (acc - 128 * colsum) * xscale * wscale + b, at

@@ -155,26 +155,13 @@ int i8amx_linear_silu_mul(int64_t M, int64_t N, int64_t K, const uint16_t *x, co
 #endif
 
 #ifdef __AVX512BF16__
-typedef struct {
-    const int64_t *counts;
-    int64_t N, K;
-    const uint8_t *xq;
-    const float *xs;
-    const uint8_t *const *w;
-    const int32_t *const *colsum;
-    const float *const *ws;
-    uint16_t *y;
-    const int64_t *first, *layer;
-    int silu_mul;
-} i8agroup_t;
-
 // One task of i8amx_grouped: a layer's rows (piece p) through one column block (grouped_tasks.h); its tiles
 // configured for the task and released after it (a task's rows are its layer's).
 static void i8agroup_task(const void *ctx, int64_t p, int64_t nb, int64_t end) {
     (void)end;  // block_rows asks only for the block's own k-steps ahead
-    const i8agroup_t *g = ctx;
+    const i8group_t *g = ctx;
     static const float zeros[NB];
-    const int64_t e = g->layer[p], N = g->N, K = g->K, n0 = nb * NB, r0 = g->first[p];
+    const int64_t e = g->layer[p], N = g->N, K = g->Kq, n0 = nb * NB, r0 = g->first[p];
     const int64_t nn = N - n0 < NB ? N - n0 : NB;
     int configured = -1;
     block_out(g->counts[e], N, K, g->xq + r0 * K, g->xs + r0, g->w[e] + nb * K * NB, g->colsum[e] + n0,
@@ -190,15 +177,6 @@ static void i8agroup_task(const void *ctx, int64_t p, int64_t nb, int64_t end) {
 int i8amx_grouped(int64_t E, const int64_t *counts, int64_t N, int64_t K, const uint16_t *x,
                   const uint8_t *const *w, const int32_t *const *colsum, const float *const *ws, uint16_t *y,
                   int nthreads, int silu_mul) {
-    const int64_t nblocks = (N + NB - 1) / NB;
-    int64_t first[E > 0 ? E : 1], layer[E > 0 ? E : 1], M;  // each layer with rows: its first row, its index
-    const int64_t P = grouped_pieces(E, counts, first, layer, &M);
-    if (M <= 0) return 0;
-    float *xs;
-    const uint8_t *xq = quantize_rows(M, K, K, x, 1, nthreads, &xs);
-    if (!xq) return -1;
-    const i8agroup_t g = {counts, N, K, xq, xs, w, colsum, ws, y, first, layer, silu_mul};
-    grouped_tasks(P, nblocks, nthreads, 2, i8agroup_task, &g);
-    return 0;
+    return i8_grouped(E, counts, N, K, K, x, w, colsum, ws, y, nthreads, silu_mul, i8agroup_task);
 }
 #endif

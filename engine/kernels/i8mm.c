@@ -163,24 +163,11 @@ int i8mm_linear_silu_mul(int64_t M, int64_t N, int64_t K, const uint16_t *x, con
     return linear(M, N, K, x, 1, w, colsum, ws, b, y, nthreads, 1);
 }
 
-typedef struct {
-    const int64_t *counts;
-    int64_t N, K4;
-    const uint8_t *xq;
-    const uint8_t *const *w;
-    const int32_t *const *colsum;
-    const float *const *ws;
-    uint16_t *y;
-    const float *xs;
-    const int64_t *first, *layer;
-    int silu_mul;
-} i8group_t;
-
 // One task of i8mm_grouped: a layer's rows (piece p) through one column block (grouped_tasks.h).
 static void i8group_task(const void *ctx, int64_t p, int64_t nb, int64_t end) {
     (void)end;  // no prefetch of the next block here
     const i8group_t *g = ctx;
-    const int64_t e = g->layer[p], N = g->N, K4 = g->K4, n0 = nb * NB, nn = N - n0 < NB ? N - n0 : NB;
+    const int64_t e = g->layer[p], N = g->N, K4 = g->Kq, n0 = nb * NB, nn = N - n0 < NB ? N - n0 : NB;
     const int64_t width = g->silu_mul ? N / 2 : N, stop = g->first[p] + g->counts[e];
     static const float zeros[NB];
     const pf_t none = {NULL, NULL, 0};
@@ -208,15 +195,6 @@ static void i8group_task(const void *ctx, int64_t p, int64_t nb, int64_t end) {
 int i8mm_grouped(int64_t E, const int64_t *counts, int64_t N, int64_t K, const uint16_t *x,
                  const uint8_t *const *w, const int32_t *const *colsum, const float *const *ws, uint16_t *y,
                  int nthreads, int silu_mul) {
-    const int64_t K4 = (K + 3) / 4 * 4, nblocks = (N + NB - 1) / NB;
-    int64_t first[E > 0 ? E : 1], layer[E > 0 ? E : 1], M;  // each layer with rows: its first row, its index
-    const int64_t P = grouped_pieces(E, counts, first, layer, &M);
-    if (M <= 0) return 0;
-    float *xs;
-    const uint8_t *xq = quantize_rows(M, K, K4, x, 1, nthreads, &xs);
-    if (!xq) return -1;
-    const i8group_t g = {counts, N, K4, xq, w, colsum, ws, y, xs, first, layer, silu_mul};
-    grouped_tasks(P, nblocks, nthreads, 2, i8group_task, &g);
-    return 0;
+    return i8_grouped(E, counts, N, K, (K + 3) / 4 * 4, x, w, colsum, ws, y, nthreads, silu_mul, i8group_task);
 }
 #endif

@@ -24,7 +24,6 @@
 #include <string.h>
 
 #include "bf16mm_block.h"
-#include "deal.h"
 #include "w4mm_common.h"
 
 #define HR 3     // rows a tile: 3 x 4 fp16 running sums and 3 x 4 float totals in registers
@@ -149,30 +148,31 @@ static void htile_any(int mr, int64_t K, int64_t G, const uint16_t *xh, const ui
     }
 }
 
+typedef struct {
+    __m512i table;  // q_table()
+    int64_t K, G;
+    const uint16_t *xh;      // the rows scaled, in fp16
+    const float *xs, *inv;   // their scaled group sums, their 2^-e
+} direct_t;
+
+static void direct_tile(const void *ctx, int64_t r0, int mr, const uint8_t *wq, const float *sc, float *out) {
+    const direct_t *c = ctx;
+    htile_any(mr, c->K, c->G, c->xh + r0 * c->K, wq, sc, c->xs + r0 * (c->K / c->G), c->inv + r0, c->table, out);
+}
+
+static int tile_rows(int64_t left) { return left < HR ? (int)left : HR; }
+
 static int direct(int64_t M, int64_t N, int64_t K, int64_t G, const uint16_t *x, const uint8_t *wq, const float *sc,
                   const uint16_t *b, uint16_t *y, int nthreads, const int silu_mul) {
-    const int64_t nblocks = (N + NB - 1) / NB, groups = K / G;
+    const int64_t groups = K / G;
     if (M <= 0) return 0;
     float *xs = sums_for(M * (groups + 1));
     uint16_t *xh = grow_aligned(&half_buf, sizeof(uint16_t) * (size_t)(M * K));
     if (!xs || !xh) return -1;
     float *inv = xs + M * groups;
     rows_to_half(M, K, G, x, xh, xs, inv, nthreads);
-    const __m512i table = q_table();
-    deal_t deal;  // as w4mm's direct kernel deals its blocks
-    deal_init(&deal, nblocks, nthreads);
-#pragma omp parallel num_threads(nthreads)
-    for (int64_t nb; (nb = deal_next(&deal, omp_get_thread_num())) >= 0;) {
-        const int64_t n0 = nb * NB, nn = N - n0 < NB ? N - n0 : NB;
-        float out[HR * NB], bias[NB];
-        load_bias(b, n0, nn, bias);
-        for (int64_t r0 = 0; r0 < M; r0 += HR) {
-            const int mr = M - r0 < HR ? (int)(M - r0) : HR;
-            htile_any(mr, K, G, xh + r0 * K, wq + nb * K * 32, sc + nb * groups * 128, xs + r0 * groups, inv + r0,
-                      table, out);
-            for (int r = 0; r < mr; r++) store_out(out + r * NB, bias, y, r0 + r, N, n0, nn, silu_mul);
-        }
-    }
+    const direct_t c = {q_table(), K, G, xh, xs, inv};
+    w4_direct_blocks(M, N, K, G, wq, sc, b, y, nthreads, silu_mul, HR, tile_rows, direct_tile, &c);
     return 0;
 }
 

@@ -80,8 +80,17 @@ def supported() -> bool:
 
 
 _once = Once(W4FP16.build, log, "W4A16 layers will not use fp16 products (w4mm still runs them)", check=self_check)
+# without software prefetch of the nibbles (PF_BYTES, w4mm_common.h's distance, set on one CPU): timed beside it
+_once_plain = Once(
+    lambda: W4FP16.build(("-DPF_BYTES=0",)), log, "w4fp16 is not timed without software prefetch", check=self_check
+)
 
 
 def kernel() -> W4FP16 | None:
     """The process-wide kernel; None without AVX512-FP16, or (logged once) where it can't be built."""
     return _once() if supported() else None
+
+
+def kernel_without_prefetch() -> W4FP16 | None:
+    """The kernel built with no software prefetch (PF_BYTES=0), as kernel() otherwise."""
+    return _once_plain() if supported() else None

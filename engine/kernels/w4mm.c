@@ -25,7 +25,6 @@
 #include <string.h>
 
 #include "bf16mm_block.h"
-#include "deal.h"
 #include "grouped_tasks.h"
 #include "w4mm_common.h"
 
@@ -103,29 +102,25 @@ static void qtile_any(int mr, int64_t K, int64_t G, const uint16_t *x, const uin
 // The rows the next tile takes of the `left` still to do (qtile_any's shapes).
 static inline int tile_rows(int64_t left) { return left >= QT ? QT : left < QR ? (int)left : QR; }
 
+typedef struct {
+    int64_t K, G;
+    const uint16_t *x;
+    const float *xs;  // the rows' group sums
+} direct_t;
+
+static void direct_tile(const void *ctx, int64_t r0, int mr, const uint8_t *wq, const float *sc, float *out) {
+    const direct_t *c = ctx;
+    qtile_any(mr, c->K, c->G, c->x + r0 * c->K, wq, sc, c->xs + r0 * (c->K / c->G), out);
+}
+
 static int direct(int64_t M, int64_t N, int64_t K, int64_t G, const uint16_t *x, const uint8_t *wq, const float *sc,
                   const uint16_t *b, uint16_t *y, int nthreads, const int silu_mul) {
-    const int64_t nblocks = (N + NB - 1) / NB, groups = K / G;
     if (M <= 0) return 0;
-    float *xs = sums_for(M * groups);
+    float *xs = sums_for(M * (K / G));
     if (!xs) return -1;
     group_sums(M, K, G, x, xs, nthreads);
-    // Dealt as amxmm's blocks (deal.h): on a 2-core AMX Xeon (model 207, a shared VM) one row over Qwen2-0.5B's
-    // 24 layers streamed took 12.77-13.05 ms against 13.37-13.74 with a static half each (the QKV projection 58
-    // against 66 us): a thread slowed by a neighbour no longer holds the other at the end of each call.
-    deal_t deal;
-    deal_init(&deal, nblocks, nthreads);
-#pragma omp parallel num_threads(nthreads)
-    for (int64_t nb; (nb = deal_next(&deal, omp_get_thread_num())) >= 0;) {
-        const int64_t n0 = nb * NB, nn = N - n0 < NB ? N - n0 : NB;
-        float out[QT * NB], bias[NB];
-        load_bias(b, n0, nn, bias);
-        for (int64_t r0 = 0, mr; r0 < M; r0 += mr) {
-            mr = tile_rows(M - r0);
-            qtile_any(mr, K, G, x + r0 * K, wq + nb * K * 32, sc + nb * groups * 128, xs + r0 * groups, out);
-            for (int r = 0; r < mr; r++) store_out(out + r * NB, bias, y, r0 + r, N, n0, nn, silu_mul);
-        }
-    }
+    const direct_t c = {K, G, x, xs};
+    w4_direct_blocks(M, N, K, G, wq, sc, b, y, nthreads, silu_mul, QT, tile_rows, direct_tile, &c);
     return 0;
 }
 

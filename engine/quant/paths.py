@@ -486,6 +486,9 @@ def quant_paths(dtype: torch.dtype) -> list[GemmPath]:
             fast += [W4AMXSiluPath(plain4a, entry, "-noprefetch") for entry in W4AMX_SILU_ENTRIES]
     if dtype == torch.bfloat16 and (k4h := w4fp16.kernel()) is not None:
         fast += [W4FP16Path(k4h, "fp16"), W4FP16SiluPath(k4h, "fp16-silu-mul")]
+        if (plain4h := w4fp16.kernel_without_prefetch()) is not None:
+            fast += [W4FP16Path(plain4h, "fp16", "-noprefetch")]
+            fast.append(W4FP16SiluPath(plain4h, "fp16-silu-mul", "-noprefetch"))
     if dtype == torch.float32 and (k8a := i8avx2.kernel()) is not None:
         fast += [I8AVX2Path(k8a), I8AVX2Path(k8a, "i8avx2-panel", "panel")]
         if (plain8 := i8avx2.kernel_without_prefetch()) is not None:  # its prefetch distance was set on one CPU
