@@ -66,6 +66,10 @@ class BF16MM:
         b = bias.to(torch.bfloat16).contiguous() if bias is not None else None
         return gemm_entry(self.lib.bf16mm_linear, n, n, packed, b, torch.bfloat16)
 
+    def grouped_entry(self) -> object:
+        """`grouped`'s C entry point, which a decode program calls itself (engine.kernels.program)."""
+        return self.lib.bf16mm_grouped
+
     def grouped(
         self, counts: ctypes.Array, n: int, k: int, x: torch.Tensor, weights: ctypes.Array, y: torch.Tensor,
         silu_mul: bool,

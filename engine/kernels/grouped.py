@@ -15,6 +15,7 @@ from typing import Protocol
 import torch
 
 from engine.kernels.gemm import interleave_halves
+from engine.kernels.program import OP_GROUPED, ProgramBuilder, address
 
 
 class GroupedKernel(Protocol):
@@ -32,6 +33,10 @@ class GroupedKernel(Protocol):
         silu_mul: bool,
     ) -> None:  # fmt: skip
         """Group g's counts[g] rows of x (group-major) through packed weight g (pointers in `weights`) into y."""
+        ...
+
+    def grouped_entry(self) -> object:
+        """`grouped`'s C entry point."""
         ...
 
 
@@ -71,6 +76,19 @@ class GroupedLinear:
         y = torch.empty(x.shape[0], self.n // 2 if self.silu_mul else self.n, dtype=self.kernel.dtype)
         self.kernel.grouped((ctypes.c_int64 * len(counts))(*counts), self.n, self.k, x, self._ptrs, y, self.silu_mul)
         return y
+
+    @property
+    def cols(self) -> int:
+        """Output columns a row."""
+        return self.n // 2 if self.silu_mul else self.n
+
+    def emit(self, b: ProgramBuilder, counts: int, x: int, y: int) -> None:
+        """This call as a decode program makes it (engine.kernels.program): counts[g] rows of x (pointers) for
+        group g, rows of the kernel's dtype."""
+        fn = address(self.kernel.grouped_entry())
+        b.grouped(OP_GROUPED, fn, len(self.packed), counts, self.n, self.k, x, [ctypes.addressof(self._ptrs)], y,
+                  self.silu_mul)  # fmt: skip
+        b.keep += [*self.packed, self._ptrs]
 
 
 class GroupedExperts:

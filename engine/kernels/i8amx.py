@@ -66,6 +66,10 @@ class I8AMX:
         """I8MM.linear_silu_mul on AMX tiles, over the same interleaved copy: the same bits."""
         return I8MM.run_silu_mul(self.lib.i8amx_linear_silu_mul, x, w, "i8amx")
 
+    def grouped_entry(self) -> object:
+        """`grouped`'s C entry point, which a decode program calls itself (engine.kernels.program)."""
+        return self.lib.i8amx_grouped
+
     def grouped(
         self, x: torch.Tensor, counts: ctypes.Array, shape: tuple[int, int], weights: tuple[ctypes.Array, ...],
         silu_mul: bool,

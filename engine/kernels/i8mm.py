@@ -105,6 +105,10 @@ class I8MM:
             raise MemoryError(f"{name}: no memory for the quantized rows")
         return y.view(*x.shape[:-1], w.n // 2)
 
+    def grouped_entry(self) -> object:
+        """`grouped`'s C entry point, which a decode program calls itself (engine.kernels.program)."""
+        return self.lib.i8mm_grouped
+
     def grouped(
         self, x: torch.Tensor, counts: ctypes.Array, shape: tuple[int, int], weights: tuple[ctypes.Array, ...],
         silu_mul: bool,

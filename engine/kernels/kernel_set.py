@@ -29,6 +29,7 @@ class CpuKernels:
     rope: PointwiseKernels | None = None
     rope_pairs: PointwiseKernels | None = None  # RoPE on interleaved pairs (DeepSeek's MLA)
     moe_combine: PointwiseKernels | None = None  # a MoE layer's weighted sum of its routed and shared rows
+    moe_route: PointwiseKernels | None = None  # a MoE layer's greedy softmax routing, its pairs grouped by expert
     argmax: PointwiseKernels | None = None
     sample: PointwiseKernels | None = None  # random sampling's inverse CDF (engine.sampler.inverse_cdf)
     decode_attn: DecodeAttention | None = None

@@ -14,6 +14,7 @@ import math
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from engine.context import AttentionContext, PrefillMeta, reset_context, set_context
 from engine.kernels import (
@@ -109,6 +110,27 @@ def moe_combine_wins(
     key = f"op moe_combine {ROWS}x{top_k}x{dim} {dtype}"
     return faster(key, lambda: k.moe_combine(ys, order, weights, shared, ROWS),
                   lambda: moe_combine(ys, order, weights, shared, ROWS), timer, cache)  # fmt: skip
+
+
+def moe_route_wins(
+    k: PointwiseKernels, moe: MoE, dtype: torch.dtype, timer: Timer | None, cache: PlanCache | None
+) -> bool:
+    """A decode batch's routing and grouping (MoE.forward's two ways) over `moe`'s router, where the kernel takes
+    that router (greedy softmax scores: engine.layers.moe.MoE.routes_in_c)."""
+    if not moe.routes_in_c():
+        return False
+    gate, g = moe.gate, torch.Generator().manual_seed(0)
+    x = torch.randn(ROWS, gate.weight.shape[1], generator=g).to(dtype)
+    w = torch.randn(gate.weight.shape, generator=g) * gate.weight.shape[1] ** -0.5
+
+    def theirs() -> object:
+        logits = F.linear(x.float(), w).softmax(dim=-1)
+        weights, ids = logits.topk(gate.top_k, dim=-1)
+        order = ids.flatten().argsort(stable=True)
+        return weights * gate.routed_scaling_factor, torch.bincount(ids.flatten()).tolist(), x[order // gate.top_k]
+
+    key = f"op moe_route {ROWS}x{gate.top_k}x{w.shape[0]}x{w.shape[1]} {dtype}"
+    return faster(key, lambda: k.route(x, w, gate.top_k, gate.routed_scaling_factor), theirs, timer, cache)
 
 
 def argmax_wins(
@@ -622,6 +644,8 @@ def choose_kernels(
         k.rope_pairs = pw
     if pw is not None and moe is not None and moe_combine_wins(pw, moe, dtype, timer, cache):
         k.moe_combine = pw
+    if pw is not None and moe is not None and moe_route_wins(pw, moe, dtype, timer, cache):
+        k.moe_route = pw
     if mla is not None:
         k.latent_attn, k.latent_attn_at = choose_latent_attention(
             latent_attention_kernels(attn, dtype), mla, dtype, timer, cache

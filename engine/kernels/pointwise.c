@@ -8,7 +8,8 @@
 // - rotary embedding (rotate_half layout) in place: out = x * cos (rounded) + rotate_half(x) * sin (rounded),
 //   the sum rounded;
 // - rotary embedding on interleaved pairs (DeepSeek), written de-interleaved, with the same roundings;
-// - a MoE layer's combine: each token's routed rows weighted and summed, plus its shared experts' row;
+// - a MoE layer's routing (softmax, greedy top-k) with its pairs grouped by expert, and its combine: each token's
+//   routed rows weighted and summed, plus its shared experts' row;
 // - greedy argmax over float32 or bf16 logits rows: the first index of the maximum, or of the first NaN, as torch;
 // - sampling: one token per float32 logits row drawn by inverting its CDF at a given uniform number, as
 //   engine/sampler.py's inverse_cdf does with four torch ops and a float64 copy of the row.
@@ -342,6 +343,89 @@ int moe_combine_bf16(int64_t T, int64_t K, int64_t H, int64_t P, const int64_t *
     }
     free(count);
     return 0;
+}
+
+// A MoE layer's routing and its grouping by expert, in one pass (transformers' DeepseekV2TopkRouter, greedy,
+// softmax scores; then what engine/layers/moe.py did with a dozen torch ops at every layer and step):
+//   logits[t][e] = x[t] . W[e] in float32 (x widened; sixteen lanes of partial sums, then a shuffle tree),
+//   scores = softmax over e, ids[t] = the K best scores, best first (a tie: the lower expert first),
+//   weights[t][k] = scores[t][ids[t][k]] * scale,
+//   order = the pairs p = t * K + k by expert, in pair order within an expert (torch's stable argsort of ids),
+//   counts[e] = the pairs of expert e, xs[r] = x[order[r] / K] (the rows the grouped experts read).
+// W: [E][H] float32. x, xs: bf16 (`bf16`) or float32. E <= 4096 (the caller checks).
+static void route_token(int64_t H, int64_t E, int64_t K, const void *x, int bf16, const float *W, float scale,
+                        float *weights, int64_t *ids) {
+    float score[E];
+    for (int64_t e = 0; e < E; e++) {
+        const float *w = W + e * H;
+        v16f acc = {0};
+        float tail = 0.0f;
+        int64_t j = 0;
+        if (bf16) {
+            const uint16_t *xb = x;
+            for (; j + VL <= H; j += VL) {
+                v16f wv;
+                memcpy(&wv, w + j, sizeof(wv));
+                acc += widen(xb + j) * wv;
+            }
+            for (; j < H; j++) tail += widen1(xb[j]) * w[j];
+        } else {
+            const float *xf = x;
+            for (; j + VL <= H; j += VL) {
+                v16f xv, wv;
+                memcpy(&xv, xf + j, sizeof(xv));
+                memcpy(&wv, w + j, sizeof(wv));
+                acc += xv * wv;
+            }
+            for (; j < H; j++) tail += xf[j] * w[j];
+        }
+        score[e] = hsum(acc) + tail;
+    }
+    float m = score[0];
+    for (int64_t e = 1; e < E; e++) m = score[e] > m ? score[e] : m;
+    float sum = 0.0f;
+    for (int64_t e = 0; e < E; e++) sum += score[e] = expf(score[e] - m);
+    for (int64_t e = 0; e < E; e++) score[e] /= sum;
+    for (int64_t k = 0; k < K; k++) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < E; e++) {
+            int taken = 0;
+            for (int64_t i = 0; i < k; i++) taken |= ids[i] == e;
+            if (!taken && (best < 0 || score[e] > score[best])) best = e;
+        }
+        ids[k] = best;
+        weights[k] = score[best] * scale;
+    }
+}
+
+static void moe_route(int64_t T, int64_t H, int64_t E, int64_t K, const void *x, int bf16, const float *W,
+                      float scale, float *weights, int64_t *ids, int64_t *order, int64_t *counts, void *xs,
+                      int nthreads) {
+    const size_t row = (size_t)H * (bf16 ? 2 : 4);
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (T * E * H >= PARALLEL_ELEMS)
+    for (int64_t t = 0; t < T; t++)
+        route_token(H, E, K, (const char *)x + (size_t)t * row, bf16, W, scale, weights + t * K, ids + t * K);
+    int64_t next[E];
+    for (int64_t e = 0; e < E; e++) counts[e] = 0;
+    for (int64_t p = 0; p < T * K; p++) counts[ids[p]]++;
+    for (int64_t e = 0, at = 0; e < E; e++) {
+        next[e] = at;
+        at += counts[e];
+    }
+    for (int64_t p = 0; p < T * K; p++) order[next[ids[p]]++] = p;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (T * K * H >= PARALLEL_ELEMS)
+    for (int64_t r = 0; r < T * K; r++)
+        memcpy((char *)xs + (size_t)r * row, (const char *)x + (size_t)(order[r] / K) * row, row);
+}
+
+void moe_route_bf16(int64_t T, int64_t H, int64_t E, int64_t K, const uint16_t *x, const float *W, float scale,
+                    float *weights, int64_t *ids, int64_t *order, int64_t *counts, uint16_t *xs, int nthreads) {
+    moe_route(T, H, E, K, x, 1, W, scale, weights, ids, order, counts, xs, nthreads);
+}
+
+void moe_route_f32(int64_t T, int64_t H, int64_t E, int64_t K, const float *x, const float *W, float scale,
+                   float *weights, int64_t *ids, int64_t *order, int64_t *counts, float *xs, int nthreads) {
+    moe_route(T, H, E, K, x, 0, W, scale, weights, ids, order, counts, xs, nthreads);
 }
 
 // One row of logits, float32 or bf16 (widened exactly, so the answer is the float32 row's) -> torch.argmax's

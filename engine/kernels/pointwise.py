@@ -82,6 +82,9 @@ class PointwiseKernels:
             f.argtypes = [_i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _int]
         for f in (lib.rope_interleaved_f32, lib.rope_interleaved_bf16):
             f.argtypes = [_i64, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _int]
+        for f in (lib.moe_route_f32, lib.moe_route_bf16):
+            f.argtypes = [_i64, _i64, _i64, _i64, _ptr, _ptr, _f32, _ptr, _ptr, _ptr, _ptr, _ptr, _int]
+            f.restype = None
         for f in (lib.moe_combine_f32, lib.moe_combine_bf16):
             f.argtypes = [_i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _int]
             f.restype = _int
@@ -94,6 +97,7 @@ class PointwiseKernels:
         self._argmax = {torch.float32: lib.argmax_f32, torch.bfloat16: lib.argmax_bf16}
         self._rope_pairs = {torch.float32: lib.rope_interleaved_f32, torch.bfloat16: lib.rope_interleaved_bf16}
         self._combine = {torch.float32: lib.moe_combine_f32, torch.bfloat16: lib.moe_combine_bf16}
+        self._route = {torch.float32: lib.moe_route_f32, torch.bfloat16: lib.moe_route_bf16}
 
     @classmethod
     def build(cls, flags: tuple[str, ...] = ("-march=native",)) -> PointwiseKernels:
@@ -106,6 +110,18 @@ class PointwiseKernels:
     def rope_entry(self, dtype: torch.dtype) -> Any | None:
         """The in-place RoPE C entry point for `dtype`, or None."""
         return self._rope.get(dtype)
+
+    def rope_pairs_entry(self, dtype: torch.dtype) -> Any | None:
+        """The in-place RoPE on interleaved pairs (`rotary_interleaved`'s) for `dtype`, or None."""
+        return self._rope_pairs.get(dtype)
+
+    def route_entry(self, dtype: torch.dtype) -> Any | None:
+        """The MoE routing entry point (`route`'s) for rows of `dtype`, or None."""
+        return self._route.get(dtype)
+
+    def combine_entry(self, dtype: torch.dtype) -> Any | None:
+        """The MoE combine entry point (`moe_combine`'s) for rows of `dtype`, or None."""
+        return self._combine.get(dtype)
 
     @staticmethod
     def takes(x: torch.Tensor, *others: torch.Tensor) -> bool:
@@ -169,6 +185,32 @@ class PointwiseKernels:
         if got != 0:
             raise MemoryError("the MoE combine found no memory for its row index")
         return out
+
+    def route(
+        self, x: torch.Tensor, weight: torch.Tensor, top_k: int, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A MoE layer's greedy softmax routing of x [T, H] (float32 or bf16) over `weight` [E, H] float32, and its
+        (token, choice) pairs grouped by expert: (weights [T, K] float32, ids [T, K], order [T * K], counts [E],
+        xs [T * K, H]) as MoEGate's weights and ids, a stable argsort of ids, their bincount and x's rows in that
+        order (pointwise.c's moe_route: its float32 sums are its own, so a near tie may fall the other way)."""
+        t, h = x.shape
+        e = weight.shape[0]
+        assert self.routes(x, weight, top_k), "route takes float32 or bf16 rows, a float32 [E <= 4096, H] weight"
+        x2, w = x.contiguous(), weight.contiguous()
+        weights = torch.empty(t, top_k, dtype=torch.float32)
+        ids = torch.empty(t, top_k, dtype=torch.int64)
+        order = torch.empty(t * top_k, dtype=torch.int64)
+        counts = torch.empty(e, dtype=torch.int64)
+        xs = x2.new_empty(t * top_k, h)
+        self._route[x.dtype](t, h, e, top_k, x2.data_ptr(), w.data_ptr(), scale, weights.data_ptr(), ids.data_ptr(),
+                             order.data_ptr(), counts.data_ptr(), xs.data_ptr(), torch.get_num_threads())  # fmt: skip
+        return weights, ids, order, counts, xs
+
+    def routes(self, x: torch.Tensor, weight: torch.Tensor, top_k: int) -> bool:
+        """Whether `route` takes these: rows of a dtype it has, a float32 weight of <= 4,096 experts as wide."""
+        e = weight.shape[0]
+        fits = weight.dtype == torch.float32 and weight.dim() == 2 and weight.shape[1] == x.shape[-1]
+        return x.dtype in self._route and x.dim() == 2 and fits and 0 < top_k <= e <= 4096
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """torch.argmax(logits, dim=-1) for [B, V] float32 or bf16 logits."""

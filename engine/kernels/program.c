@@ -13,7 +13,13 @@
 #define OP_WIDTH 20
 #define MAX_ARGS (OP_WIDTH - 3)
 
-enum { OP_GEMM = 1, OP_NORM = 2, OP_ROPE = 3, OP_STORE = 4, OP_ATTN = 5, OP_I8 = 6, OP_I8_SILU = 7, OP_W4 = 8 };
+enum {
+    OP_GEMM = 1, OP_NORM = 2, OP_ROPE = 3, OP_STORE = 4, OP_ATTN = 5, OP_I8 = 6, OP_I8_SILU = 7, OP_W4 = 8,
+    // DeepSeek's (engine/models/deepseek_program.py): norms of strided rows, RoPE on interleaved pairs, copies
+    // between [rows][heads] and [heads][rows] layouts, rows into the cache, grouped GEMMs, MoE routing and combine
+    OP_NORM_ROWS = 9, OP_ROPE_PAIRS = 10, OP_COPY = 11, OP_SCATTER = 12, OP_FILL = 13, OP_GROUPED = 14,
+    OP_GROUPED_W4 = 15, OP_GROUPED_I8 = 16, OP_ROUTE = 17, OP_COMBINE = 18
+};
 
 // the entry points' signatures: bf16mm.c / amxmm.c, pointwise.c, decode_attn*.c
 typedef void (*gemm_fn)(int64_t, int64_t, int64_t, const void *, const void *, const void *, void *, int);
@@ -28,6 +34,17 @@ typedef int (*i8_silu_fn)(int64_t, int64_t, int64_t, const void *, const void *,
                           const void *, void *, int);
 typedef int (*w4_fn)(int64_t, int64_t, int64_t, int64_t, const void *, const void *, const void *, const void *,
                      void *, int);
+typedef void (*rope_pairs_fn)(int64_t, int64_t, int64_t, void *, int64_t, int64_t, const void *, const void *, int);
+// the grouped entries (bf16mm / amxmm / wbf16, w4mm / w4amx, i8mm / i8amx): E layers, counts[e] rows each
+typedef void (*grouped_fn)(int64_t, const int64_t *, int64_t, int64_t, const void *, const void *, void *, int, int);
+typedef int (*grouped_w4_fn)(int64_t, const int64_t *, int64_t, int64_t, int64_t, const void *, const void *,
+                             const void *, void *, int, int);
+typedef int (*grouped_i8_fn)(int64_t, const int64_t *, int64_t, int64_t, const void *, const void *, const void *,
+                             const void *, void *, int, int);
+typedef void (*route_fn)(int64_t, int64_t, int64_t, int64_t, const void *, const void *, float, void *, void *,
+                         void *, void *, void *, int);
+typedef int (*combine_fn)(int64_t, int64_t, int64_t, int64_t, const void *, const void *, const void *,
+                          const void *, void *, int);
 
 static float as_float(int64_t v) {
     union {
@@ -50,8 +67,18 @@ static void store(int64_t rows, int64_t ld, const char *q, int64_t q_bytes, char
     }
 }
 
-// Runs ops [0, n) in order; returns n, or the index of the first op that failed (a quantized GEMM without memory
-// for its buffers) or is of an unknown kind: nothing after it runs.
+// Rows of `bytes` from src to dst, for each of `heads`; strides in bytes. A head stride of 0 is the layout of a
+// grouped call's input or output, [heads][rows][...]: rows times that side's row stride.
+static void copy(int64_t rows, int64_t heads, int64_t bytes, const char *src, int64_t s_row, int64_t s_head,
+                 char *dst, int64_t d_row, int64_t d_head) {
+    if (!s_head) s_head = rows * s_row;
+    if (!d_head) d_head = rows * d_row;
+    for (int64_t h = 0; h < heads; h++)
+        for (int64_t r = 0; r < rows; r++) memcpy(dst + r * d_row + h * d_head, src + r * s_row + h * s_head, (size_t)bytes);
+}
+
+// Runs ops [0, n) in order; returns n, or the index of the first op that failed (a quantized GEMM or the MoE
+// combine without memory for its buffers) or is of an unknown kind: nothing after it runs.
 int64_t program_run(const int64_t *ops, int64_t n, const int64_t *step) {
     for (int64_t i = 0; i < n; i++) {
         const int64_t *op = ops + i * OP_WIDTH;
@@ -92,6 +119,52 @@ int64_t program_run(const int64_t *ops, int64_t n, const int64_t *step) {
         case OP_W4:
             if (((w4_fn)fn)(a[0], a[1], a[2], a[3], (const void *)a[4], (const void *)a[5], (const void *)a[6],
                             (const void *)a[7], (void *)a[8], (int)a[9]) != 0)
+                return i;
+            break;
+        case OP_NORM_ROWS:  // one row at a time: the rows are strided (a slice of a projection's output)
+            for (int64_t r = 0; r < a[0]; r++) {
+                const char *x = (const char *)a[2] + r * a[3];
+                ((norm_fn)fn)(1, a[1], x, NULL, (const void *)a[4], as_float(a[5]), (char *)a[6] + r * a[7],
+                              (void *)x, (int)a[8]);
+            }
+            break;
+        case OP_ROPE_PAIRS:
+            ((rope_pairs_fn)fn)(a[0], a[1], a[2], (void *)a[3], a[4], a[5], (const void *)a[6], (const void *)a[7],
+                                (int)a[8]);
+            break;
+        case OP_COPY:
+            copy(a[0], a[1], a[2], (const char *)a[3], a[4], a[5], (char *)a[6], a[7], a[8]);
+            break;
+        case OP_SCATTER: {  // row r to slot slots[r] of a cache of `bytes` rows
+            const int64_t *slots = (const int64_t *)a[5];
+            for (int64_t r = 0; r < a[0]; r++)
+                memcpy((char *)a[4] + slots[r] * a[1], (const char *)a[2] + r * a[3], (size_t)a[1]);
+            break;
+        }
+        case OP_FILL:
+            for (int64_t j = 0; j < a[0]; j++) ((int64_t *)a[2])[j] = a[1];
+            break;
+        case OP_GROUPED:
+            ((grouped_fn)fn)(a[0], (const int64_t *)a[1], a[2], a[3], (const void *)a[4], (const void *)a[5],
+                             (void *)a[6], (int)a[7], (int)a[8]);
+            break;
+        case OP_GROUPED_W4:
+            if (((grouped_w4_fn)fn)(a[0], (const int64_t *)a[1], a[2], a[3], a[4], (const void *)a[5],
+                                    (const void *)a[6], (const void *)a[7], (void *)a[8], (int)a[9], (int)a[10]) != 0)
+                return i;
+            break;
+        case OP_GROUPED_I8:
+            if (((grouped_i8_fn)fn)(a[0], (const int64_t *)a[1], a[2], a[3], (const void *)a[4], (const void *)a[5],
+                                    (const void *)a[6], (const void *)a[7], (void *)a[8], (int)a[9], (int)a[10]) != 0)
+                return i;
+            break;
+        case OP_ROUTE:
+            ((route_fn)fn)(a[0], a[1], a[2], a[3], (const void *)a[4], (const void *)a[5], as_float(a[6]),
+                           (void *)a[7], (void *)a[8], (void *)a[9], (void *)a[10], (void *)a[11], (int)a[12]);
+            break;
+        case OP_COMBINE:  // the routed rows are the step's rows times K
+            if (((combine_fn)fn)(a[0], a[1], a[2], a[0] * a[1], (const void *)a[3], (const void *)a[4],
+                                 (const void *)a[5], (const void *)a[6], (void *)a[7], (int)a[8]) != 0)
                 return i;
             break;
         default:

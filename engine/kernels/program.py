@@ -30,7 +30,10 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("program.c")
 OP_WIDTH = 20  # as in program.c
 OP_GEMM, OP_NORM, OP_ROPE, OP_STORE, OP_ATTN, OP_I8, OP_I8_SILU, OP_W4 = 1, 2, 3, 4, 5, 6, 7, 8
-QUANTIZED = (OP_I8, OP_I8_SILU, OP_W4)  # ops that may fail: no memory for the kernel's buffers
+OP_NORM_ROWS, OP_ROPE_PAIRS, OP_COPY, OP_SCATTER, OP_FILL, OP_GROUPED = 9, 10, 11, 12, 13, 14
+OP_GROUPED_W4, OP_GROUPED_I8, OP_ROUTE, OP_COMBINE = 15, 16, 17, 18
+# ops that may fail: no memory for the kernel's buffers
+MAY_FAIL = (OP_I8, OP_I8_SILU, OP_W4, OP_GROUPED_W4, OP_GROUPED_I8, OP_COMBINE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +64,7 @@ class ProgramBuilder:
 
     def __init__(self) -> None:
         self.rows: list[list[int]] = []
-        self.keep: list[torch.Tensor] = []
+        self.keep: list[object] = []  # tensors, packed weights, ctypes arrays of pointers
         self.hooks: list[tuple[int, Hook]] = []  # (ops before it, the Python to run there)
 
     def _op(self, kind: int, fn: int, *args: Arg) -> None:
@@ -118,6 +121,53 @@ class ProgramBuilder:
         args = (ROWS, heads, kv_heads, head_dim, q, k_cache, v_cache, block_size, TABLES, TABLE_WIDTH, LENS)
         self._op(OP_ATTN, fn, *args, f32_bits(scale), out, THREADS)
 
+    def norm_rows(self, fn: int, dim: int, x: int, ldx: int, w: int, eps: float, out: int, ldo: int) -> None:
+        """out = RMSNorm(x) row by row, rows `ldx` and `ldo` bytes apart (a slice of a wider output; no residual)."""
+        self._op(OP_NORM_ROWS, fn, ROWS, dim, x, ldx, w, f32_bits(eps), out, ldo, THREADS)
+
+    def rope_pairs(self, fn: int, heads: int, head_dim: int, x: int, ld: int, head_ld: int) -> None:
+        """RoPE on interleaved pairs in place over [rows][heads][head_dim], rows `ld` and heads `head_ld` elements
+        apart (pointwise.c's rope_interleaved)."""
+        self._op(OP_ROPE_PAIRS, fn, ROWS, heads, head_dim, x, ld, head_ld, COS, SIN, THREADS)
+
+    def copy(
+        self, heads: int, nbytes: int, src: int, s_row: int, s_head: int, dst: int, d_row: int, d_head: int
+    ) -> None:
+        """Each row's `heads` runs of `nbytes` from src to dst, strides in bytes; a head stride of 0 means the
+        [heads][rows] layout of a grouped call (rows times the row stride)."""
+        self._op(OP_COPY, 0, ROWS, heads, nbytes, src, s_row, s_head, dst, d_row, d_head)
+
+    def scatter(self, nbytes: int, src: int, s_row: int, cache: int) -> None:
+        """Row r (`nbytes` of it) into the cache's slot the step gives it (rows of `nbytes`)."""
+        self._op(OP_SCATTER, 0, ROWS, nbytes, src, s_row, cache, SLOTS)
+
+    def fill_rows(self, n: int, counts: int) -> None:
+        """counts[0..n) = the step's rows (a grouped call's rows per layer, every layer taking each row)."""
+        self._op(OP_FILL, 0, n, ROWS, counts)
+
+    def grouped(
+        self, kind: int, fn: int, groups: int, counts: int, n: int, k: int, x: int, weights: Sequence[int], y: int,
+        silu: bool, group_size: int = 0,
+    ) -> None:  # fmt: skip
+        """A grouped entry (OP_GROUPED: bf16mm / amxmm / wbf16; OP_GROUPED_W4: w4mm / w4amx, `group_size`;
+        OP_GROUPED_I8: i8mm / i8amx), layer g taking counts[g] rows; `weights`: the entry's pointer arrays."""
+        shape = (n, k, group_size) if kind == OP_GROUPED_W4 else (n, k)
+        self._op(kind, fn, groups, counts, *shape, x, *weights, y, THREADS, int(silu))
+
+    def route(
+        self, fn: int, hidden: int, experts: int, top_k: int, x: int, w: int, scale: float, weights: int, ids: int,
+        order: int, counts: int, xs: int,
+    ) -> None:  # fmt: skip
+        """A MoE layer's routing and grouping (pointwise.c's moe_route) of the step's rows."""
+        self._op(OP_ROUTE, fn, ROWS, hidden, experts, top_k, x, w, f32_bits(scale), weights, ids, order, counts, xs,
+                 THREADS)  # fmt: skip
+
+    def combine(
+        self, fn: int, top_k: int, hidden: int, order: int, ys: int, weights: int, shared: int | None, out: int
+    ) -> None:
+        """A MoE layer's output from its routed rows (the step's rows times top_k) and shared rows (pointwise.c)."""
+        self._op(OP_COMBINE, fn, ROWS, top_k, hidden, order, ys, weights, shared, out, THREADS)
+
     def python(self, hook: Hook) -> None:
         """Stop the C calls here for `hook(rows)` (torch code that has no C kernel), then go on."""
         self.hooks.append((len(self.rows), hook))
@@ -139,7 +189,7 @@ class Program:
         self,
         lib: ctypes.CDLL,
         table: torch.Tensor,
-        keep: list[torch.Tensor],
+        keep: list[object],
         output: torch.Tensor,
         hooks: Sequence[tuple[int, Hook]] = (),
     ) -> None:
@@ -161,8 +211,8 @@ class Program:
             done = self.lib.program_run(ops, n, values)
             if done != n:
                 kind = int(self.table[first + done, 0])
-                if kind in QUANTIZED:
-                    raise MemoryError("a quantized GEMM found no memory for its buffers")
+                if kind in MAY_FAIL:
+                    raise MemoryError("a kernel of the decode program found no memory for its buffers")
                 # a table this module wrote cannot hold another kind: a bug, never input
                 raise RuntimeError(f"program op {first + done} has an unknown kind {kind}")
             if hook is not None:

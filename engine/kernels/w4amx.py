@@ -72,6 +72,10 @@ class W4AMX:
         """`amx-dequant` over such a weight, the same fused output."""
         return W4MM.run(self.lib.w4amx_linear_dequant_silu_mul, x, w, bias, "w4amx", w.n // 2)
 
+    def grouped_entry(self) -> object:
+        """`grouped`'s C entry point, which a decode program calls itself (engine.kernels.program)."""
+        return self.lib.w4amx_grouped
+
     def grouped(
         self, x: torch.Tensor, counts: ctypes.Array, shape: tuple[int, int, int], nibbles: ctypes.Array,
         scales: ctypes.Array, silu_mul: bool,

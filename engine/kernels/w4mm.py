@@ -119,6 +119,10 @@ class W4MM:
         """`block` over such a weight, the same fused output."""
         return self.run(self.lib.w4mm_linear_block_silu_mul, x, w, bias, "w4mm", w.n // 2)
 
+    def grouped_entry(self) -> object:
+        """`grouped`'s C entry point, which a decode program calls itself (engine.kernels.program)."""
+        return self.lib.w4mm_grouped
+
     def grouped(
         self, x: torch.Tensor, counts: ctypes.Array, shape: tuple[int, int, int], nibbles: ctypes.Array,
         scales: ctypes.Array, silu_mul: bool,

@@ -86,6 +86,10 @@ class WBF16:
         b = bias.to(torch.float32).contiguous() if bias is not None else None
         return gemm_entry(self.lib.wbf16_linear, n, n, packed, b, torch.float32)
 
+    def grouped_entry(self) -> object:
+        """`grouped`'s C entry point, which a decode program calls itself (engine.kernels.program)."""
+        return self.lib.wbf16_grouped
+
     def grouped(
         self, counts: ctypes.Array, n: int, k: int, x: torch.Tensor, weights: ctypes.Array, y: torch.Tensor,
         silu_mul: bool,

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.kernels.grouped import GroupedExperts
-from engine.kernels.pointwise import moe_combine
+from engine.kernels.pointwise import PointwiseKernels, moe_combine
 from engine.layers.mlp import GatedMLP
 from engine.layers.parallel import split
 from engine.parallel.group import Group, SingleGroup
@@ -113,6 +113,7 @@ class MoE(nn.Module):
         # this rank's experts in one call (bind_kernels): GroupedExperts, or quantized ones' GroupedQuantExperts
         self.grouped: Callable[[torch.Tensor, list[int]], torch.Tensor] | None = None
         self.combine = moe_combine  # or the same in one C pass (bind_kernels)
+        self.router: PointwiseKernels | None = None  # the routing and grouping in one C pass (bind_kernels)
 
     def local_experts(self) -> list[GatedMLP]:
         return list(self.experts[self.first : self.first + self.num_local])  # type: ignore[arg-type]
@@ -121,6 +122,7 @@ class MoE(nn.Module):
         """Take the grouped experts kernel where it fits; the experts then keep only its layout (no GEMM plans, no
         plain weights)."""
         self.combine = kernels.moe_combine.moe_combine if kernels.moe_combine is not None else moe_combine
+        self.router = kernels.moe_route if kernels.moe_route is not None and self.routes_in_c() else None
         experts = self.local_experts()
         linears = [lin for e in experts for lin in (e.gate_up_proj, e.down_proj)]
         if not all(lin.bias is None for lin in linears) or not all(e.act.is_silu_and_mul for e in experts):
@@ -143,21 +145,33 @@ class MoE(nn.Module):
             lin.packable = False  # engine.kernels.bind plans them no GEMM
             lin.drop_plain_weight()
 
+    def routes_in_c(self) -> bool:
+        """Whether the routing is the one pointwise.c's moe_route computes: softmax scores, greedy top-k (what
+        DeepSeek-V2, V2-Lite and V2.5's greedy configs use; group-limited and sigmoid routing stay in torch)."""
+        g = self.gate
+        return g.scoring == "softmax" and g.num_groups == 1 and g.weight.shape[0] <= 4096
+
     def holds_expert(self, e: int) -> bool:
         return self.first <= e < self.first + self.num_local
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.gate(x)  # [T, K]
-        top_k = ids.shape[1]
+        top_k = self.gate.top_k
         # Group the T * K (token, expert) pairs by expert so each expert runs once, on just its tokens.
-        flat = ids.flatten()
-        order = flat.argsort(stable=True)  # [T * K]
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        xs: torch.Tensor | None = None
+        if self.router is not None and self.router.routes(x, self.gate.weight, top_k):
+            weights, _, order, by_expert, xs = self.router.route(
+                x, self.gate.weight, top_k, self.gate.routed_scaling_factor
+            )
+            counts = by_expert.tolist()
+        else:
+            weights, ids = self.gate(x)  # [T, K]
+            flat = ids.flatten()
+            order = flat.argsort(stable=True)  # [T * K]
+            counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         lo = sum(counts[: self.first])  # the pairs of this rank's experts: rows [lo, hi) in expert-major order
         hi = lo + sum(counts[self.first : self.first + self.num_local])
         order = order[lo:hi]
-        tokens = order // top_k
-        xs = x[tokens]  # [pairs, hidden], expert-major
+        xs = xs[lo:hi] if xs is not None else x[order // top_k]  # [pairs, hidden], expert-major
         mine = slice(self.first, self.first + self.num_local)
         if self.grouped is not None:
             ys = self.grouped(xs, counts[mine])

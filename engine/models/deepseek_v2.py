@@ -9,19 +9,26 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from engine.kernels import program
 from engine.layers.mla import MLAttention
 from engine.layers.mlp import GatedMLP
 from engine.layers.moe import MoE, MoEGate
 from engine.layers.norm import RMSNorm
 from engine.layers.parallel import VocabEmbedding, gather_logits, vocab_head
 from engine.layers.rotary import RotaryEmbedding, rope_parameters, yarn_mscale
+from engine.models import deepseek_program
+from engine.models.decode_program import DecodePrograms
 from engine.models.decoder import DecoderLayer, DecoderModel
 from engine.parallel.group import Group, SingleGroup
+
+if TYPE_CHECKING:
+    from engine.kernels.kernel_set import CpuKernels
 
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.")
 
@@ -183,9 +190,38 @@ class DeepseekV2ForCausalLM(nn.Module):
         self.lm_head = vocab_head(a.hidden_size, a.vocab_size, self.group)
         if a.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.programs: DecodePrograms | None = None  # decode steps as one C call (engine.models.deepseek_program)
+
+    def bind_kernels(self, kernels: CpuKernels) -> None:
+        # the executor is compiled now, not at the first request's decode step
+        usable = kernels.rms_norm is not None and program.library() is not None
+        build = partial(deepseek_program.build, self)
+        self.programs = DecodePrograms(build, kernels.decode_program) if usable else None
+
+    def programmed_linears(self) -> list[nn.Module]:
+        """The linear layers and gated MLPs whose GEMMs decode programs call, where programs may run: the selection
+        times them as a program calls them (engine.kernels.bind.plan_linears)."""
+        dtype = self.model.norm.weight.dtype
+        if self.programs is None or self.programs.mode == "layers" or self.group.size != 1:
+            return []
+        if dtype not in (torch.bfloat16, torch.float32):  # as deepseek_program.build
+            return []
+        out: list[nn.Module] = []
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            if attn.q_lora_rank:
+                out += [attn.qkv_a_proj, attn.q_b_proj, attn.o_proj]
+            else:
+                out += [attn.q_proj, attn.kv_a_proj_with_mqa, attn.o_proj]
+            gated = mlp.shared_experts if isinstance(mlp, MoE) else mlp
+            if isinstance(gated, GatedMLP):
+                out += [gated, gated.down_proj]
+        return out
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         cos, sin = self.rotary(positions, self.model.norm.weight.dtype)  # [T, 1, R]
+        if self.programs is not None:
+            return self.programs.forward(self.model, input_ids, cos, sin)
         return self.model(input_ids, cos, sin)  # [T, hidden]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

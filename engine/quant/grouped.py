@@ -17,6 +17,7 @@ import torch
 from engine.kernels.grouped import check_groups
 from engine.kernels.i8amx import I8AMX
 from engine.kernels.i8mm import I8MM
+from engine.kernels.program import OP_GROUPED_I8, OP_GROUPED_W4, ProgramBuilder, address
 from engine.kernels.w4amx import W4AMX
 from engine.kernels.w4mm import W4MM
 from engine.quant.paths import W4MMPath, interleaved
@@ -71,6 +72,21 @@ class GroupedQuantLinear:
         if isinstance(self.kernel, W4MM | W4AMX):
             return self.kernel.grouped(x, c, self.shape, *self.pointers, self.silu_mul)  # type: ignore[arg-type]
         return self.kernel.grouped(x, c, self.shape, self.pointers, self.silu_mul)  # type: ignore[arg-type]
+
+    @property
+    def cols(self) -> int:
+        """Output columns a row."""
+        return self.n // 2 if self.silu_mul else self.n
+
+    def emit(self, b: ProgramBuilder, counts: int, x: int, y: int) -> None:
+        """This call as a decode program makes it (engine.kernels.program): counts[g] bf16 rows of x (pointers)
+        for group g."""
+        fn = address(self.kernel.grouped_entry())
+        pointers = [ctypes.addressof(p) for p in self.pointers]
+        w4 = isinstance(self.kernel, W4MM | W4AMX)
+        kind, group = (OP_GROUPED_W4, self.shape[2]) if w4 else (OP_GROUPED_I8, 0)
+        b.grouped(kind, fn, len(self.packed), counts, self.n, self.k, x, pointers, y, self.silu_mul, group)
+        b.keep += [*self.packed, *self.pointers]
 
 
 class GroupedQuantExperts:

@@ -1,0 +1,100 @@
+"""DeepSeek-V2 decode steps as one C call (engine.models.deepseek_program): the same logits, bit for bit, as the
+layers compute with the same kernels (bf16 math through bf16mm or amxmm, and W4A16 / W8A8 experts and projections),
+at every batch class a step has; with and without a query LoRA (V2-Lite has none); greedy tokens as near
+transformers' as the layers' are (test_deepseek_bf16 holds the layers to that)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import engine.kernels.bind
+from engine.kernels import amxmm, bf16mm, i8mm
+from engine.layers.moe import MoE
+from engine.quant.paths import quant_paths
+from tests.parity.conftest import make_core, mixed_prompts, step_logits
+from tests.parity.test_deepseek_bf16 import CONFIG
+
+GEMM = "bf16mm" if bf16mm.supported() else "amxmm" if amxmm.supported() else None
+pytestmark = pytest.mark.skipif(GEMM is None, reason="no bf16 GEMM kernel (AVX512-BF16 or AMX): no bf16 program")
+
+
+def _save(path: Path, **over: object) -> Path:
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    torch.manual_seed(7)
+    DeepseekV2ForCausalLM(DeepseekV2Config(**(CONFIG | over))).to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("deepseek-program")
+    return {
+        "q-lora": _save(root / "q-lora"),
+        "lite": _save(root / "lite", q_lora_rank=None),
+        "quantizable": _save(root / "quantizable", q_lora_rank=32),  # every K a multiple of the group size
+    }
+
+
+def _programs(core) -> dict[str, int]:  # type: ignore[no-untyped-def]
+    """The batch classes whose steps ran through a program, with each program's stops for Python."""
+    from engine.kernels.select import CLASSES
+
+    choices = core.runner.model.programs._choices.items()
+    return {CLASSES[c]: ch.program.python_calls for c, ch in choices if ch.program is not None}
+
+
+def _same(path: Path, n: int = 10, **over: object) -> dict[str, int]:
+    """Steps of 6 rows, prefills between them, then one request alone: the program's logits and the layers'."""
+    ran: dict[str, int] = {}
+    for prompts in (mixed_prompts(6), {"solo": mixed_prompts(2)["r1"]}):
+        core = make_core(path, dtype="bfloat16", gemm_path=GEMM, decode_program="program", **over)
+        got = step_logits(core, prompts, n)
+        layers = make_core(path, dtype="bfloat16", gemm_path=GEMM, decode_program="layers", **over)
+        want = step_logits(layers, prompts, n)
+        assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        ran |= _programs(core)
+    return ran
+
+
+@pytest.mark.parametrize("name", ["q-lora", "lite"])
+def test_a_programmed_deepseek_step_gives_the_layers_logits_bit_for_bit(checkpoints: dict[str, Path], name: str) -> None:
+    ran = _same(checkpoints[name])
+    assert "<=8" in ran and "1" in ran and set(ran.values()) == {0}, ran  # no stop for Python: all in C
+
+
+def test_the_layers_route_in_c_where_the_program_does(checkpoints: dict[str, Path]) -> None:
+    """The MoE layers route through the same C pass as the program (so both take the same experts), and the
+    forced configuration binds it."""
+    core = make_core(checkpoints["q-lora"], dtype="bfloat16", gemm_path=GEMM)
+    moes = [m for m in core.runner.model.modules() if isinstance(m, MoE)]
+    assert moes and all(m.router is not None for m in moes)
+
+
+QUANT = {"w8a8": i8mm.supported() and bf16mm.supported(), "w4a16": bf16mm.supported()}
+
+
+@pytest.mark.parametrize("scheme", list(QUANT))
+def test_quantized_deepseek_programs_give_the_layers_logits_bit_for_bit(
+    checkpoints: dict[str, Path], tmp_path: Path, scheme: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Quantized projections through their kernels' entries (the gated MLPs' fused ones) and the routed experts
+    through the grouped W4A16 / W8A8 entries (forced, untimed: the first accepting path runs): no stop for
+    Python."""
+    if not QUANT[scheme]:
+        pytest.skip(f"this CPU has no {scheme} kernel a program calls (i8mm: AVX512-VNNI; w4mm: AVX512-BF16)")
+    from engine.quant.quantize import quantize
+
+    kernel = "i8mm" if scheme == "w8a8" else "w4mm"
+
+    def ours(dtype: torch.dtype) -> list:  # the gated MLPs' fused entries first
+        paths = [p for p in quant_paths(dtype) if p.name.startswith(kernel)]
+        return sorted(paths, key=lambda p: "silu" not in p.name)
+
+    monkeypatch.setattr(engine.kernels.bind, "quant_paths", ours)
+    quantize(checkpoints["quantizable"], tmp_path / scheme, scheme, group_size=16)
+    ran = _same(tmp_path / scheme)
+    assert "<=8" in ran and "1" in ran and set(ran.values()) == {0}, ran
