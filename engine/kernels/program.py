@@ -131,7 +131,7 @@ class ProgramBuilder:
         self._op(OP_ROPE_PAIRS, fn, ROWS, heads, head_dim, x, ld, head_ld, COS, SIN, THREADS)
 
     def copy(
-        self, heads: int, nbytes: int, src: int, s_row: int, s_head: int, dst: int, d_row: int, d_head: int
+        self, heads: int, nbytes: int, src: Arg, s_row: int, s_head: int, dst: int, d_row: int, d_head: int
     ) -> None:
         """Each row's `heads` runs of `nbytes` from src to dst, strides in bytes; a head stride of 0 means the
         [heads][rows] layout of a grouped call (rows times the row stride)."""

@@ -61,7 +61,9 @@ def _same(path: Path, n: int = 10, **over: object) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("name", ["q-lora", "lite"])
-def test_a_programmed_deepseek_step_gives_the_layers_logits_bit_for_bit(checkpoints: dict[str, Path], name: str) -> None:
+def test_a_programmed_deepseek_step_gives_the_layers_logits_bit_for_bit(
+    checkpoints: dict[str, Path], name: str
+) -> None:
     ran = _same(checkpoints[name])
     assert "<=8" in ran and "1" in ran and set(ran.values()) == {0}, ran  # no stop for Python: all in C
 
