@@ -1,6 +1,7 @@
 """Small row-wise ops fused for CPU (engine/kernels/pointwise.c), beside the torch code each replaces:
 residual add + RMSNorm (`rms_norm`), rotary embeddings (`apply_rotary`, and DeepSeek's on interleaved pairs,
-`apply_rotary_interleaved`), a MoE layer's combine of its routed and shared rows (`moe_combine`) and greedy
+`apply_rotary_interleaved`), a MoE layer's routing with its pairs grouped by expert (`route`; engine.layers.moe's
+MoEGate and the argsort after it) and its combine of routed and shared rows (`moe_combine`) and greedy
 sampling's torch.argmax (over float32 or bf16 logits: greedy rows read the LM head's output in its own dtype,
 engine.sampler).
 
