@@ -14,7 +14,6 @@ import math
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 from engine.context import AttentionContext, PrefillMeta, reset_context, set_context
 from engine.kernels import (
@@ -115,22 +114,20 @@ def moe_combine_wins(
 def moe_route_wins(
     k: PointwiseKernels, moe: MoE, dtype: torch.dtype, timer: Timer | None, cache: PlanCache | None
 ) -> bool:
-    """A decode batch's routing and grouping (MoE.forward's two ways) over `moe`'s router, where the kernel takes
-    that router (greedy softmax scores: engine.layers.moe.MoE.routes_in_c)."""
-    if not moe.routes_in_c():
+    """A decode batch's routing and grouping, MoE.forward's two ways, over `moe`'s own router."""
+    gate = moe.gate
+    x = torch.randn(ROWS, gate.weight.shape[1], generator=torch.Generator().manual_seed(0)).to(dtype)
+    if not k.routes(x, gate):
         return False
-    gate, g = moe.gate, torch.Generator().manual_seed(0)
-    x = torch.randn(ROWS, gate.weight.shape[1], generator=g).to(dtype)
-    w = torch.randn(gate.weight.shape, generator=g) * gate.weight.shape[1] ** -0.5
 
     def theirs() -> object:
-        logits = F.linear(x.float(), w).softmax(dim=-1)
-        weights, ids = logits.topk(gate.top_k, dim=-1)
+        weights, ids = gate(x)
         order = ids.flatten().argsort(stable=True)
-        return weights * gate.routed_scaling_factor, torch.bincount(ids.flatten()).tolist(), x[order // gate.top_k]
+        return weights, torch.bincount(ids.flatten(), minlength=moe.num_experts).tolist(), x[order // gate.top_k]
 
-    key = f"op moe_route {ROWS}x{gate.top_k}x{w.shape[0]}x{w.shape[1]} {dtype}"
-    return faster(key, lambda: k.route(x, w, gate.top_k, gate.routed_scaling_factor), theirs, timer, cache)
+    key = f"op moe_route {ROWS}x{gate.top_k}x{gate.weight.shape[0]}x{gate.weight.shape[1]} {gate.scoring}"
+    key += f" g{gate.num_groups}/{gate.topk_groups} {dtype}"
+    return faster(key, lambda: k.route(x, gate), theirs, timer, cache)
 
 
 def argmax_wins(

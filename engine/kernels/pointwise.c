@@ -8,8 +8,8 @@
 // - rotary embedding (rotate_half layout) in place: out = x * cos (rounded) + rotate_half(x) * sin (rounded),
 //   the sum rounded;
 // - rotary embedding on interleaved pairs (DeepSeek), written de-interleaved, with the same roundings;
-// - a MoE layer's routing (softmax, greedy top-k) with its pairs grouped by expert, and its combine: each token's
-//   routed rows weighted and summed, plus its shared experts' row;
+// - a MoE layer's routing (softmax or sigmoid, greedy or group-limited) with its pairs grouped by expert, and its
+//   combine: each token's routed rows weighted and summed, plus its shared experts' row;
 // - greedy argmax over float32 or bf16 logits rows: the first index of the maximum, or of the first NaN, as torch;
 // - sampling: one token per float32 logits row drawn by inverting its CDF at a given uniform number, as
 //   engine/sampler.py's inverse_cdf does with four torch ops and a float64 copy of the row.
@@ -345,17 +345,39 @@ int moe_combine_bf16(int64_t T, int64_t K, int64_t H, int64_t P, const int64_t *
     return 0;
 }
 
-// A MoE layer's routing and its grouping by expert, in one pass (transformers' DeepseekV2TopkRouter, greedy,
-// softmax scores; then what engine/layers/moe.py did with a dozen torch ops at every layer and step):
+// A MoE layer's routing and its grouping by expert, in one pass (transformers' DeepseekV2TopkRouter and
+// DeepseekV3TopkRouter; then what engine/layers/moe.py did with a dozen torch ops at every layer and step):
 //   logits[t][e] = x[t] . W[e] in float32 (x widened; sixteen lanes of partial sums, then a shuffle tree),
-//   scores = softmax over e, ids[t] = the K best scores, best first (a tie: the lower expert first),
-//   weights[t][k] = scores[t][ids[t][k]] * scale,
+//   scores = softmax over e, or sigmoid (`route_t.sigmoid`); choice = scores (+ bias[e] with a bias, V3's
+//   e_score_correction_bias);
+//   with groups > 1, the experts in `groups` equal groups, each ranked by its best choice (softmax) or its two best
+//   summed (sigmoid); the choices outside the best `topk_groups` groups become 0 (softmax) or -inf (sigmoid);
+//   ids[t] = the K best choices, best first (a tie: the lower expert or group first, as torch.topk on CPU),
+//   weights[t][k] = choice (softmax) or score (sigmoid) of ids[t][k], over their sum + 1e-20 where `norm`
+//   (sigmoid only, as transformers), times scale;
 //   order = the pairs p = t * K + k by expert, in pair order within an expert (torch's stable argsort of ids),
 //   counts[e] = the pairs of expert e, xs[r] = x[order[r] / K] (the rows the grouped experts read).
-// W: [E][H] float32. x, xs: bf16 (`bf16`) or float32. E <= 4096 (the caller checks).
-static void route_token(int64_t H, int64_t E, int64_t K, const void *x, int bf16, const float *W, float scale,
-                        float *weights, int64_t *ids) {
-    float score[E];
+// W: [E][H] float32, bias: [E] float32 or NULL. x, xs: bf16 (`bf16`) or float32. E <= 4096 (the caller checks).
+typedef struct {
+    int64_t groups, topk_groups, sigmoid, norm;
+} route_t;
+
+// The k best of n values, best first (ties: the lower index).
+static void top_k(const float *v, int64_t n, int64_t k, int64_t *out) {
+    for (int64_t j = 0; j < k; j++) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < n; e++) {
+            int taken = 0;
+            for (int64_t i = 0; i < j; i++) taken |= out[i] == e;
+            if (!taken && (best < 0 || v[e] > v[best])) best = e;
+        }
+        out[j] = best;
+    }
+}
+
+static void route_token(int64_t H, int64_t E, int64_t K, const void *x, int bf16, const float *W, const float *bias,
+                        const route_t *cfg, float scale, float *weights, int64_t *ids) {
+    float score[E], choice[E];
     for (int64_t e = 0; e < E; e++) {
         const float *w = W + e * H;
         v16f acc = {0};
@@ -381,30 +403,51 @@ static void route_token(int64_t H, int64_t E, int64_t K, const void *x, int bf16
         }
         score[e] = hsum(acc) + tail;
     }
-    float m = score[0];
-    for (int64_t e = 1; e < E; e++) m = score[e] > m ? score[e] : m;
-    float sum = 0.0f;
-    for (int64_t e = 0; e < E; e++) sum += score[e] = expf(score[e] - m);
-    for (int64_t e = 0; e < E; e++) score[e] /= sum;
-    for (int64_t k = 0; k < K; k++) {
-        int64_t best = -1;
-        for (int64_t e = 0; e < E; e++) {
-            int taken = 0;
-            for (int64_t i = 0; i < k; i++) taken |= ids[i] == e;
-            if (!taken && (best < 0 || score[e] > score[best])) best = e;
+    if (cfg->sigmoid) {
+        for (int64_t e = 0; e < E; e++) score[e] = 1.0f / (1.0f + expf(-score[e]));
+    } else {
+        float m = score[0], sum = 0.0f;
+        for (int64_t e = 1; e < E; e++) m = score[e] > m ? score[e] : m;
+        for (int64_t e = 0; e < E; e++) sum += score[e] = expf(score[e] - m);
+        for (int64_t e = 0; e < E; e++) score[e] /= sum;
+    }
+    for (int64_t e = 0; e < E; e++) choice[e] = bias ? score[e] + bias[e] : score[e];
+    const int64_t G = cfg->groups;
+    if (G > 1) {
+        const int64_t per = E / G;
+        float rank[G];
+        int64_t keep[G], best[2];
+        for (int64_t g = 0; g < G; g++) {
+            top_k(choice + g * per, per, cfg->sigmoid ? 2 : 1, best);
+            rank[g] = choice[g * per + best[0]] + (cfg->sigmoid ? choice[g * per + best[1]] : 0.0f);
         }
-        ids[k] = best;
-        weights[k] = score[best] * scale;
+        top_k(rank, G, cfg->topk_groups, keep);
+        const float fill = cfg->sigmoid ? -INFINITY : 0.0f;
+        for (int64_t g = 0; g < G; g++) {
+            int kept = 0;
+            for (int64_t i = 0; i < cfg->topk_groups; i++) kept |= keep[i] == g;
+            if (!kept)
+                for (int64_t e = g * per; e < (g + 1) * per; e++) choice[e] = fill;
+        }
+    }
+    top_k(choice, E, K, ids);
+    float sum = 0.0f;
+    for (int64_t k = 0; k < K; k++) sum += weights[k] = cfg->sigmoid ? score[ids[k]] : choice[ids[k]];
+    for (int64_t k = 0; k < K; k++) {
+        if (cfg->norm && cfg->sigmoid) weights[k] = weights[k] / (sum + 1e-20f);
+        weights[k] *= scale;
     }
 }
 
 static void moe_route(int64_t T, int64_t H, int64_t E, int64_t K, const void *x, int bf16, const float *W,
-                      float scale, float *weights, int64_t *ids, int64_t *order, int64_t *counts, void *xs,
-                      int nthreads) {
+                      const float *bias, const int64_t *cfg, float scale, float *weights, int64_t *ids,
+                      int64_t *order, int64_t *counts, void *xs, int nthreads) {
     const size_t row = (size_t)H * (bf16 ? 2 : 4);
+    const route_t rc = {cfg[0], cfg[1], cfg[2], cfg[3]};
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (T * E * H >= PARALLEL_ELEMS)
     for (int64_t t = 0; t < T; t++)
-        route_token(H, E, K, (const char *)x + (size_t)t * row, bf16, W, scale, weights + t * K, ids + t * K);
+        route_token(H, E, K, (const char *)x + (size_t)t * row, bf16, W, bias, &rc, scale, weights + t * K,
+                    ids + t * K);
     int64_t next[E];
     for (int64_t e = 0; e < E; e++) counts[e] = 0;
     for (int64_t p = 0; p < T * K; p++) counts[ids[p]]++;
@@ -418,14 +461,17 @@ static void moe_route(int64_t T, int64_t H, int64_t E, int64_t K, const void *x,
         memcpy((char *)xs + (size_t)r * row, (const char *)x + (size_t)(order[r] / K) * row, row);
 }
 
-void moe_route_bf16(int64_t T, int64_t H, int64_t E, int64_t K, const uint16_t *x, const float *W, float scale,
-                    float *weights, int64_t *ids, int64_t *order, int64_t *counts, uint16_t *xs, int nthreads) {
-    moe_route(T, H, E, K, x, 1, W, scale, weights, ids, order, counts, xs, nthreads);
+// cfg: {groups, topk_groups, sigmoid, norm} (route_t)
+void moe_route_bf16(int64_t T, int64_t H, int64_t E, int64_t K, const uint16_t *x, const float *W, const float *bias,
+                    const int64_t *cfg, float scale, float *weights, int64_t *ids, int64_t *order, int64_t *counts,
+                    uint16_t *xs, int nthreads) {
+    moe_route(T, H, E, K, x, 1, W, bias, cfg, scale, weights, ids, order, counts, xs, nthreads);
 }
 
-void moe_route_f32(int64_t T, int64_t H, int64_t E, int64_t K, const float *x, const float *W, float scale,
-                   float *weights, int64_t *ids, int64_t *order, int64_t *counts, float *xs, int nthreads) {
-    moe_route(T, H, E, K, x, 0, W, scale, weights, ids, order, counts, xs, nthreads);
+void moe_route_f32(int64_t T, int64_t H, int64_t E, int64_t K, const float *x, const float *W, const float *bias,
+                   const int64_t *cfg, float scale, float *weights, int64_t *ids, int64_t *order, int64_t *counts,
+                   float *xs, int nthreads) {
+    moe_route(T, H, E, K, x, 0, W, bias, cfg, scale, weights, ids, order, counts, xs, nthreads);
 }
 
 // One row of logits, float32 or bf16 (widened exactly, so the answer is the float32 row's) -> torch.argmax's

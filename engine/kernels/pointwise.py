@@ -19,7 +19,7 @@ from __future__ import annotations
 import ctypes
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -71,6 +71,24 @@ def rms_norm(
     return weight * xf.to(x.dtype), x
 
 
+class RouterSpec(Protocol):
+    """What routing reads of a MoE router (engine.layers.moe.MoEGate)."""
+
+    weight: torch.Tensor
+    top_k: int
+    scoring: str
+    num_groups: int
+    topk_groups: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+
+
+def route_config(gate: RouterSpec) -> torch.Tensor:
+    """pointwise.c's route_t for `gate`: groups, groups kept, sigmoid scores, weights normalised (sigmoid only)."""
+    sigmoid = gate.scoring == "sigmoid"
+    return torch.tensor([gate.num_groups, gate.topk_groups, int(sigmoid), int(gate.norm_topk_prob and sigmoid)])
+
+
 class PointwiseKernels:
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib = lib
@@ -84,7 +102,7 @@ class PointwiseKernels:
         for f in (lib.rope_interleaved_f32, lib.rope_interleaved_bf16):
             f.argtypes = [_i64, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _int]
         for f in (lib.moe_route_f32, lib.moe_route_bf16):
-            f.argtypes = [_i64, _i64, _i64, _i64, _ptr, _ptr, _f32, _ptr, _ptr, _ptr, _ptr, _ptr, _int]
+            f.argtypes = [_i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _f32, _ptr, _ptr, _ptr, _ptr, _ptr, _int]
             f.restype = None
         for f in (lib.moe_combine_f32, lib.moe_combine_bf16):
             f.argtypes = [_i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _int]
@@ -188,30 +206,37 @@ class PointwiseKernels:
         return out
 
     def route(
-        self, x: torch.Tensor, weight: torch.Tensor, top_k: int, scale: float
+        self, x: torch.Tensor, gate: RouterSpec
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A MoE layer's greedy softmax routing of x [T, H] (float32 or bf16) over `weight` [E, H] float32, and its
-        (token, choice) pairs grouped by expert: (weights [T, K] float32, ids [T, K], order [T * K], counts [E],
-        xs [T * K, H]) as MoEGate's weights and ids, a stable argsort of ids, their bincount and x's rows in that
-        order (pointwise.c's moe_route: its float32 sums are its own, so a near tie may fall the other way)."""
+        """A MoE layer's routing of x [T, H] (float32 or bf16) as `gate` (engine.layers.moe.MoEGate: its weight
+        [E, H] float32, top_k, scoring, groups, bias, scale) routes it, and its (token, choice) pairs grouped by
+        expert: (weights [T, K] float32, ids [T, K], order [T * K], counts [E], xs [T * K, H]) as MoEGate's weights
+        and ids, a stable argsort of ids, their bincount and x's rows in that order (pointwise.c's moe_route: its
+        float32 sums are its own, so a near tie may fall the other way)."""
         t, h = x.shape
-        e = weight.shape[0]
-        assert self.routes(x, weight, top_k), "route takes float32 or bf16 rows, a float32 [E <= 4096, H] weight"
-        x2, w = x.contiguous(), weight.contiguous()
-        weights = torch.empty(t, top_k, dtype=torch.float32)
-        ids = torch.empty(t, top_k, dtype=torch.int64)
-        order = torch.empty(t * top_k, dtype=torch.int64)
-        counts = torch.empty(e, dtype=torch.int64)
-        xs = x2.new_empty(t * top_k, h)
-        self._route[x.dtype](t, h, e, top_k, x2.data_ptr(), w.data_ptr(), scale, weights.data_ptr(), ids.data_ptr(),
-                             order.data_ptr(), counts.data_ptr(), xs.data_ptr(), torch.get_num_threads())  # fmt: skip
+        w, k = gate.weight.contiguous(), gate.top_k
+        assert self.routes(x, gate), "route takes float32 or bf16 rows and a float32 [E <= 4096, H] router"
+        bias = getattr(gate, "e_score_correction_bias", None)
+        bias = bias.contiguous() if bias is not None and gate.scoring == "sigmoid" else None
+        weights = torch.empty(t, k, dtype=torch.float32)
+        ids = torch.empty(t, k, dtype=torch.int64)
+        order = torch.empty(t * k, dtype=torch.int64)
+        counts = torch.empty(w.shape[0], dtype=torch.int64)
+        xs = x.contiguous().new_empty(t * k, h)
+        cfg = route_config(gate)
+        self._route[x.dtype](t, h, w.shape[0], k, x.contiguous().data_ptr(), w.data_ptr(),
+                             bias.data_ptr() if bias is not None else None, cfg.data_ptr(),
+                             gate.routed_scaling_factor, weights.data_ptr(), ids.data_ptr(), order.data_ptr(),
+                             counts.data_ptr(), xs.data_ptr(), torch.get_num_threads())  # fmt: skip
         return weights, ids, order, counts, xs
 
-    def routes(self, x: torch.Tensor, weight: torch.Tensor, top_k: int) -> bool:
-        """Whether `route` takes these: rows of a dtype it has, a float32 weight of <= 4,096 experts as wide."""
-        e = weight.shape[0]
-        fits = weight.dtype == torch.float32 and weight.dim() == 2 and weight.shape[1] == x.shape[-1]
-        return x.dtype in self._route and x.dim() == 2 and fits and 0 < top_k <= e <= 4096
+    def routes(self, x: torch.Tensor, gate: RouterSpec) -> bool:
+        """Whether `route` takes these: rows of a dtype it has, a float32 router of <= 4,096 experts as wide."""
+        w = gate.weight
+        e = w.shape[0]
+        fits = w.dtype == torch.float32 and w.dim() == 2 and w.shape[1] == x.shape[-1] and e % gate.num_groups == 0
+        picks = 0 < gate.top_k <= e <= 4096 and 0 < gate.topk_groups <= gate.num_groups
+        return x.dtype in self._route and x.dim() == 2 and fits and picks and gate.scoring in ("softmax", "sigmoid")
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """torch.argmax(logits, dim=-1) for [B, V] float32 or bf16 logits."""

@@ -41,8 +41,8 @@ typedef int (*grouped_w4_fn)(int64_t, const int64_t *, int64_t, int64_t, int64_t
                              const void *, void *, int, int);
 typedef int (*grouped_i8_fn)(int64_t, const int64_t *, int64_t, int64_t, const void *, const void *, const void *,
                              const void *, void *, int, int);
-typedef void (*route_fn)(int64_t, int64_t, int64_t, int64_t, const void *, const void *, float, void *, void *,
-                         void *, void *, void *, int);
+typedef void (*route_fn)(int64_t, int64_t, int64_t, int64_t, const void *, const void *, const void *,
+                         const void *, float, void *, void *, void *, void *, void *, int);
 typedef int (*combine_fn)(int64_t, int64_t, int64_t, int64_t, const void *, const void *, const void *,
                           const void *, void *, int);
 
@@ -159,8 +159,9 @@ int64_t program_run(const int64_t *ops, int64_t n, const int64_t *step) {
                 return i;
             break;
         case OP_ROUTE:
-            ((route_fn)fn)(a[0], a[1], a[2], a[3], (const void *)a[4], (const void *)a[5], as_float(a[6]),
-                           (void *)a[7], (void *)a[8], (void *)a[9], (void *)a[10], (void *)a[11], (int)a[12]);
+            ((route_fn)fn)(a[0], a[1], a[2], a[3], (const void *)a[4], (const void *)a[5], (const void *)a[6],
+                           (const void *)a[7], as_float(a[8]), (void *)a[9], (void *)a[10], (void *)a[11],
+                           (void *)a[12], (void *)a[13], (int)a[14]);
             break;
         case OP_COMBINE:  // the routed rows are the step's rows times K
             if (((combine_fn)fn)(a[0], a[1], a[2], a[0] * a[1], (const void *)a[3], (const void *)a[4],

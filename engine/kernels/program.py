@@ -155,12 +155,13 @@ class ProgramBuilder:
         self._op(kind, fn, groups, counts, *shape, x, *weights, y, THREADS, int(silu))
 
     def route(
-        self, fn: int, hidden: int, experts: int, top_k: int, x: int, w: int, scale: float, weights: int, ids: int,
-        order: int, counts: int, xs: int,
+        self, fn: int, hidden: int, experts: int, top_k: int, x: int, w: int, bias: int | None, config: int,
+        scale: float, weights: int, ids: int, order: int, counts: int, xs: int,
     ) -> None:  # fmt: skip
-        """A MoE layer's routing and grouping (pointwise.c's moe_route) of the step's rows."""
-        self._op(OP_ROUTE, fn, ROWS, hidden, experts, top_k, x, w, f32_bits(scale), weights, ids, order, counts, xs,
-                 THREADS)  # fmt: skip
+        """A MoE layer's routing and grouping (pointwise.c's moe_route; `config`: its route_t as 4 int64) of the
+        step's rows."""
+        self._op(OP_ROUTE, fn, ROWS, hidden, experts, top_k, x, w, bias, config, f32_bits(scale), weights, ids,
+                 order, counts, xs, THREADS)  # fmt: skip
 
     def combine(
         self, fn: int, top_k: int, hidden: int, order: int, ys: int, weights: int, shared: int | None, out: int

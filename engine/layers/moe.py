@@ -122,7 +122,7 @@ class MoE(nn.Module):
         """Take the grouped experts kernel where it fits; the experts then keep only its layout (no GEMM plans, no
         plain weights)."""
         self.combine = kernels.moe_combine.moe_combine if kernels.moe_combine is not None else moe_combine
-        self.router = kernels.moe_route if kernels.moe_route is not None and self.routes_in_c() else None
+        self.router = kernels.moe_route
         experts = self.local_experts()
         linears = [lin for e in experts for lin in (e.gate_up_proj, e.down_proj)]
         if not all(lin.bias is None for lin in linears) or not all(e.act.is_silu_and_mul for e in experts):
@@ -145,12 +145,6 @@ class MoE(nn.Module):
             lin.packable = False  # engine.kernels.bind plans them no GEMM
             lin.drop_plain_weight()
 
-    def routes_in_c(self) -> bool:
-        """Whether the routing is the one pointwise.c's moe_route computes: softmax scores, greedy top-k (what
-        DeepSeek-V2, V2-Lite and V2.5's greedy configs use; group-limited and sigmoid routing stay in torch)."""
-        g = self.gate
-        return g.scoring == "softmax" and g.num_groups == 1 and g.weight.shape[0] <= 4096
-
     def holds_expert(self, e: int) -> bool:
         return self.first <= e < self.first + self.num_local
 
@@ -158,10 +152,8 @@ class MoE(nn.Module):
         top_k = self.gate.top_k
         # Group the T * K (token, expert) pairs by expert so each expert runs once, on just its tokens.
         xs: torch.Tensor | None = None
-        if self.router is not None and self.router.routes(x, self.gate.weight, top_k):
-            weights, _, order, by_expert, xs = self.router.route(
-                x, self.gate.weight, top_k, self.gate.routed_scaling_factor
-            )
+        if self.router is not None and self.router.routes(x, self.gate):
+            weights, _, order, by_expert, xs = self.router.route(x, self.gate)
             counts = by_expert.tolist()
         else:
             weights, ids = self.gate(x)  # [T, K]

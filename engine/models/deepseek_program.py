@@ -6,10 +6,10 @@ took ~0.2 and ~0.3; the rest was ~140 small torch ops a token and the Python aro
 
 Built for a decode batch class where every piece runs a kernel the program can call: the norms and RoPE on
 interleaved pairs (pointwise.c), MLA's latent decode attention, its per-head W_UK / W_UV products as grouped calls
-(engine.kernels.grouped), the routing and combine in C (pointwise.c's moe_route, moe_combine) and the routed experts
-as grouped calls (bf16, W4A16 or W8A8); the linear layers' GEMMs as in engine.models.llama_program (their C entry,
-or the plan between two C calls). Anything else (bmm for W_UK / W_UV, group-limited or sigmoid routing, the experts
-one call each, another rope layout) keeps the layers, which compute the same.
+(engine.kernels.grouped), the routing and combine in C (pointwise.c's moe_route, V2's and V3's routers, and
+moe_combine) and the routed experts as grouped calls (bf16, W4A16 or W8A8); the linear layers' GEMMs as in
+engine.models.llama_program (their C entry, or the plan between two C calls). Anything else (bmm for W_UK / W_UV,
+the experts one call each, RoPE on halves) keeps the layers, which compute the same.
 
 Per layer (rows [rows][...] unless said; "heads-major" is [heads][rows][...], a grouped call's layout):
     norm(x, residual) → n                      qa = n W_qkv_a^T = [q_a | c | k_pe]
@@ -30,7 +30,7 @@ import torch
 
 from engine.kernels.decode_attn import DecodeAttention
 from engine.kernels.grouped import GroupedExperts
-from engine.kernels.pointwise import PointwiseKernels
+from engine.kernels.pointwise import PointwiseKernels, route_config
 from engine.kernels.program import Program, address
 from engine.layers.mla import MLAttention
 from engine.layers.mlp import GatedMLP
@@ -164,7 +164,12 @@ def _moe(f: Frame, moe: MoE, cls: int) -> str | None:
     b, dtype, ptr = f.b, f.dtype, torch.Tensor.data_ptr
     router, combine = moe.router, getattr(moe.combine, "__self__", None)
     grouped = moe.grouped
-    if router is None or router.route_entry(dtype) is None:
+    gate, k, hidden = moe.gate, moe.gate.top_k, f.hidden
+    if (
+        router is None
+        or router.route_entry(dtype) is None
+        or not router.routes(torch.empty(1, hidden, dtype=dtype), gate)
+    ):
         return "the MoE routing runs in torch"
     if not isinstance(combine, PointwiseKernels) or combine.combine_entry(dtype) is None:
         return "the MoE combine runs in torch"
@@ -173,7 +178,6 @@ def _moe(f: Frame, moe: MoE, cls: int) -> str | None:
     up, down = grouped.gate_up, grouped.down
     if (up.kernel.dtype if isinstance(grouped, GroupedExperts) else torch.bfloat16) != dtype:
         return "the routed experts' grouped kernel takes rows of another dtype"
-    gate, k, hidden = moe.gate, moe.gate.top_k, f.hidden
     experts, pairs = gate.weight.shape[0], f.width * k
     weights, ids = f.buffer("route_w", k, dtype=torch.float32), f.buffer("route_ids", k, dtype=torch.int64)
     order = f.buffer("order", 1, dtype=torch.int64, rows=pairs)
@@ -183,8 +187,11 @@ def _moe(f: Frame, moe: MoE, cls: int) -> str | None:
         f.buffer("e_act", up.cols, rows=pairs),
         f.buffer("ys", hidden, rows=pairs),
     )
+    bias = gate.e_score_correction_bias if gate.scoring == "sigmoid" else None
+    config = route_config(gate)
     b.route(address(router.route_entry(dtype)), hidden, experts, k, ptr(f.norm_out), ptr(gate.weight),
-            gate.routed_scaling_factor, ptr(weights), ptr(ids), ptr(order), ptr(counts), ptr(xs))  # fmt: skip
+            ptr(bias) if bias is not None else None, ptr(config), gate.routed_scaling_factor, ptr(weights), ptr(ids),
+            ptr(order), ptr(counts), ptr(xs))  # fmt: skip
     up.emit(b, ptr(counts), ptr(xs), ptr(act))
     down.emit(b, ptr(counts), ptr(act), ptr(ys))
     shared = None
@@ -195,5 +202,5 @@ def _moe(f: Frame, moe: MoE, cls: int) -> str | None:
             return why
     b.combine(address(combine.combine_entry(dtype)), k, hidden, ptr(order), ptr(ys), ptr(weights),
               ptr(shared) if shared is not None else None, ptr(f.x_buf))  # fmt: skip
-    b.keep += [gate.weight]
+    b.keep += [gate.weight, config] + ([bias] if bias is not None else [])
     return None

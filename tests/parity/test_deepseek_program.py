@@ -1,7 +1,8 @@
 """DeepSeek-V2 decode steps as one C call (engine.models.deepseek_program): the same logits, bit for bit, as the
 layers compute with the same kernels (bf16 math through bf16mm or amxmm, and W4A16 / W8A8 experts and projections),
-at every batch class a step has; with and without a query LoRA (V2-Lite has none); greedy tokens as near
-transformers' as the layers' are (test_deepseek_bf16 holds the layers to that)."""
+at every batch class a step has; with and without a query LoRA (V2-Lite has none), greedy, group-limited (V2) and
+sigmoid (V3) routing; greedy tokens as near transformers' as the layers' are (test_deepseek_bf16 holds the layers to
+that)."""
 
 from __future__ import annotations
 
@@ -21,11 +22,19 @@ GEMM = "bf16mm" if bf16mm.supported() else "amxmm" if amxmm.supported() else Non
 pytestmark = pytest.mark.skipif(GEMM is None, reason="no bf16 GEMM kernel (AVX512-BF16 or AMX): no bf16 program")
 
 
-def _save(path: Path, **over: object) -> Path:
-    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+def _save(path: Path, v3: bool = False, **over: object) -> Path:
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
 
     torch.manual_seed(7)
-    DeepseekV2ForCausalLM(DeepseekV2Config(**(CONFIG | over))).to(torch.bfloat16).save_pretrained(path)
+    config_cls, model_cls = (
+        (DeepseekV3Config, DeepseekV3ForCausalLM) if v3 else (DeepseekV2Config, DeepseekV2ForCausalLM)
+    )
+    model = model_cls(config_cls(**(CONFIG | over)))
+    with torch.no_grad():  # random init leaves V3's correction bias at zero: make it count
+        for n, t in model.named_buffers():
+            if n.endswith("e_score_correction_bias"):
+                t.normal_(0, 0.1)
+    model.to(torch.bfloat16).save_pretrained(path)
     return path
 
 
@@ -35,6 +44,8 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {
         "q-lora": _save(root / "q-lora"),
         "lite": _save(root / "lite", q_lora_rank=None),
+        "group-limited": _save(root / "grouped", topk_method="group_limited_greedy", n_group=4, topk_group=2),
+        "v3": _save(root / "v3", v3=True, n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5),
         "quantizable": _save(root / "quantizable", q_lora_rank=32),  # every K a multiple of the group size
     }
 
@@ -60,7 +71,7 @@ def _same(path: Path, n: int = 10, **over: object) -> dict[str, int]:
     return ran
 
 
-@pytest.mark.parametrize("name", ["q-lora", "lite"])
+@pytest.mark.parametrize("name", ["q-lora", "lite", "group-limited", "v3"])
 def test_a_programmed_deepseek_step_gives_the_layers_logits_bit_for_bit(
     checkpoints: dict[str, Path], name: str
 ) -> None:
@@ -100,3 +111,17 @@ def test_quantized_deepseek_programs_give_the_layers_logits_bit_for_bit(
     quantize(checkpoints["quantizable"], tmp_path / scheme, scheme, group_size=16)
     ran = _same(tmp_path / scheme)
     assert "<=8" in ran and "1" in ran and set(ran.values()) == {0}, ran
+
+
+def test_gemms_without_a_c_entry_run_as_the_layers_plans_between_the_c_calls(checkpoints: dict[str, Path]) -> None:
+    """oneDNN's GEMMs have no C entry: each of MLA's projections and the gated MLPs' GEMMs stops the program for its
+    plan's own call, and the logits stay the layers'."""
+    prompts = mixed_prompts(6)
+    core = make_core(checkpoints["q-lora"], dtype="bfloat16", gemm_path="onednn", decode_program="program")
+    got = step_logits(core, prompts, 6)
+    layers = make_core(checkpoints["q-lora"], dtype="bfloat16", gemm_path="onednn", decode_program="layers")
+    want = step_logits(layers, prompts, 6)
+    assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    ran = _programs(core)
+    # per layer: the input, query and O projections, then two GEMMs of the dense MLP or of the shared experts
+    assert ran and all(stops == 5 * CONFIG["num_hidden_layers"] for stops in ran.values()), ran

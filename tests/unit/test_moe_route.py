@@ -1,7 +1,7 @@
 """A MoE layer's routing and grouping in one C pass (pointwise.c's moe_route, engine.layers.moe.MoE.router):
-the experts MoEGate (transformers' greedy softmax router) chooses, its weights within float32 rounding, the pairs
-in the order of a stable argsort, and the rows the experts read; the MoE layer's output is the torch code's; other
-routers keep the torch code."""
+the experts MoEGate (transformers' DeepSeek-V2 and V3 routers: softmax or sigmoid with its correction bias, greedy
+or group-limited) chooses, its weights within float32 rounding, the pairs in the order of a stable argsort, and
+the rows the experts read; the MoE layer's output is the torch code's."""
 
 from __future__ import annotations
 
@@ -23,21 +23,33 @@ def _gate(hidden: int, experts: int, top_k: int, seed: int, scale: float = 1.0, 
     args: dict = dict(scoring="softmax", num_groups=1, topk_groups=1, norm_topk_prob=False)
     args.update(over)
     gate = MoEGate(hidden, experts, top_k, routed_scaling_factor=scale, **args)
-    gate.weight.data = torch.randn(experts, hidden, generator=torch.Generator().manual_seed(seed)) * hidden**-0.5
+    g = torch.Generator().manual_seed(seed)
+    gate.weight.data = torch.randn(experts, hidden, generator=g) * hidden**-0.5
+    if gate.scoring == "sigmoid":
+        gate.e_score_correction_bias.data = torch.randn(experts, generator=g) * 0.1
     return gate
 
 
+ROUTERS = {
+    "greedy": {},
+    "group-limited": {"num_groups": 4, "topk_groups": 2},
+    "v3": {"scoring": "sigmoid", "num_groups": 4, "topk_groups": 2, "norm_topk_prob": True},
+    "sigmoid-greedy": {"scoring": "sigmoid"},
+}
+
+
+@pytest.mark.parametrize("router", list(ROUTERS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("tokens", "hidden", "experts", "top_k"), [(1, 1024, 16, 4), (7, 100, 8, 2), (300, 64, 160, 6)]
 )
 def test_routing_is_moegates_and_the_pairs_are_grouped_as_a_stable_argsort(
-    dtype: torch.dtype, tokens: int, hidden: int, experts: int, top_k: int
+    router: str, dtype: torch.dtype, tokens: int, hidden: int, experts: int, top_k: int
 ) -> None:
-    gate = _gate(hidden, experts, top_k, seed=tokens, scale=2.5)
+    gate = _gate(hidden, experts, top_k, seed=tokens, scale=2.5, **ROUTERS[router])
     x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(1)).to(dtype)
     want_w, want_ids = gate(x)
-    w, ids, order, counts, xs = _kernels().route(x, gate.weight, top_k, 2.5)
+    w, ids, order, counts, xs = _kernels().route(x, gate)
     assert torch.equal(ids, want_ids)  # best first, as topk
     assert torch.allclose(w, want_w, rtol=1e-5, atol=1e-7)
     assert torch.equal(order, want_ids.flatten().argsort(stable=True))
@@ -53,7 +65,7 @@ def test_a_tie_goes_to_the_lower_expert() -> None:
     gate.weight.data[0] = gate.weight.data[1] * 0.5 - 3  # below both
     gate.weight.data[2] = gate.weight.data[1] * 0.5 - 3
     x = torch.ones(1, 16)
-    _, ids, *_ = _kernels().route(x, gate.weight, 2, 1.0)
+    _, ids, *_ = _kernels().route(x, gate)
     assert ids.tolist() == [[1, 3]]
 
 
@@ -67,33 +79,22 @@ def _moe(seed: int, **over: object) -> MoE:
     return moe
 
 
-def test_the_moe_layer_routes_in_c_and_gives_the_torch_codes_output() -> None:
-    moe = _moe(3)
+@pytest.mark.parametrize("router", list(ROUTERS))
+def test_the_moe_layer_routes_in_c_and_gives_the_torch_codes_output(router: str) -> None:
+    moe = _moe(3, **ROUTERS[router])
     x = torch.randn(5, 32, generator=torch.Generator().manual_seed(4))
     want = moe(x)
     moe.bind_kernels(CpuKernels(moe_route=_kernels()))
-    assert moe.router is not None
+    assert moe.router is not None and moe.router.routes(x, moe.gate)
     assert torch.allclose(moe(x), want, rtol=1e-5, atol=1e-6)
-
-
-@pytest.mark.parametrize(
-    "over", [{"scoring": "sigmoid"}, {"num_groups": 2, "topk_groups": 1}], ids=["sigmoid", "group-limited"]
-)
-def test_other_routers_keep_the_torch_code(over: dict) -> None:
-    moe = _moe(5, **over)
-    if over.get("scoring") == "sigmoid":
-        moe.gate.e_score_correction_bias.data = torch.zeros(8)
-    assert not moe.routes_in_c()
-    moe.bind_kernels(CpuKernels(moe_route=_kernels()))
-    assert moe.router is None
-    x = torch.randn(3, 32)
-    assert moe(x).shape == (3, 32)
 
 
 def test_route_refuses_what_it_does_not_take() -> None:
     k, gate = _kernels(), _gate(16, 4, 2, seed=0)
-    assert k.routes(torch.randn(2, 16), gate.weight, 2)
-    assert not k.routes(torch.randn(2, 8), gate.weight, 2)  # another width
-    assert not k.routes(torch.randn(2, 16).half(), gate.weight, 2)  # a dtype it has no entry for
-    assert not k.routes(torch.randn(2, 16), gate.weight.bfloat16(), 2)  # the router is float32
-    assert not k.routes(torch.randn(2, 16), gate.weight, 5)  # more choices than experts
+    assert k.routes(torch.randn(2, 16), gate)
+    assert not k.routes(torch.randn(2, 8), gate)  # another width
+    assert not k.routes(torch.randn(2, 16).half(), gate)  # a dtype it has no entry for
+    gate.top_k = 5
+    assert not k.routes(torch.randn(2, 16), gate)  # more choices than experts
+    gate.top_k, gate.weight.data = 2, gate.weight.data.bfloat16()
+    assert not k.routes(torch.randn(2, 16), gate)  # the router is float32

@@ -8,7 +8,9 @@ import torch
 
 from engine.kernels import pointwise, program, wbf16
 from engine.kernels.grouped import GroupedLinear
+from engine.kernels.pointwise import route_config
 from engine.kernels.program import INPUT, ProgramBuilder, address
+from engine.layers.moe import MoEGate
 
 F32, ES = torch.float32, 4
 WIDTH, H, NOPE, R, Q_LORA, LAT = 4, 3, 16, 8, 20, 32  # rows of the class, heads, dims
@@ -71,7 +73,9 @@ def test_moe_ops_compute_what_the_layer_computes() -> None:
     assert lib is not None and pw is not None and gemm is not None
     g = torch.Generator().manual_seed(1)
     hidden, experts, k, n = 32, 6, 2, 48
-    router = torch.randn(experts, hidden, generator=g) * hidden**-0.5
+    gate = MoEGate(hidden, experts, k, "softmax", 1, 1, False, 1.5)
+    gate.weight.data = torch.randn(experts, hidden, generator=g) * hidden**-0.5
+    config = route_config(gate)
     weights = [torch.randn(n, hidden, generator=g).bfloat16() for _ in range(experts)]
     grouped = GroupedLinear(gemm, weights)
     down = GroupedLinear(gemm, [torch.randn(hidden, n, generator=g).bfloat16() for _ in range(experts)])
@@ -82,8 +86,9 @@ def test_moe_ops_compute_what_the_layer_computes() -> None:
     xs, up, ys = (b.buffer(WIDTH * k, c, dtype=F32) for c in (hidden, n, hidden))
     shared, out = b.buffer(WIDTH, hidden, dtype=F32), b.buffer(WIDTH, hidden, dtype=F32)
     b.copy(1, hidden * ES, INPUT, hidden * ES, 0, x_in.data_ptr(), hidden * ES, 0)
-    b.route(address(pw.route_entry(F32)), hidden, experts, k, x_in.data_ptr(), router.data_ptr(), 1.5,
-            w_buf.data_ptr(), ids.data_ptr(), order.data_ptr(), counts.data_ptr(), xs.data_ptr())  # fmt: skip
+    b.route(address(pw.route_entry(F32)), hidden, experts, k, x_in.data_ptr(), gate.weight.data_ptr(), None,
+            config.data_ptr(), 1.5, w_buf.data_ptr(), ids.data_ptr(), order.data_ptr(), counts.data_ptr(),
+            xs.data_ptr())  # fmt: skip
     grouped.emit(b, counts.data_ptr(), xs.data_ptr(), up.data_ptr())
     down.emit(b, counts.data_ptr(), up.data_ptr(), ys.data_ptr())
     b.combine(address(pw.combine_entry(F32)), k, hidden, order.data_ptr(), ys.data_ptr(), w_buf.data_ptr(),
@@ -94,7 +99,7 @@ def test_moe_ops_compute_what_the_layer_computes() -> None:
         shared[:rows] = torch.randn(rows, hidden, generator=g)
         none = torch.empty(0)
         prog(_step(rows, none, none, none, x))
-        want_w, want_ids, want_order, want_counts, want_xs = pw.route(x, router, k, 1.5)
+        want_w, want_ids, want_order, want_counts, want_xs = pw.route(x, gate)
         assert torch.equal(w_buf[:rows], want_w) and torch.equal(ids[:rows], want_ids)
         assert torch.equal(order[: rows * k], want_order) and torch.equal(counts, want_counts)
         assert torch.equal(xs[: rows * k], want_xs)
