@@ -31,6 +31,9 @@ class AttentionContext:
     decode_mask: torch.Tensor | None
     prefills: list[PrefillMeta]
     decode_context_lens: torch.Tensor | None = None  # [D] int64: cached tokens per decode, this step's included
+    # the rows whose final hidden state is read (the sampled ones, in the order they are read), where that is fewer
+    # than all: the last decoder layer runs its MLP (and the final norm) on those only. None: every row.
+    keep_rows: torch.Tensor | None = None
 
 
 class _Current(threading.local):
@@ -49,6 +52,11 @@ def get_context() -> AttentionContext:
     ctx = _CURRENT.ctx
     assert ctx is not None, "attention ran outside ModelRunner.execute"
     return ctx
+
+
+def current_context() -> AttentionContext | None:
+    """The step's context, or None outside ModelRunner.execute (a model called on its own)."""
+    return _CURRENT.ctx
 
 
 def reset_context() -> None:

@@ -20,6 +20,7 @@ from engine.kernels.kernel_set import CpuKernels
 from engine.kernels.op_choice import choose_kernels, decode_attention_kernels, grouped_kernels
 from engine.loader import ModelFiles, load_model
 from engine.malloc import keep_freed_memory, release_freed_memory
+from engine.models.decode_program import programmable
 from engine.outputs import ModelOutput, ScheduledSeq, SchedulerOutput
 from engine.parallel.group import Group, SingleGroup
 from engine.params import torch_seed
@@ -48,6 +49,9 @@ class ModelRunner:
         self.config = config
         self.group = group or SingleGroup()
         self.num_steps, self.step_seconds = 0, 0.0
+        # True: every row's final hidden state is computed, sampled or not (calibration and fidelity read them
+        # through hooks); False: the last layer's MLP runs on the sampled rows only (AttentionContext.keep_rows)
+        self.every_row = False
         self.device, self.dtype = config.torch_device, config.torch_dtype
         if config.num_threads and self.device.type == "cpu":
             torch.set_num_threads(config.num_threads)
@@ -166,7 +170,9 @@ class ModelRunner:
             self.last_mask_wait_s = time.perf_counter() - waited if masks is not None else 0.0
         if not sampled:
             return ModelOutput([], [])
-        logits = self.model.compute_logits(hidden[sample_rows])  # every rank: the vocabulary's all-gather
+        if hidden.shape[0] == input_ids.shape[0]:  # else the model kept only the sampled rows (ctx.keep_rows)
+            hidden = hidden[sample_rows]
+        logits = self.model.compute_logits(hidden)  # every rank: the vocabulary's all-gather
         if self.group.rank != 0:  # (workers have no matchers: masks are rank 0's, with the sampling)
             return ModelOutput([], [])
         return self._sample(sampled, logits, mask)
@@ -312,6 +318,7 @@ class ModelRunner:
                 hidden = torch.arange(width * bs, device=dev) >= ctx_lens.unsqueeze(1)
                 dmask = torch.zeros(hidden.shape, dtype=self.dtype, device=dev).masked_fill_(hidden, float("-inf"))
                 dmask = dmask.view(in_place, 1, 1, -1)
+        rows = torch.tensor(sample_rows, dtype=torch.long, device=dev)
         ctx = AttentionContext(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             num_decodes=in_place,
@@ -320,11 +327,14 @@ class ModelRunner:
             decode_context_lens=ctx_lens,
             prefills=prefills,
         )
+        # a step a decode program may run keeps every row, so the program and the layers compute alike
+        if len(sample_rows) < len(input_ids) and not self.every_row and not programmable(ctx, len(input_ids)):
+            ctx.keep_rows = rows
         return (
             torch.tensor(input_ids, dtype=torch.long, device=dev),
             torch.tensor(positions, dtype=torch.long, device=dev),
             ctx,
-            torch.tensor(sample_rows, dtype=torch.long, device=dev),
+            rows,
         )
 
 

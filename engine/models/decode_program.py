@@ -47,8 +47,7 @@ class DecodePrograms:
         """`decoder(input_ids, cos, sin)` → [T, hidden], through a program where one is chosen for this step."""
         ctx = get_context()
         rows = input_ids.shape[0]
-        decode_only = not ctx.prefills and ctx.decode_context_lens is not None and ctx.num_decodes == rows
-        if self.mode == "layers" or not decode_only or not 0 < rows <= DECODE_ROWS[-1]:
+        if self.mode == "layers" or not programmable(ctx, rows):
             return decoder(input_ids, cos, sin)
         cls = row_class(rows)
         choice = self._choices.get(cls)
@@ -73,6 +72,14 @@ class DecodePrograms:
                 CLASSES[cls], program * 1e3, layers * 1e3, "the program" if choice.use else "the layers",
             )  # fmt: skip
         return out
+
+
+def programmable(ctx: AttentionContext, rows: int) -> bool:
+    """Whether a step of `rows` rows may run as a program: every row attends as a decode row (decodes, and prompt
+    chunks short enough to attend in place), at most the largest decode class. Such a step computes every row's
+    final state, whichever way it runs (ModelRunner keeps all its rows), so both ways give the same bits."""
+    decode_only = not ctx.prefills and ctx.decode_context_lens is not None and ctx.num_decodes == rows
+    return decode_only and 0 < rows <= DECODE_ROWS[-1]
 
 
 def _run(

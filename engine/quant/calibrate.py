@@ -52,7 +52,9 @@ def float_core(src: str | Path, tokens: int, gemm_path: str = "onednn") -> Engin
         max_num_batched_tokens=max(tokens, 16),
         max_model_len=tokens + 16,
     )
-    return EngineCore(cfg)
+    core = EngineCore(cfg)
+    core.runner.every_row = True  # the calibrations and the fidelity read every position's states through hooks
+    return core
 
 
 def prefill(core: EngineCore, token_ids: list[int]) -> None:
