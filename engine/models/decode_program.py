@@ -12,15 +12,21 @@ import logging
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from engine.config import DECODE_PROGRAM_MODES
 from engine.context import AttentionContext, get_context
+from engine.kernels import program
 from engine.kernels.decode_attn import DECODE_ROWS
 from engine.kernels.program import Program
 from engine.kernels.select import CLASSES, row_class
+
+if TYPE_CHECKING:
+    from engine.kernels.kernel_set import CpuKernels
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +78,22 @@ class DecodePrograms:
                 CLASSES[cls], program * 1e3, layers * 1e3, "the program" if choice.use else "the layers",
             )  # fmt: skip
         return out
+
+
+def make_programs(model: nn.Module, build: Callable[..., Program | str], kernels: CpuKernels) -> DecodePrograms | None:
+    """The model's decode programs (`build(model, rows)`), where the kernels they call are bound; the executor is
+    compiled now, not at the first request's decode step."""
+    usable = kernels.rms_norm is not None and program.library() is not None
+    return DecodePrograms(partial(build, model), kernels.decode_program) if usable else None
+
+
+def programs_may_run(model: nn.Module) -> bool:
+    """Whether a model's decode steps may run as programs: it has them, not forced off, one rank, bf16 or float32
+    math (as the builders check)."""
+    programs, dtype = getattr(model, "programs", None), model.model.norm.weight.dtype  # type: ignore[union-attr]
+    if not isinstance(programs, DecodePrograms) or programs.mode == "layers" or model.group.size != 1:  # type: ignore[union-attr]
+        return False
+    return dtype in (torch.bfloat16, torch.float32)
 
 
 def programmable(ctx: AttentionContext, rows: int) -> bool:

@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from engine.kernels import program
 from engine.layers.mla import MLAttention
 from engine.layers.mlp import GatedMLP
 from engine.layers.moe import MoE, MoEGate
@@ -23,7 +21,7 @@ from engine.layers.norm import RMSNorm
 from engine.layers.parallel import VocabEmbedding, gather_logits, vocab_head
 from engine.layers.rotary import RotaryEmbedding, rope_parameters, yarn_mscale
 from engine.models import deepseek_program
-from engine.models.decode_program import DecodePrograms
+from engine.models.decode_program import DecodePrograms, make_programs, programs_may_run
 from engine.models.decoder import DecoderLayer, DecoderModel
 from engine.parallel.group import Group, SingleGroup
 
@@ -193,18 +191,12 @@ class DeepseekV2ForCausalLM(nn.Module):
         self.programs: DecodePrograms | None = None  # decode steps as one C call (engine.models.deepseek_program)
 
     def bind_kernels(self, kernels: CpuKernels) -> None:
-        # the executor is compiled now, not at the first request's decode step
-        usable = kernels.rms_norm is not None and program.library() is not None
-        build = partial(deepseek_program.build, self)
-        self.programs = DecodePrograms(build, kernels.decode_program) if usable else None
+        self.programs = make_programs(self, deepseek_program.build, kernels)
 
     def programmed_linears(self) -> list[nn.Module]:
         """The linear layers and gated MLPs whose GEMMs decode programs call, where programs may run: the selection
         times them as a program calls them (engine.kernels.bind.plan_linears)."""
-        dtype = self.model.norm.weight.dtype
-        if self.programs is None or self.programs.mode == "layers" or self.group.size != 1:
-            return []
-        if dtype not in (torch.bfloat16, torch.float32):  # as deepseek_program.build
+        if not programs_may_run(self):
             return []
         out: list[nn.Module] = []
         for layer in self.model.layers:

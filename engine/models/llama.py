@@ -7,13 +7,11 @@ all-reduce each (engine.layers.parallel)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from engine.kernels import program
 from engine.kernels.pointwise import PointwiseKernels
 from engine.layers.attention import PagedAttention
 from engine.layers.linear import MergedLinear
@@ -22,7 +20,7 @@ from engine.layers.norm import RMSNorm
 from engine.layers.parallel import VocabEmbedding, gather_logits, row_linear, split_heads, vocab_head
 from engine.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 from engine.models import llama_program
-from engine.models.decode_program import DecodePrograms
+from engine.models.decode_program import DecodePrograms, make_programs, programs_may_run
 from engine.models.decoder import DecoderLayer, DecoderModel
 from engine.parallel.group import Group, SingleGroup
 
@@ -141,18 +139,12 @@ class LlamaForCausalLM(nn.Module):
         self.programs: DecodePrograms | None = None  # decode steps as one C call (engine.models.llama_program)
 
     def bind_kernels(self, kernels: CpuKernels) -> None:
-        # the executor is compiled now, not at the first request's decode step
-        usable = kernels.rms_norm is not None and program.library() is not None
-        build = partial(llama_program.build, self)
-        self.programs = DecodePrograms(build, kernels.decode_program) if usable else None
+        self.programs = make_programs(self, llama_program.build, kernels)
 
     def programmed_linears(self) -> list[nn.Module]:
         """The linear layers and gated MLPs whose GEMMs decode programs call, where programs may run: the selection
         times them as a program calls them (engine.kernels.bind.plan_linears)."""
-        dtype = self.model.norm.weight.dtype
-        if self.programs is None or self.programs.mode == "layers" or self.group.size != 1:
-            return []
-        if dtype not in (torch.bfloat16, torch.float32):  # as llama_program.build
+        if not programs_may_run(self):
             return []
         parts = [(la.self_attn.qkv_proj, la.self_attn.o_proj, la.mlp, la.mlp.down_proj) for la in self.model.layers]
         return [m for part in parts for m in part]

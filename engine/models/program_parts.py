@@ -163,8 +163,9 @@ class Frame:
         return self.b.build(lib, self.norm_out)  # type: ignore[arg-type]
 
 
-def start(model: nn.Module, rows: int) -> tuple[object, Frame, int] | str:
-    """(the executor, a frame, the batch class) for a program of `rows`' class, or why none is built."""
+def start(model: nn.Module, rows: int) -> tuple[object, Frame, int, int] | str:
+    """(the executor, a frame, the batch class, the final norm's C entry) for a program of `rows`' class, or why
+    none is built."""
     lib = program.library()
     decoder = model.model  # type: ignore[attr-defined]
     dtype, cls = decoder.norm.weight.dtype, row_class(rows)
@@ -172,4 +173,7 @@ def start(model: nn.Module, rows: int) -> tuple[object, Frame, int] | str:
         return "the program executor did not build"
     if dtype not in (torch.bfloat16, torch.float32) or model.group.size != 1 or cls >= len(DECODE_ROWS):  # type: ignore[attr-defined]
         return "programs are built for bf16 or float32 math on one rank, up to 128 rows"
-    return lib, Frame(decoder, DECODE_ROWS[cls], dtype), cls
+    final = norm_entry(decoder.norm, dtype)
+    if final is None:
+        return "the final RMSNorm runs in torch"
+    return lib, Frame(decoder, DECODE_ROWS[cls], dtype), cls, final
