@@ -236,6 +236,8 @@ class PointwiseKernels:
         e = w.shape[0]
         fits = w.dtype == torch.float32 and w.dim() == 2 and w.shape[1] == x.shape[-1] and e % gate.num_groups == 0
         picks = 0 < gate.top_k <= e <= 4096 and 0 < gate.topk_groups <= gate.num_groups
+        # a sigmoid router ranks a group by its two best: groups of one expert are torch's error, not ours
+        picks = picks and (gate.scoring != "sigmoid" or gate.num_groups == 1 or e // gate.num_groups >= 2)
         return x.dtype in self._route and x.dim() == 2 and fits and picks and gate.scoring in ("softmax", "sigmoid")
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:

@@ -98,3 +98,5 @@ def test_route_refuses_what_it_does_not_take() -> None:
     assert not k.routes(torch.randn(2, 16), gate)  # more choices than experts
     gate.top_k, gate.weight.data = 2, gate.weight.data.bfloat16()
     assert not k.routes(torch.randn(2, 16), gate)  # the router is float32
+    lone = _gate(16, 4, 2, seed=0, scoring="sigmoid", num_groups=4, topk_groups=2)
+    assert not k.routes(torch.randn(2, 16), lone)  # sigmoid groups ranked by their two best, of one expert each
