@@ -74,7 +74,8 @@ static void copy(int64_t rows, int64_t heads, int64_t bytes, const char *src, in
     if (!s_head) s_head = rows * s_row;
     if (!d_head) d_head = rows * d_row;
     for (int64_t h = 0; h < heads; h++)
-        for (int64_t r = 0; r < rows; r++) memcpy(dst + r * d_row + h * d_head, src + r * s_row + h * s_head, (size_t)bytes);
+        for (int64_t r = 0; r < rows; r++)
+            memcpy(dst + r * d_row + h * d_head, src + r * s_row + h * s_head, (size_t)bytes);
 }
 
 // Runs ops [0, n) in order; returns n, or the index of the first op that failed (a quantized GEMM or the MoE

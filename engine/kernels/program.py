@@ -7,8 +7,10 @@ their weights, caches and buffers, and replays them in C; what changes between s
 the context lengths, the cache slots, the rotary angles, the input) is read from a handful of step values.
 
 The entry points are the kernels' own (bf16mm.c, amxmm.c, wbf16.c, i8mm.c / i8amx.c, w4mm.c / w4amx.c / w4fp16.c,
-pointwise.c, decode_attn*.c), called with the same arguments as from Python, so a program computes exactly what
-the layers compute; torch code with no kernel (a gated MLP's act after a plain GEMM) runs between two C calls.
+their grouped entries, pointwise.c, decode_attn*.c), called with the same arguments as from Python, so a program
+computes exactly what the layers compute; torch code with no kernel (a gated MLP's act after a plain GEMM) runs
+between two C calls. A few ops are the executor's own: K/V rows into the cache, copies between [rows][heads] and
+[heads][rows] layouts, a grouped call's row counts (MLA's per-head products).
 """
 
 from __future__ import annotations
