@@ -11,7 +11,8 @@ With --quantization, the shape's checkpoint is also quantized with `tianmen quan
 beside it for later runs) and a "tianmen <scheme>" row runs on it, beside the bf16 row and the peers; --rotate adds
 a row on a `--rotate` copy (its down_proj inputs rotated online: what that costs at run time); --alternate N
 then measures the bf16 and the quantized model in turn in one process, N rounds of new prompts, and prints each
-round's ratios and their medians (on a VM whose bandwidth drifts, rows minutes apart compare different moments).
+round's ratios and their medians (on a VM whose bandwidth drifts, rows minutes apart compare different moments);
+with --layers-row instead, it measures the bf16 model with its decode programs and through the layers in turn.
 
 With --llamacpp DIR (llama.cpp's binaries, built from source), llama.cpp runs the same shape exported to GGUF in
 BF16 and, with --quantization, in its nearest type (Q8_0 for w8a8, Q4_0 for w4a16: pair it with --group-size 32),
@@ -22,7 +23,7 @@ With --vllm, vLLM's CPU build runs twice: plain (both cores bound) and with tcma
 peak and read bandwidth, benchmarks.bound) is printed beside the rows.
 
 With --layers-row, a "tianmen-layers" row runs every decode step through the layers' Python instead of as one
-program (engine.models.llama_program), which the default row uses wherever it measured faster.
+program (engine.models.llama_program, deepseek_program), which the default row uses wherever it measured faster.
 
 Batch: N prompts of random token ids, greedy, EOS ignored → output tok/s. Batch-1: ms per decoded token. Each
 tianmen row first prints its process's resident memory once the engine is loaded (weights as packed for the
@@ -115,14 +116,15 @@ def batch_one_ms(llm: LLM, warm: list[int], prompt: list[int], n: int) -> float:
 
 
 def alternated(
-    paths: list[str], rounds: list[list[list[int]]], n: int, dtype: str, device: str = "auto"
-) -> list[list[tuple[float, float]]]:
-    """Batch tok/s and batch-1 ms/token (as `measure`) of each model in `paths`, all loaded in this process and
-    measured in turn, one round per prompt set in `rounds` (each set new to every engine): [round][model]. WHY: a
-    shared VM's read bandwidth moved 24-64 GB/s within minutes (a 2-core Zen 4, 2026-12-06), and rows run minutes
-    apart in processes of their own compared different moments of it; measured in turn, a ratio compares the
-    same one."""
-    llms = [engine(path, len(rounds[0]), dtype, device=device) for path in paths]
+    paths: list[str], rounds: list[list[list[int]]], n: int, dtype: str, device: str = "auto",
+    modes: tuple[str, ...] = ("auto", "auto"),
+) -> list[list[tuple[float, float]]]:  # fmt: skip
+    """Batch tok/s and batch-1 ms/token (as `measure`) of each model in `paths` (engine i with decode_program
+    modes[i]), all loaded in this process and measured in turn, one round per prompt set in `rounds` (each set new
+    to every engine): [round][model]. WHY: a shared VM's read bandwidth moved 24-64 GB/s within minutes (a 2-core
+    Zen 4, 2026-12-06), and rows run minutes apart in processes of their own compared different moments of it;
+    measured in turn, a ratio compares the same one."""
+    llms = [engine(path, len(rounds[0]), dtype, device=device, decode_program=m) for path, m in zip(paths, modes)]
     return [[measure(llm, prompts, n) for llm in llms] for prompts in rounds]
 
 
@@ -218,13 +220,13 @@ def main() -> None:
     ap.add_argument("--rotate", action="store_true", help="with --quantization: a row on a rotated copy too")
     ap.add_argument(
         "--alternate", type=int, default=0, metavar="N",
-        help="with --quantization: also N rounds of both models in one process, measured in turn",
+        help="with --quantization or --layers-row: also N rounds of both rows' engines in one process, in turn",
     )  # fmt: skip
     ap.add_argument("--device", default="cpu", help="cpu, or cuda[:N]: both tianmen and transformers run there")
     ap.add_argument("--llamacpp", metavar="DIR", help="also run llama.cpp (its binaries in DIR): BF16, and Q8_0 / Q4_0")
     args = ap.parse_args()
-    if args.alternate < 0 or (args.alternate and not args.quantization):
-        ap.error("--alternate takes a number of rounds >= 0, with --quantization")
+    if args.alternate < 0 or (args.alternate and not (args.quantization or args.layers_row)):
+        ap.error("--alternate takes a number of rounds >= 0, with --quantization or --layers-row")
 
     path = str(checkpoint(args.shape))
     vocab = SHAPES[args.shape]["vocab_size"]
@@ -311,18 +313,27 @@ def main() -> None:
         peer += f" {name.split()[-1]}" if name in pairs else ""
         label = f"ratio vs {peer}" + (f" ({mine[0]})" if mine is not ours_row else "")
         print(f"{label:<28} {mine[1] / tps:>11.2f}x {ms / mine[2]:>17.2f}x faster")
-    if args.quantization and args.alternate > 0:
+    if args.alternate > 0:
         sets = [[[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(max(args.num_prompts, 2))]
                 for _ in range(args.alternate)]  # fmt: skip
-        turns = isolated(alternated, [path, qpath], sets, args.output_len, dname, dev)
-        print(f"\nmeasured in turn, one process, {args.alternate} rounds (new prompts each): bf16, then {qname}")
-        print(f"{'batch tok/s':>24} {'ratio':>7} {'batch-1 ms':>22} {'ratio':>7}")
-        for (bt, bm), (qt, qm) in turns:
-            print(f"{bt:>11.1f} {qt:>11.1f} {qt / bt:>6.2f}x {bm:>10.1f} {qm:>10.1f} {qm / bm:>6.2f}x")
-        batch = sorted(q[0] / b[0] for b, q in turns)
-        one = sorted(q[1] / b[1] for b, q in turns)
-        print(f"median: batch {batch[len(batch) // 2]:.2f}x ({batch[0]:.2f}-{batch[-1]:.2f}x) the bf16 throughput, "
-              f"batch-1 {one[len(one) // 2]:.2f}x ({one[0]:.2f}-{one[-1]:.2f}x) the bf16 time")  # fmt: skip
+        if args.quantization:
+            turns = isolated(alternated, [path, qpath], sets, args.output_len, dname, dev)
+            in_turn(turns, "bf16", qname, "the bf16")
+        else:  # --layers-row: the same model, its decode programs against the layers
+            turns = isolated(alternated, [path, path], sets, args.output_len, dname, dev, ("layers", "auto"))
+            in_turn(turns, "tianmen-layers", "tianmen", "the layers'")
+
+
+def in_turn(turns: list[list[tuple[float, float]]], first: str, second: str, base: str) -> None:
+    """Each round's figures of two engines measured in turn, the second's ratios to the first, and their medians."""
+    print(f"\nmeasured in turn, one process, {len(turns)} rounds (new prompts each): {first}, then {second}")
+    print(f"{'batch tok/s':>24} {'ratio':>7} {'batch-1 ms':>22} {'ratio':>7}")
+    for (bt, bm), (qt, qm) in turns:
+        print(f"{bt:>11.1f} {qt:>11.1f} {qt / bt:>6.2f}x {bm:>10.1f} {qm:>10.1f} {qm / bm:>6.2f}x")
+    batch = sorted(q[0] / b[0] for b, q in turns)
+    one = sorted(q[1] / b[1] for b, q in turns)
+    print(f"median: batch {batch[len(batch) // 2]:.2f}x ({batch[0]:.2f}-{batch[-1]:.2f}x) {base} throughput, "
+          f"batch-1 {one[len(one) // 2]:.2f}x ({one[0]:.2f}-{one[-1]:.2f}x) {base} time")  # fmt: skip
 
 
 def quantized(src: Path, scheme: str, group_size: int, lm_head: bool = False, rotate: bool = False) -> Path:

@@ -214,17 +214,17 @@ class PointwiseKernels:
         and ids, a stable argsort of ids, their bincount and x's rows in that order (pointwise.c's moe_route: its
         float32 sums are its own, so a near tie may fall the other way)."""
         t, h = x.shape
-        w, k = gate.weight.contiguous(), gate.top_k
+        x2, w, k = x.contiguous(), gate.weight.contiguous(), gate.top_k  # (held: the C call reads them)
         assert self.routes(x, gate), "route takes float32 or bf16 rows and a float32 [E <= 4096, H] router"
         bias = getattr(gate, "e_score_correction_bias", None)
-        bias = bias.contiguous() if bias is not None and gate.scoring == "sigmoid" else None
+        bias = bias.float().contiguous() if bias is not None and gate.scoring == "sigmoid" else None
         weights = torch.empty(t, k, dtype=torch.float32)
         ids = torch.empty(t, k, dtype=torch.int64)
         order = torch.empty(t * k, dtype=torch.int64)
         counts = torch.empty(w.shape[0], dtype=torch.int64)
-        xs = x.contiguous().new_empty(t * k, h)
+        xs = x2.new_empty(t * k, h)
         cfg = route_config(gate)
-        self._route[x.dtype](t, h, w.shape[0], k, x.contiguous().data_ptr(), w.data_ptr(),
+        self._route[x.dtype](t, h, w.shape[0], k, x2.data_ptr(), w.data_ptr(),
                              bias.data_ptr() if bias is not None else None, cfg.data_ptr(),
                              gate.routed_scaling_factor, weights.data_ptr(), ids.data_ptr(), order.data_ptr(),
                              counts.data_ptr(), xs.data_ptr(), torch.get_num_threads())  # fmt: skip

@@ -184,7 +184,7 @@ def _moe(f: Frame, moe: MoE, cls: int) -> str | None:
         f.buffer("e_act", up.cols, rows=pairs),
         f.buffer("ys", hidden, rows=pairs),
     )
-    bias = gate.e_score_correction_bias if gate.scoring == "sigmoid" else None
+    bias = gate.e_score_correction_bias.float().contiguous() if gate.scoring == "sigmoid" else None
     config = route_config(gate)
     b.route(address(router.route_entry(dtype)), hidden, experts, k, ptr(f.norm_out), ptr(gate.weight),
             ptr(bias) if bias is not None else None, ptr(config), gate.routed_scaling_factor, ptr(weights), ptr(ids),

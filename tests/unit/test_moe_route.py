@@ -57,6 +57,13 @@ def test_routing_is_moegates_and_the_pairs_are_grouped_as_a_stable_argsort(
     assert torch.equal(xs, x[order // top_k])
 
 
+def test_rows_that_are_not_contiguous_route_as_their_copy() -> None:
+    gate = _gate(64, 8, 2, seed=3, scale=1.5, **ROUTERS["v3"])
+    wide = torch.randn(5, 128, generator=torch.Generator().manual_seed(2)).bfloat16()
+    got, want = _kernels().route(wide[:, ::2], gate), _kernels().route(wide[:, ::2].contiguous(), gate)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
 def test_a_tie_goes_to_the_lower_expert() -> None:
     """Equal scores (a router with two equal rows): the lower-numbered expert comes first, as torch.topk's CPU
     kernel orders equal values by index."""
