@@ -46,7 +46,10 @@ log = logging.getLogger(__name__)
 _HERE = Path(__file__).parent
 _SOURCES = sorted(
     [*_HERE.glob("*.c"), *_HERE.glob("*.h")]
-    + [_HERE / n for n in ("gemm.py", "select.py", "op_choice.py", "w4mm.py", "w4amx.py", "w4f32.py", "w4fp16.py")]
+    + [
+        _HERE / n
+        for n in ("gemm.py", "select.py", "op_choice.py", "w4mm.py", "w4amx.py", "w4f32.py", "w4fp16.py", "w4vnni.py")
+    ]
     + [_HERE / n for n in ("i8mm.py", "i8amx.py", "i8avx2.py")]
     + [_HERE.parent / "quant" / n for n in ("paths.py", "weights.py")]
 )

@@ -29,6 +29,7 @@ from engine.kernels import (
     prefill_attn_amx,
     w4amx,
     w4mm,
+    w4vnni,
     wbf16,
 )
 from engine.kernels.decode_attn import DECODE_ROWS, DecodeAttention
@@ -49,7 +50,7 @@ from engine.quant.weights import Int4Weight
 from engine.sampler import inverse_cdf
 
 ROWS = 32  # a decode batch: where these ops' per-call overhead matters
-DECODE_QUANT_PATHS = ("w4mm", "w4mm-amx", "i8mm", "i8mm-amx")  # quantized experts' plans at decode's rows
+DECODE_QUANT_PATHS = ("w4mm", "w4mm-vnni", "w4mm-amx", "i8mm", "i8mm-amx")  # quantized experts' plans at decode's rows
 CONTEXT = 256  # decode attention's tokens of context per sequence
 BLOCK = 16
 PREFILL_LENGTHS = (32, 128, 512, 2048)  # prompt chunks timed both ways for prefill in place
@@ -254,8 +255,9 @@ def choose_quant_experts(
     e = min(len(experts), PROBE_EXPERTS)
     gate_up = [x.gate_up_proj.gemm_weight() for x in experts[:e]]  # type: ignore[operator]
     down = [x.down_proj.gemm_weight() for x in experts[:e]]  # type: ignore[operator]
-    # w4mm's (or i8mm's) builds, and on AMX CPUs w4amx's (or i8amx's) over the same packed copy
-    modules = (w4mm, w4amx) if isinstance(gate_up[0], Int4Weight) else (i8mm, i8amx)
+    # w4mm's (or i8mm's) builds, on AVX512-VNNI CPUs w4vnni's and on AMX CPUs w4amx's (or i8amx's) over the same
+    # packed copy
+    modules = (w4mm, w4vnni, w4amx) if isinstance(gate_up[0], Int4Weight) else (i8mm, i8amx)
     builds: dict[str, object] = {}
     for module in modules:
         name = module.__name__.rsplit(".", 1)[1]

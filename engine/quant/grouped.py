@@ -20,10 +20,11 @@ from engine.kernels.i8mm import I8MM
 from engine.kernels.program import OP_GROUPED_I8, OP_GROUPED_W4, ProgramBuilder, address
 from engine.kernels.w4amx import W4AMX
 from engine.kernels.w4mm import W4MM
+from engine.kernels.w4vnni import W4VNNI
 from engine.quant.paths import W4MMPath, interleaved
 from engine.quant.weights import Int4Weight, Int8Weight, QuantWeight
 
-QuantKernel = W4MM | W4AMX | I8MM | I8AMX  # w4mm's packed layout serves both W4 kernels, i8mm's both W8
+QuantKernel = W4MM | W4AMX | W4VNNI | I8MM | I8AMX  # w4mm's packed layout serves the W4 kernels, i8mm's both W8
 
 
 def _pointers(tensors: list[torch.Tensor]) -> ctypes.Array:
@@ -37,7 +38,7 @@ class GroupedQuantLinear:
         self.kernel, self.silu_mul = kernel, silu_mul
         self.n, self.k = weights[0].shape
         ws = [interleaved(w) if silu_mul else w for w in weights]
-        if isinstance(kernel, W4MM | W4AMX):  # one packed layout for both
+        if isinstance(kernel, W4MM | W4AMX | W4VNNI):  # one packed layout for all three
             self.packed: list[object] = [W4MMPath.pack(w) for w in ws]  # type: ignore[arg-type]
             self.shape: tuple[int, ...] = (self.n, self.k, weights[0].group_size)  # type: ignore[union-attr]
             self.pointers = tuple(_pointers([getattr(p, f) for p in self.packed]) for f in ("nibbles", "scales"))
@@ -53,7 +54,7 @@ class GroupedQuantLinear:
         silu_mul)."""
         if not weights or (silu_mul and weights[0].shape[0] % 64):  # type: ignore[attr-defined]
             return False
-        if isinstance(kernel, W4MM | W4AMX):
+        if isinstance(kernel, W4MM | W4AMX | W4VNNI):
             if not all(isinstance(w, Int4Weight) for w in weights):
                 return False
             (n, k), g = weights[0].shape, weights[0].group_size  # type: ignore[attr-defined]
@@ -69,7 +70,7 @@ class GroupedQuantLinear:
         check_groups(counts, len(self.packed), x, self.k)
         x = x.to(torch.bfloat16).contiguous()
         c = (ctypes.c_int64 * len(counts))(*counts)
-        if isinstance(self.kernel, W4MM | W4AMX):
+        if isinstance(self.kernel, W4MM | W4AMX | W4VNNI):
             return self.kernel.grouped(x, c, self.shape, *self.pointers, self.silu_mul)  # type: ignore[arg-type]
         return self.kernel.grouped(x, c, self.shape, self.pointers, self.silu_mul)  # type: ignore[arg-type]
 
@@ -83,7 +84,7 @@ class GroupedQuantLinear:
         for group g."""
         fn = address(self.kernel.grouped_entry())
         pointers = [ctypes.addressof(p) for p in self.pointers]
-        w4 = isinstance(self.kernel, W4MM | W4AMX)
+        w4 = isinstance(self.kernel, W4MM | W4AMX | W4VNNI)
         kind, group = (OP_GROUPED_W4, self.shape[2]) if w4 else (OP_GROUPED_I8, 0)
         b.grouped(kind, fn, len(self.packed), counts, self.n, self.k, x, pointers, y, self.silu_mul, group)
         b.keep += [*self.packed, *self.pointers]

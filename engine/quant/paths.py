@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-from engine.kernels import i8amx, i8avx2, i8mm, w4amx, w4f32, w4fp16, w4mm
+from engine.kernels import i8amx, i8avx2, i8mm, w4amx, w4f32, w4fp16, w4mm, w4vnni
 from engine.kernels.gemm import Act, CEntry, EntryRun, GemmPath, Run, interleave_halves, packed_once, with_act
 from engine.kernels.i8amx import I8AMX
 from engine.kernels.i8avx2 import I8AVX2, PackedInt8Rows
@@ -29,6 +29,7 @@ from engine.kernels.w4amx import W4AMX
 from engine.kernels.w4f32 import W4F32, PackedInt4F32
 from engine.kernels.w4fp16 import W4FP16
 from engine.kernels.w4mm import W4MM, PackedInt4, w4_entry
+from engine.kernels.w4vnni import W4VNNI
 from engine.quant.weights import Int4Weight, Int8Weight, quantize_tokens
 
 log = logging.getLogger(__name__)
@@ -293,7 +294,7 @@ class _Int4KernelPath:
     copy = ""  # the packed copy's name where it is not the kernel's own (default: prefix)
     bias_dtype = torch.float32
 
-    def __init__(self, kernel: W4MM | W4AMX | W4FP16 | W4F32, entry: str, variant: str = "") -> None:
+    def __init__(self, kernel: W4MM | W4AMX | W4FP16 | W4VNNI | W4F32, entry: str, variant: str = "") -> None:
         """variant: a suffix naming a build of the kernel ("-noprefetch": timed beside the default build)."""
         self.kernel, self.entry = kernel, entry
         self.name = (self.prefix if entry == "direct" else f"{self.prefix}-{entry}") + variant
@@ -319,9 +320,9 @@ class _Int4KernelPath:
         return with_act(EntryRun(lambda x: fn(x, packed, b).to(x.dtype), self._entry(packed, b, 1)), act)
 
     def _entry(self, packed: object, bias: torch.Tensor | None, per_row: int) -> CEntry | None:
-        """The decode program's call of this entry point (w4mm's, w4amx's and w4fp16's entries; not w4f32's, whose
-        rows are float32), `per_row` weight rows to an output column (2 for a fused gated MLP)."""
-        if not isinstance(self.kernel, W4MM | W4AMX | W4FP16) or not isinstance(packed, PackedInt4):
+        """The decode program's call of this entry point (w4mm's, w4amx's, w4fp16's and w4vnni's entries; not w4f32's,
+        whose rows are float32), `per_row` weight rows to an output column (2 for a fused gated MLP)."""
+        if not isinstance(self.kernel, W4MM | W4AMX | W4FP16 | W4VNNI) or not isinstance(packed, PackedInt4):
             return None
         fn = self.kernel.c_fn(self.entry.replace("-", "_"))
         if fn is None:
@@ -414,6 +415,23 @@ class W4FP16SiluPath(W4MMSiluPath):
         return W4FP16.accepts(*weight.shape, weight.group_size)
 
 
+class W4VNNIPath(W4MMPath):
+    """engine.kernels.w4vnni over w4mm's packed weight (the same copy): entry `vnni`, the nibbles multiplied as bytes
+    (VPDPBUSD) with each row's groups rounded to 14-bit integers, summed exactly in int32, then scaled in float."""
+
+    @staticmethod
+    def fits(weight: Int4Weight) -> bool:
+        return W4VNNI.accepts(*weight.shape, weight.group_size)
+
+
+class W4VNNISiluPath(W4MMSiluPath):
+    """w4vnni's fused gated-MLP entry (`vnni-silu-mul`) over w4mm-silu-mul's interleaved copy."""
+
+    @staticmethod
+    def fits(weight: Int4Weight) -> bool:
+        return W4VNNI.accepts(*weight.shape, weight.group_size)
+
+
 class Int4DensePath:
     """engine.kernels.w4mm's `dense`: each call dequantizes the weight as stored into bf16 rows (a scratch buffer,
     not a copy per weight) and runs oneDNN's GEMM over them; for prefill, where that GEMM's blocking outruns the
@@ -489,6 +507,11 @@ def quant_paths(dtype: torch.dtype) -> list[GemmPath]:
         if (plain4h := w4fp16.kernel_without_prefetch()) is not None:
             fast += [W4FP16Path(plain4h, "fp16", "-noprefetch")]
             fast.append(W4FP16SiluPath(plain4h, "fp16-silu-mul", "-noprefetch"))
+    if dtype == torch.bfloat16 and (k4v := w4vnni.kernel()) is not None:
+        fast += [W4VNNIPath(k4v, "vnni"), W4VNNISiluPath(k4v, "vnni-silu-mul")]
+        if (plain4v := w4vnni.kernel_without_prefetch()) is not None:
+            fast += [W4VNNIPath(plain4v, "vnni", "-noprefetch")]
+            fast.append(W4VNNISiluPath(plain4v, "vnni-silu-mul", "-noprefetch"))
     if dtype == torch.float32 and (k8a := i8avx2.kernel()) is not None:
         fast += [I8AVX2Path(k8a), I8AVX2Path(k8a, "i8avx2-panel", "panel")]
         if (plain8 := i8avx2.kernel_without_prefetch()) is not None:  # its prefetch distance was set on one CPU

@@ -17,7 +17,7 @@ import torch
 
 import engine.kernels.bind
 import engine.model_runner
-from engine.kernels import amxmm, bf16mm, i8mm, w4fp16
+from engine.kernels import amxmm, bf16mm, i8mm, w4fp16, w4vnni
 from engine.kernels.bind import gemm_paths
 from engine.kernels.gemm import FusedSiluPath
 from engine.models.decode_program import TRIALS
@@ -124,23 +124,26 @@ def test_quantized_programs_give_the_layers_logits_bit_for_bit(
     assert all(p.python_calls == (0 if fused else len(core.runner.model.model.layers)) for p in programs)
 
 
-@pytest.mark.skipif(not w4fp16.supported(), reason="this CPU has no AVX512-FP16 (w4fp16's products)")
+@pytest.mark.parametrize("entry", ["fp16", "vnni"])
 @pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
-def test_w4fp16_programs_give_the_layers_logits_bit_for_bit(
-    bf16_dir: Path, tmp_path: Path, fused: bool, monkeypatch: pytest.MonkeyPatch
+def test_w4_programs_through_the_other_kernels_give_the_layers_logits_bit_for_bit(
+    bf16_dir: Path, tmp_path: Path, entry: str, fused: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """W4A16 (group 32, whole fp16 spans) through w4fp16's entries where they take the shape, forced and untimed as
-    above (w4mm's behind them for a shape they refuse): the program calls the same entries and gives the layers'
-    logits bit for bit."""
+    """W4A16 (group 32: whole fp16 spans, whole VNNI vectors) through w4fp16's or w4vnni's entries where they take
+    the shape, forced and untimed as above (w4mm's behind them for a shape they refuse): the program calls the same
+    entries and gives the layers' logits bit for bit."""
     from engine.quant.quantize import quantize
 
+    if not (w4fp16 if entry == "fp16" else w4vnni).supported():
+        pytest.skip(f"this CPU cannot run w4{entry} (AVX512-FP16; AVX512-VNNI with AVX512-BF16)")
     quantize(bf16_dir, tmp_path / "q", "w4a16", group_size=32)
+    name = f"w4mm-{entry}"
 
     def ours(dtype: torch.dtype) -> list:
         paths = quant_paths(dtype)
-        fp16 = [p for p in paths if p.name.startswith("w4mm-fp16") and ("silu" in p.name) == fused]
-        rest = [p for p in paths if p.name.startswith("w4mm-fp16") and "silu" not in p.name]
-        return fp16 + rest + [p for p in paths if p.name.startswith("w4mm") and "fp16" not in p.name]
+        first = [p for p in paths if p.name.startswith(name) and ("silu" in p.name) == fused]
+        rest = [p for p in paths if p.name.startswith(name) and "silu" not in p.name]
+        return first + rest + [p for p in paths if p.name.startswith("w4mm") and p not in first + rest]
 
     monkeypatch.setattr(engine.kernels.bind, "quant_paths", ours)
     prompts = mixed_prompts(6)
@@ -151,7 +154,7 @@ def test_w4fp16_programs_give_the_layers_logits_bit_for_bit(
     assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     assert "<=8" in _programs_run(core)
     chosen = {p for _, choice in core.runner.kernel_report.shapes.values() for p in choice.per_class}
-    assert any(p.startswith("w4mm-fp16") for p in chosen), chosen
+    assert any(p.startswith(name) for p in chosen), chosen
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.kernels import bf16mm, i8amx, i8mm, op_choice, w4amx, w4mm
+from engine.kernels import bf16mm, i8amx, i8mm, op_choice, w4amx, w4mm, w4vnni
 from engine.layers.activation import ActAndMul
 from engine.quant.grouped import GroupedQuantExperts, GroupedQuantLinear
-from engine.quant.paths import I8MMPath, W4AMXPath, W4MMPath
+from engine.quant.paths import I8MMPath, W4AMXPath, W4MMPath, W4VNNIPath
 from engine.quant.quantize import quantize
 from tests.int4_kernels import int4_weight
 from tests.int8_kernels import int8_weight
@@ -25,12 +25,14 @@ pytestmark = pytest.mark.skipif(not bf16mm.supported(), reason="the grouped quan
 
 HIDDEN, INNER, GROUP = 128, 64, 32
 SCHEMES = ["w4a16", "w8a8"]
-KERNELS = ["w4a16", "w4a16-amx", "w8a8", "w8a8-amx"]  # a scheme, and "-amx" for its AMX kernel (AMX CPUs only)
-Kernel = w4mm.W4MM | w4amx.W4AMX | i8mm.I8MM | i8amx.I8AMX
+# a scheme, and "-amx" for its AMX kernel (AMX CPUs only), "-vnni" for w4vnni (AVX512-VNNI CPUs)
+KERNELS = ["w4a16", "w4a16-vnni", "w4a16-amx", "w8a8", "w8a8-amx"]
+Kernel = w4mm.W4MM | w4vnni.W4VNNI | w4amx.W4AMX | i8mm.I8MM | i8amx.I8AMX
 
 
 def _kernel(name: str) -> Kernel:
-    makers = {"w4a16": w4mm.kernel, "w4a16-amx": w4amx.kernel, "w8a8": i8mm.kernel, "w8a8-amx": i8amx.kernel}
+    makers = {"w4a16": w4mm.kernel, "w4a16-vnni": w4vnni.kernel, "w4a16-amx": w4amx.kernel, "w8a8": i8mm.kernel}
+    makers["w8a8-amx"] = i8amx.kernel
     kernel = makers[name]()
     if kernel is None:
         pytest.skip(f"no {name} kernel on this CPU")
@@ -49,6 +51,8 @@ def _experts(scheme: str, e: int, symmetric: bool = False) -> tuple[list, list]:
 def _per_expert_path(kernel: Kernel) -> W4MMPath | W4AMXPath | I8MMPath:
     if isinstance(kernel, w4amx.W4AMX):
         return W4AMXPath(kernel, "amx")  # the same per-block code as its grouped call
+    if isinstance(kernel, w4vnni.W4VNNI):
+        return W4VNNIPath(kernel, "vnni")
     return W4MMPath(kernel, "direct") if isinstance(kernel, w4mm.W4MM) else I8MMPath(kernel)  # i8amx: its `linear`
 
 
