@@ -44,7 +44,7 @@ from engine.layers.attention import PagedAttention
 from engine.layers.mla import MLAttention, bmm_absorbed, latent_attention, per_head_absorbed
 from engine.layers.moe import MoE
 from engine.layers.norm import RMSNorm
-from engine.quant.grouped import GroupedQuantExperts
+from engine.quant.grouped import GroupedQuantExperts, GroupedQuantLinear, QuantKernel
 from engine.quant.paths import quant_paths
 from engine.quant.weights import Int4Weight
 from engine.sampler import inverse_cdf
@@ -255,14 +255,8 @@ def choose_quant_experts(
     e = min(len(experts), PROBE_EXPERTS)
     gate_up = [x.gate_up_proj.gemm_weight() for x in experts[:e]]  # type: ignore[operator]
     down = [x.down_proj.gemm_weight() for x in experts[:e]]  # type: ignore[operator]
-    # w4mm's (or i8mm's) builds, on AVX512-VNNI CPUs w4vnni's and on AMX CPUs w4amx's (or i8amx's) over the same
-    # packed copy
-    modules = (w4mm, w4vnni, w4amx) if isinstance(gate_up[0], Int4Weight) else (i8mm, i8amx)
-    builds: dict[str, object] = {}
-    for module in modules:
-        name = module.__name__.rsplit(".", 1)[1]
-        builds |= {f"grouped {name}": module.kernel(), f"grouped {name}-noprefetch": module.kernel_without_prefetch()}
-    kernels = {c: k for c, k in builds.items() if k is not None and GroupedQuantExperts.accepts(k, gate_up, down)}
+    builds = _quant_grouped_builds(gate_up[0])
+    kernels = {c: k for c, k in builds.items() if GroupedQuantExperts.accepts(k, gate_up, down)}
     if not kernels:
         return None
     top_k = min(getattr(moe.gate, "top_k", 1), e)
@@ -288,6 +282,48 @@ def choose_quant_experts(
     if chosen is None:
         return None
     return lambda up, dn: GroupedQuantExperts(chosen, up, dn) if GroupedQuantExperts.accepts(chosen, up, dn) else None
+
+
+def _quant_grouped_builds(weight: object) -> dict[str, QuantKernel]:
+    """The grouped quantized kernels built for this CPU for `weight`'s scheme, by name ("grouped w4mm", ...):
+    w4mm's (or i8mm's) builds with and without software prefetch, on AVX512-VNNI CPUs w4vnni's and on AMX CPUs
+    w4amx's (or i8amx's), all over the same packed copy."""
+    modules = (w4mm, w4vnni, w4amx) if isinstance(weight, Int4Weight) else (i8mm, i8amx)
+    builds: dict[str, QuantKernel | None] = {}
+    for module in modules:
+        name = module.__name__.rsplit(".", 1)[1]
+        builds |= {f"grouped {name}": module.kernel(), f"grouped {name}-noprefetch": module.kernel_without_prefetch()}
+    return {name: k for name, k in builds.items() if k is not None}
+
+
+def choose_absorbed_quant(
+    kernel: GroupedKernel, mla: MLAttention, dtype: torch.dtype, timer: Timer | None, cache: PlanCache | None,
+    flush: Callable[[], None] | None = None,
+) -> QuantKernel | None:  # fmt: skip
+    """The quantized grouped kernel whose call ran MLA decode's W_UV product (o W_UV per head) over the
+    checkpoint's own quantized rows (MLAttention.absorbed_quantized) faster than `kernel`'s bf16 call over the
+    dequantized weight, at one row (decode streams the weights: a quarter or half of the bytes) plus at ROWS rows;
+    None where the bf16 call won, kv_b_proj is not quantized, the math is not bf16 or no kernel fits. `flush`: as
+    fastest's."""
+    uv = mla.absorbed_quantized()
+    if uv is None or dtype != torch.bfloat16:
+        return None
+    kernels = {c: k for c, k in _quant_grouped_builds(uv[0]).items() if GroupedQuantLinear.accepts(k, uv)}
+    if not kernels:
+        return None
+    h, lat = mla.num_heads, mla.kv_lora_rank
+    g = torch.Generator().manual_seed(0)
+    one, many = torch.randn(h, lat, generator=g).to(dtype), torch.randn(ROWS * h, lat, generator=g).to(dtype)
+
+    def both(call: Callable[[torch.Tensor, list[int]], torch.Tensor]) -> Callable[[], object]:
+        return lambda: (call(one, [1] * h), call(many, [ROWS] * h))
+
+    candidates = {c: both(GroupedQuantLinear(k, uv)) for c, k in kernels.items()}
+    candidates["bf16"] = both(GroupedLinear(kernel, mla.absorbed_weights()[1]))
+    ours = "+".join(c.removeprefix("grouped ") for c in kernels)
+    group = getattr(uv[0], "group_size", 0)
+    key = f"op absorbed_uv h{h} {tuple(uv[0].shape)} {_scheme(uv[0])} g{group} {dtype} grouped {ours} vs bf16"
+    return kernels.get(fastest(key, candidates, timer, cache, flush))
 
 
 def _routed(
@@ -395,13 +431,19 @@ def _per_class(
     return (kernel, tuple(at)) if any(at) else (None, ())
 
 
-def absorbed_gemm(kernel: GroupedKernel) -> Callable[[MLAttention], tuple[GroupedLinear, GroupedLinear] | None]:
-    """For a layer: its W_UK and W_UV per head as two GroupedLinear, None where the shapes do not fit."""
+def absorbed_gemm(
+    kernel: GroupedKernel, quantized: QuantKernel | None = None
+) -> Callable[[MLAttention], tuple[GroupedLinear, GroupedLinear | GroupedQuantLinear] | None]:
+    """For a layer: its W_UK and W_UV per head as two grouped calls, None where the shapes do not fit; W_UV over
+    the checkpoint's quantized rows through `quantized` where given and they fit it."""
 
-    def make(mla: MLAttention) -> tuple[GroupedLinear, GroupedLinear] | None:
+    def make(mla: MLAttention) -> tuple[GroupedLinear, GroupedLinear | GroupedQuantLinear] | None:
         uk, uv = mla.absorbed_weights()
         if not (GroupedLinear.accepts(kernel, uk) and GroupedLinear.accepts(kernel, uv)):
             return None
+        q = mla.absorbed_quantized() if quantized is not None else None
+        if q is not None and GroupedQuantLinear.accepts(quantized, q):  # type: ignore[arg-type]
+            return GroupedLinear(kernel, uk), GroupedQuantLinear(quantized, q)  # type: ignore[arg-type]
         return GroupedLinear(kernel, uk), GroupedLinear(kernel, uv)
 
     return make
@@ -651,7 +693,8 @@ def choose_kernels(
         )
     if grouped and mla is not None:
         gk = choose_absorbed_gemm(grouped, mla, dtype, timer, cache, flush)
-        k.absorbed = absorbed_gemm(gk) if gk is not None else None
+        uv = choose_absorbed_quant(gk, mla, dtype, timer, cache, flush) if gk is not None else None
+        k.absorbed = absorbed_gemm(gk, uv) if gk is not None else None
     if grouped and moe is not None:
         k.moe_experts = choose_grouped_experts(grouped, moe, dtype, timer, cache, flush)
     if moe is not None:

@@ -101,6 +101,16 @@ class MLAttention(nn.Module):
         """Per head, W_UK as a linear layer's weight ([L, N]: nope → latent) and W_UV ([V, L]: latent → value)."""
         return per_head_absorbed(self._kv_b_heads(), self.nope)
 
+    def absorbed_quantized(self) -> list[object] | None:
+        """Per head, W_UV ([V, L]) as the checkpoint quantized it (kv_b_proj's value rows: their groups or channel
+        scales run along the latent, W_UV's inputs), for a quantized grouped call; None where kv_b_proj was not
+        quantized. W_UK has no such form: its inputs are kv_b_proj's outputs."""
+        kept = getattr(self.kv_b_proj, "kept", None)
+        if kept is None:
+            return None
+        per = self.nope + self.v_dim
+        return [kept.rows(h * per + self.nope, (h + 1) * per) for h in range(self.num_heads)]
+
     def _kv_b_heads(self) -> torch.Tensor:
         return self.kv_b_proj.weight.detach().view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
 

@@ -42,6 +42,7 @@ class QuantLinear(Linear):
         self.bias = lin.bias
         self.plan = None
         self.quantized: QuantWeight | None = None
+        self.kept: QuantWeight | None = None  # packable False: the checkpoint's weight beside the dequantized one
         # tensor parallel: where this rank's rows (column-parallel) or columns (row-parallel) lie in each tensor
         self.checkpoint_starts: dict[str, int] = dict(getattr(lin, "checkpoint_starts", {}))
         self.split_dim: int | None = None
@@ -114,7 +115,8 @@ class QuantLinear(Linear):
         self.quantized = to_weight(self.spec, tensors, self.out_features, self.in_features)
         if not self.packable:
             self.weight = nn.Parameter(self.quantized.float().to(dtype), requires_grad=False)
-            self.quantized = None
+            # NOTE: kept for whoever can use parts of it as they are (MLA's W_UV: engine.layers.mla)
+            self.kept, self.quantized = self.quantized, None
         else:
             self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
 

@@ -41,6 +41,10 @@ class Int8Weight:
     def nbytes(self) -> int:
         return self.q.nbytes + self.scale.nbytes
 
+    def rows(self, start: int, stop: int) -> Int8Weight:
+        """Output channels [start, stop) (views)."""
+        return Int8Weight(self.q[start:stop], self.scale[start:stop])
+
 
 @dataclass(slots=True)
 class Int4Weight:
@@ -72,6 +76,10 @@ class Int4Weight:
 
     def nbytes(self) -> int:
         return self.packed.nbytes + self.scale.nbytes + self.zero.nbytes
+
+    def rows(self, start: int, stop: int) -> Int4Weight:
+        """Output channels [start, stop) (views)."""
+        return Int4Weight(self.packed[start:stop], self.scale[start:stop], self.zero[start:stop], self.group_size)
 
 
 def pack_nibbles(values: torch.Tensor) -> torch.Tensor:

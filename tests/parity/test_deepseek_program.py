@@ -94,9 +94,9 @@ QUANT = {"w8a8": i8mm.supported() and bf16mm.supported(), "w4a16": bf16mm.suppor
 def test_quantized_deepseek_programs_give_the_layers_logits_bit_for_bit(
     checkpoints: dict[str, Path], tmp_path: Path, scheme: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Quantized projections through their kernels' entries (the gated MLPs' fused ones) and the routed experts
-    through the grouped W4A16 / W8A8 entries (forced, untimed: the first accepting path runs): no stop for
-    Python."""
+    """Quantized projections through their kernels' entries (the gated MLPs' fused ones), the routed experts and
+    MLA's W_UV (the checkpoint's quantized value rows of kv_b_proj) through the grouped W4A16 / W8A8 entries
+    (forced, untimed: the first accepting kernel runs): no stop for Python."""
     if not QUANT[scheme]:
         pytest.skip(f"this CPU has no {scheme} kernel a program calls (i8mm: AVX512-VNNI; w4mm: AVX512-BF16)")
     from engine.quant.quantize import quantize
@@ -111,6 +111,9 @@ def test_quantized_deepseek_programs_give_the_layers_logits_bit_for_bit(
     quantize(checkpoints["quantizable"], tmp_path / scheme, scheme, group_size=16)
     ran = _same(tmp_path / scheme)
     assert "<=8" in ran and "1" in ran and set(ran.values()) == {0}, ran
+    core = make_core(tmp_path / scheme, dtype="bfloat16", gemm_path=GEMM, decode_program="program")
+    mlas = [m for m in core.runner.model.modules() if type(m).__name__ == "MLAttention"]
+    assert mlas and all(type(m.absorbed[1]).__name__ == "GroupedQuantLinear" for m in mlas)
 
 
 def test_gemms_without_a_c_entry_run_as_the_layers_plans_between_the_c_calls(checkpoints: dict[str, Path]) -> None:
