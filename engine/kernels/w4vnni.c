@@ -29,13 +29,16 @@
 #include "bf16mm_block.h"
 #include "w4mm_common.h"
 
-#define VR 4  // rows a tile at most: 1-2 over the block's 64 columns, 3-4 over 32 (2 x 2 int32 sums a 16-column
-              // vector and a float total, all in registers)
+#define VR 8  // rows a tile at most: 1-2 over the block's 64 columns, 3-4 over 32 at a time, 5-8 over 16 at a
+              // time (two int32 sums a row and 16-column vector in registers: 16 at most; with 24, at 12 rows, gcc
+              // spilled a third of them)
 
 static __thread thread_buffer rows_buf;
 
-// Each row's groups as the tiles read them: xq [M][K/8][4] int32 (for each 8 k: h of k0, k1, k4, k5; h of k2, k3,
-// k6, k7; then l of the same), d [M][K/G] the groups' 2^-e, xs [M][K/G] 2^-e * sum(X). G % 16 == 0.
+// Each row's groups as the tiles read them: xq [K/8][M][4] int32 (for each 8 k and row: h of k0, k1, k4, k5; h of
+// k2, k3, k6, k7; then l of the same), d [M][K/G] the groups' 2^-e, xs [M][K/G] 2^-e * sum(X). G % 16 == 0. WHY
+// 8 k before rows: a tile's rows are then constant offsets from one pointer, which the dot products take as
+// broadcast memory operands (with a pointer a row, 12 rows ran out of registers and spilled their sums).
 static void prepare_rows(int64_t M, int64_t K, int64_t G, const uint16_t *x, int32_t *xq, float *d, float *xs,
                          int nthreads) {
     const int64_t groups = K / G;
@@ -58,7 +61,6 @@ static void prepare_rows(int64_t M, int64_t K, int64_t G, const uint16_t *x, int
             }
             const __m512 up = _mm512_set1_ps(ldexpf(1.f, e));
             __m512i sum = _mm512_setzero_si512();
-            int8_t *out = (int8_t *)(xq + (m * K + g * G) / 2);  // 16 bytes for every 8 k
             for (int64_t k = 0; k < G; k += 16) {
                 const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p + k)));
                 const __m512 f = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(h, 16)), up);
@@ -67,8 +69,10 @@ static void prepare_rows(int64_t M, int64_t K, int64_t G, const uint16_t *x, int
                 const __m512i hi = _mm512_srai_epi32(_mm512_add_epi32(X, _mm512_set1_epi32(64)), 7);
                 const __m512i lo = _mm512_sub_epi32(X, _mm512_slli_epi32(hi, 7));
                 const __m128i hb = _mm512_cvtepi32_epi8(hi), lb = _mm512_cvtepi32_epi8(lo);
-                _mm_storeu_si128((__m128i *)(out + k * 2), _mm_shuffle_epi8(_mm_unpacklo_epi64(hb, lb), order));
-                _mm_storeu_si128((__m128i *)(out + k * 2 + 16), _mm_shuffle_epi8(_mm_unpackhi_epi64(hb, lb), order));
+                const int64_t kb = (g * G + k) / 8;  // 16 bytes for every 8 k and row
+                _mm_storeu_si128((__m128i *)(xq + (kb * M + m) * 4), _mm_shuffle_epi8(_mm_unpacklo_epi64(hb, lb), order));
+                _mm_storeu_si128((__m128i *)(xq + ((kb + 1) * M + m) * 4),
+                                 _mm_shuffle_epi8(_mm_unpackhi_epi64(hb, lb), order));
             }
             d[m * groups + g] = ldexpf(1.f, -e);
             xs[m * groups + g] = ldexpf((float)_mm512_reduce_add_epi32(sum), -e);  // |sum| <= G * 2^13: exact
@@ -83,90 +87,95 @@ static inline __attribute__((always_inline)) __m512 gather_half(__m512 a, __m512
     return _mm512_permutex2var_ps(a, idx, b);
 }
 
-// mr rows against nh 32-column halves (from half h0) of one block: out [mr][64] float (those halves' columns),
-// before the bias. xq, d, xs at the tile's first row (prepare_rows' layout). WHY the order: each 8 k's nibbles
-// first (2 x 2nh operands), then a row at a time its four bytes broadcast: 4 rows x 16 sums, or 2 x 32, stay in
-// registers beside them; the float totals live in out (a load and a store a group).
-static inline __attribute__((always_inline)) void vtile(const int mr, const int nh, const int h0, int64_t K,
-                                                        int64_t G, const int32_t *xq, const float *d,
+// mr rows against nv 16-column vectors (from vector v0; vector v lies in the block's 32-column half v / 2, whose
+// unpack v % 2 gives it) of one block, added into tot [mr][64] (vector v's totals at 16 v, its lanes in the
+// unpack's order). xq, d, xs at the tile's first row (prepare_rows' layout: 4 M int32 for each 8 k). WHY the order: each 8 k's nibbles
+// first (2 nv operands), then a row at a time its four bytes broadcast, so 2 mr nv int32 sums stay in registers
+// beside them (1-2 rows x 4 vectors, 3-4 x 2, 5-8 x 1); the float totals live in memory (a load and a store
+// a group).
+static inline __attribute__((always_inline)) void vtile(const int mr, const int nv, const int v0, int64_t K,
+                                                        int64_t G, int64_t M, const int32_t *xq, const float *d,
                                                         const float *xs, const uint8_t *wq, const float *sc,
-                                                        float *out) {
-    const int64_t groups = K / G, xrow = K / 2;  // int32s a row of xq
+                                                        float (*tot)[NB]) {
+    const int64_t groups = K / G;
     const __m512i low = _mm512_set1_epi8(15);
     __m512i ah[VR][4], al[VR][4];
-    float tot[VR][64] __attribute__((aligned(64)));  // [r][16 v + lane]: vector v's lanes in the unpack's order
-    memset(tot, 0, sizeof(tot));
     for (int64_t g = 0; g < groups; g++) {
         for (int r = 0; r < mr; r++)
-            for (int v = 0; v < 2 * nh; v++) ah[r][v] = al[r][v] = _mm512_setzero_si512();
+            for (int v = 0; v < nv; v++) ah[r][v] = al[r][v] = _mm512_setzero_si512();
         for (int64_t kp = g * G / 8; kp < (g + 1) * G / 8; kp++) {  // 8 k: two of the layout's 4-k steps
             const uint8_t *wk = wq + kp * 256;
-            if (h0 == 0) prefetch_nibbles(wk), prefetch_nibbles(wk + 128);
+            if (v0 == 0) prefetch_nibbles(wk), prefetch_nibbles(wk + 128);
             __m512i qlo[4], qhi[4];
-            for (int h = 0; h < nh; h++) {
-                const __m512i A = _mm512_loadu_si512((const void *)(wk + 64 * (h0 + h)));
-                const __m512i B = _mm512_loadu_si512((const void *)(wk + 128 + 64 * (h0 + h)));
-                for (int t = 0; t < 2; t++) {
-                    const __m512i u = t ? _mm512_unpackhi_epi16(A, B) : _mm512_unpacklo_epi16(A, B);
-                    qlo[2 * h + t] = _mm512_and_si512(u, low);
-                    qhi[2 * h + t] = _mm512_and_si512(_mm512_srli_epi16(u, 4), low);
-                }
+            for (int v = 0; v < nv; v++) {
+                const int h = (v0 + v) / 2, t = (v0 + v) % 2;
+                const __m512i A = _mm512_loadu_si512((const void *)(wk + 64 * h));
+                const __m512i B = _mm512_loadu_si512((const void *)(wk + 128 + 64 * h));
+                const __m512i u = t ? _mm512_unpackhi_epi16(A, B) : _mm512_unpacklo_epi16(A, B);
+                qlo[v] = _mm512_and_si512(u, low);
+                qhi[v] = _mm512_and_si512(_mm512_srli_epi16(u, 4), low);
             }
             for (int r = 0; r < mr; r++) {
-                const int32_t *xr = xq + r * xrow + kp * 4;
-                const __m512i x0 = _mm512_set1_epi32(xr[0]), x1 = _mm512_set1_epi32(xr[1]);
-                const __m512i x2 = _mm512_set1_epi32(xr[2]), x3 = _mm512_set1_epi32(xr[3]);
-                for (int v = 0; v < 2 * nh; v++) {
-                    ah[r][v] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(ah[r][v], qlo[v], x0), qhi[v], x1);
-                    al[r][v] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(al[r][v], qlo[v], x2), qhi[v], x3);
+                const int32_t *xr = xq + kp * 4 * M + 4 * r;
+                for (int v = 0; v < nv; v++) {
+                    ah[r][v] = _mm512_dpbusd_epi32(ah[r][v], qlo[v], _mm512_set1_epi32(xr[0]));
+                    ah[r][v] = _mm512_dpbusd_epi32(ah[r][v], qhi[v], _mm512_set1_epi32(xr[1]));
+                    al[r][v] = _mm512_dpbusd_epi32(al[r][v], qlo[v], _mm512_set1_epi32(xr[2]));
+                    al[r][v] = _mm512_dpbusd_epi32(al[r][v], qhi[v], _mm512_set1_epi32(xr[3]));
                 }
             }
         }
         const float *s = sc + g * 128, *sz = s + 64;  // s, s * (128 + z) (w4mm's layout): s * z = sz - 128 s
-        for (int h = 0; h < nh; h++) {
-            const int c = 2 * (h0 + h);
-            const __m512 s0 = _mm512_loadu_ps(s + 16 * c), s1 = _mm512_loadu_ps(s + 16 * c + 16);
-            const __m512 z0 = _mm512_fnmadd_ps(_mm512_set1_ps(128.f), s0, _mm512_loadu_ps(sz + 16 * c));
-            const __m512 z1 = _mm512_fnmadd_ps(_mm512_set1_ps(128.f), s1, _mm512_loadu_ps(sz + 16 * c + 16));
-            for (int t = 0; t < 2; t++) {
-                const __m512 sv = gather_half(s0, s1, t), zv = gather_half(z0, z1, t);
-                const int v = 2 * h + t;
-                for (int r = 0; r < mr; r++) {
-                    const __m512i I = _mm512_add_epi32(_mm512_slli_epi32(ah[r][v], 7), al[r][v]);
-                    const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(I), _mm512_set1_ps(d[r * groups + g]));
-                    __m512 o = _mm512_fmadd_ps(f, sv, _mm512_load_ps(tot[r] + 16 * v));
-                    o = _mm512_fnmadd_ps(_mm512_set1_ps(xs[r * groups + g]), zv, o);
-                    _mm512_store_ps(tot[r] + 16 * v, o);
-                }
+        for (int v = 0; v < nv; v++) {
+            const int h = (v0 + v) / 2, t = (v0 + v) % 2;
+            const __m512 s0 = _mm512_loadu_ps(s + 32 * h), s1 = _mm512_loadu_ps(s + 32 * h + 16);
+            const __m512 z0 = _mm512_fnmadd_ps(_mm512_set1_ps(128.f), s0, _mm512_loadu_ps(sz + 32 * h));
+            const __m512 z1 = _mm512_fnmadd_ps(_mm512_set1_ps(128.f), s1, _mm512_loadu_ps(sz + 32 * h + 16));
+            const __m512 sv = gather_half(s0, s1, t), zv = gather_half(z0, z1, t);
+            for (int r = 0; r < mr; r++) {
+                const __m512i I = _mm512_add_epi32(_mm512_slli_epi32(ah[r][v], 7), al[r][v]);
+                const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(I), _mm512_set1_ps(d[r * groups + g]));
+                float *o = tot[r] + 16 * (v0 + v);
+                const __m512 acc = _mm512_fmadd_ps(f, sv, _mm512_load_ps(o));
+                _mm512_store_ps(o, _mm512_fnmadd_ps(_mm512_set1_ps(xs[r * groups + g]), zv, acc));
             }
         }
     }
-    // back to column order: a half's column 8L + 4t + i from vector t's lane 4L + i
+}
+
+#define TALL(n) \
+    case n: \
+        for (int v = 0; v < 4; v++) vtile(n, 1, v, K, G, M, xq, d, xs, wq, sc, tot); \
+        break;
+
+// mr <= VR rows against one block → out [mr][64] float, before the bias.
+static void vtile_any(int mr, int64_t K, int64_t G, int64_t M, const int32_t *xq, const float *d, const float *xs,
+                      const uint8_t *wq, const float *sc, float *out) {
+    float tot[VR][NB] __attribute__((aligned(64)));
+    memset(tot, 0, sizeof(float) * NB * (size_t)mr);
+    switch (mr) {  // constant shapes keep every sum in a register
+    case 1: vtile(1, 4, 0, K, G, M, xq, d, xs, wq, sc, tot); break;
+    case 2: vtile(2, 4, 0, K, G, M, xq, d, xs, wq, sc, tot); break;
+    case 3: vtile(3, 2, 0, K, G, M, xq, d, xs, wq, sc, tot), vtile(3, 2, 2, K, G, M, xq, d, xs, wq, sc, tot); break;
+    case 4: vtile(4, 2, 0, K, G, M, xq, d, xs, wq, sc, tot), vtile(4, 2, 2, K, G, M, xq, d, xs, wq, sc, tot); break;
+    TALL(5) TALL(6) TALL(7)
+    default: TALL(8)
+    }
+    // back to column order: a half's column 8L + 4t + i from its vector t's lane 4L + i
     const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
     const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
     for (int r = 0; r < mr; r++)
-        for (int h = 0; h < nh; h++) {
+        for (int h = 0; h < 2; h++) {
             const __m512 t0 = _mm512_load_ps(tot[r] + 32 * h), t1 = _mm512_load_ps(tot[r] + 32 * h + 16);
-            float *o = out + r * NB + 32 * (h0 + h);
-            _mm512_storeu_ps(o, _mm512_permutex2var_ps(t0, first, t1));
-            _mm512_storeu_ps(o + 16, _mm512_permutex2var_ps(t0, second, t1));
+            _mm512_storeu_ps(out + r * NB + 32 * h, _mm512_permutex2var_ps(t0, first, t1));
+            _mm512_storeu_ps(out + r * NB + 32 * h + 16, _mm512_permutex2var_ps(t0, second, t1));
         }
-}
-
-static void vtile_any(int mr, int64_t K, int64_t G, const int32_t *xq, const float *d, const float *xs,
-                      const uint8_t *wq, const float *sc, float *out) {
-    switch (mr) {  // constant shapes keep every sum in a register
-    case 1: vtile(1, 2, 0, K, G, xq, d, xs, wq, sc, out); break;
-    case 2: vtile(2, 2, 0, K, G, xq, d, xs, wq, sc, out); break;
-    case 3: vtile(3, 1, 0, K, G, xq, d, xs, wq, sc, out), vtile(3, 1, 1, K, G, xq, d, xs, wq, sc, out); break;
-    default: vtile(4, 1, 0, K, G, xq, d, xs, wq, sc, out), vtile(4, 1, 1, K, G, xq, d, xs, wq, sc, out); break;
-    }
 }
 
 static int tile_rows(int64_t left) { return left < VR ? (int)left : VR; }
 
 typedef struct {
-    int64_t K, G;
+    int64_t M, K, G;
     const int32_t *xq;     // the rows' bytes (prepare_rows)
     const float *d, *xs;   // their groups' 2^-e and 2^-e * sum(X)
 } direct_t;
@@ -174,7 +183,7 @@ typedef struct {
 static void direct_tile(const void *ctx, int64_t r0, int mr, const uint8_t *wq, const float *sc, float *out) {
     const direct_t *c = ctx;
     const int64_t groups = c->K / c->G;
-    vtile_any(mr, c->K, c->G, c->xq + r0 * (c->K / 2), c->d + r0 * groups, c->xs + r0 * groups, wq, sc, out);
+    vtile_any(mr, c->K, c->G, c->M, c->xq + 4 * r0, c->d + r0 * groups, c->xs + r0 * groups, wq, sc, out);
 }
 
 // The calling thread's buffers for M rows: their bytes, then 2 * M * K/G floats. NULL without memory.
@@ -189,7 +198,7 @@ static int direct(int64_t M, int64_t N, int64_t K, int64_t G, const uint16_t *x,
     if (!xq) return -1;
     float *d = (float *)(xq + M * K / 2), *xs = d + M * (K / G);
     prepare_rows(M, K, G, x, xq, d, xs, nthreads);
-    const direct_t c = {K, G, xq, d, xs};
+    const direct_t c = {M, K, G, xq, d, xs};
     w4_direct_blocks(M, N, K, G, wq, sc, b, y, nthreads, silu_mul, VR, tile_rows, direct_tile, &c);
     return 0;
 }
@@ -211,6 +220,7 @@ int w4vnni_linear_silu_mul(int64_t M, int64_t N, int64_t K, int64_t G, const uin
 // bytes are prepared once for the call (w4vnni_grouped).
 typedef struct {
     const w4group_t *g;
+    int64_t M;  // the call's rows
     const int32_t *xq;
     const float *d, *xs;
 } vgroup_t;
@@ -225,7 +235,7 @@ static void vgroup_task(const void *ctx, int64_t p, int64_t nb, int64_t end) {
     float out[VR * NB];
     for (int64_t r0 = g->first[p], mr; r0 < g->first[p] + g->counts[e]; r0 += mr) {
         mr = tile_rows(g->first[p] + g->counts[e] - r0);
-        vtile_any((int)mr, K, G, v->xq + r0 * (K / 2), v->d + r0 * groups, v->xs + r0 * groups,
+        vtile_any((int)mr, K, G, v->M, v->xq + 4 * r0, v->d + r0 * groups, v->xs + r0 * groups,
                   g->wq[e] + nb * K * 32, g->sc[e] + nb * groups * 128, out);
         for (int r = 0; r < mr; r++) {
             if (!g->silu_mul) store_row(out + r * NB, zeros, g->y + (r0 + r) * width + n0, nn);
@@ -247,7 +257,7 @@ int w4vnni_grouped(int64_t E, const int64_t *counts, int64_t N, int64_t K, int64
     prepare_rows(M, K, G, x, xq, d, xs, nthreads);
     _Atomic int failed = 0;
     const w4group_t g = {counts, N, K, G, x, wq, sc, y, xs, first, layer, silu_mul, &failed};
-    const vgroup_t v = {&g, xq, d, xs};
+    const vgroup_t v = {&g, M, xq, d, xs};
     grouped_tasks(P, (N + NB - 1) / NB, nthreads, 2, vgroup_task, &v);
     return 0;
 }
