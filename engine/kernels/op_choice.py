@@ -302,9 +302,11 @@ def choose_absorbed_quant(
 ) -> QuantKernel | None:  # fmt: skip
     """The quantized grouped kernel whose call ran MLA decode's W_UV product (o W_UV per head) over the
     checkpoint's own quantized rows (MLAttention.absorbed_quantized) faster than `kernel`'s bf16 call over the
-    dequantized weight, at one row (decode streams the weights: a quarter or half of the bytes) plus at ROWS rows;
-    None where the bf16 call won, kv_b_proj is not quantized, the math is not bf16 or no kernel fits. `flush`: as
-    fastest's."""
+    dequantized weight at one row, from memory as decode streams it (a quarter or half of the bytes); None where
+    the bf16 call won, kv_b_proj is not quantized, the math is not bf16 or no kernel fits. `flush`: as fastest's.
+    WHY one row only: there W_UV is ~8% of a quantized DeepSeek-V2-tiny token's bytes; at 32 rows the two calls
+    took within 5% of each other on a Zen 4 (~0.1 ms a layer, ~1% of such a step), and timed as the sum of both
+    the 32-row call decided it (W8A8 215 against 207 µs: the bf16 call kept)."""
     uv = mla.absorbed_quantized()
     if uv is None or dtype != torch.bfloat16:
         return None
@@ -312,17 +314,16 @@ def choose_absorbed_quant(
     if not kernels:
         return None
     h, lat = mla.num_heads, mla.kv_lora_rank
-    g = torch.Generator().manual_seed(0)
-    one, many = torch.randn(h, lat, generator=g).to(dtype), torch.randn(ROWS * h, lat, generator=g).to(dtype)
+    one, heads = torch.randn(h, lat, generator=torch.Generator().manual_seed(0)).to(dtype), [1] * h
 
-    def both(call: Callable[[torch.Tensor, list[int]], torch.Tensor]) -> Callable[[], object]:
-        return lambda: (call(one, [1] * h), call(many, [ROWS] * h))
+    def call(grouped: Callable[[torch.Tensor, list[int]], torch.Tensor]) -> Callable[[], object]:
+        return lambda: grouped(one, heads)
 
-    candidates = {c: both(GroupedQuantLinear(k, uv)) for c, k in kernels.items()}
-    candidates["bf16"] = both(GroupedLinear(kernel, mla.absorbed_weights()[1]))
+    candidates = {c: call(GroupedQuantLinear(k, uv)) for c, k in kernels.items()}
+    candidates["bf16"] = call(GroupedLinear(kernel, mla.absorbed_weights()[1]))
     ours = "+".join(c.removeprefix("grouped ") for c in kernels)
     group = getattr(uv[0], "group_size", 0)
-    key = f"op absorbed_uv h{h} {tuple(uv[0].shape)} {_scheme(uv[0])} g{group} {dtype} grouped {ours} vs bf16"
+    key = f"op absorbed_uv 1 h{h} {tuple(uv[0].shape)} {_scheme(uv[0])} g{group} {dtype} grouped {ours} vs bf16"
     return kernels.get(fastest(key, candidates, timer, cache, flush))
 
 

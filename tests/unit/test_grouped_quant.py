@@ -191,3 +191,38 @@ def test_the_experts_choice_takes_the_amx_kernel_s_grouped_call_where_it_timed_f
     for a, b in zip(step_logits(grouped, prompts, 3), step_logits(each, prompts, 3), strict=True):
         assert same.any() and (a[same].float() - b[same].float()).abs().max() <= 3e-2 * b.float().abs().max()
         same &= a.argmax(-1) == b.argmax(-1)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("faster", ["quantized", "bf16"])
+def test_w_uv_runs_from_the_checkpoints_quantized_rows_where_that_timed_faster(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, scheme: str, faster: str
+) -> None:
+    """MLA's W_UV per head can run over kv_b_proj's own quantized value rows (their groups, or W8A8's channel
+    scales, run along the latent, W_UV's inputs): the one-row call the timer says is faster is the one the layers
+    take, and the quantized call gives each head's reference product of those rows."""
+    _kernel(scheme)
+    quantize(build_deepseek("v2-grouped", tmp_path / "src"), tmp_path / "q", scheme, group_size=8)
+
+    def timer(fn: object) -> float:
+        cells = [c.cell_contents for c in (getattr(fn, "__closure__", None) or ())]
+        quantized = any(isinstance(c, GroupedQuantLinear) for c in cells)
+        return 1e-3 if quantized == (faster == "quantized") else 1.0
+
+    choose = op_choice.choose_absorbed_quant
+    monkeypatch.setattr(
+        op_choice, "choose_absorbed_quant", lambda k, mla, dtype, *_: choose(k, mla, dtype, timer, None)
+    )
+    core = make_core(tmp_path / "q", dtype="bfloat16", max_num_seqs=8, gemm_path="bf16mm")
+    mlas = [m for m in core.runner.model.modules() if type(m).__name__ == "MLAttention"]
+    want_kind = "GroupedQuantLinear" if faster == "quantized" else "GroupedLinear"
+    assert mlas and {type(m.absorbed[1]).__name__ for m in mlas} == {want_kind}
+    mla = mlas[0]
+    uv = mla.absorbed_quantized()
+    assert uv is not None and len(uv) == mla.num_heads and uv[0].shape == (mla.v_dim, mla.kv_lora_rank)
+    if faster == "quantized":
+        rows = 3
+        o = torch.randn(rows * mla.num_heads, mla.kv_lora_rank, generator=torch.Generator().manual_seed(5)).bfloat16()
+        got = mla.absorbed[1](o, [rows] * mla.num_heads).float()
+        want = torch.cat([w.reference(o[h * rows : (h + 1) * rows], None) for h, w in enumerate(uv)])
+        torch.testing.assert_close(got, want, rtol=3e-2, atol=2e-2 * want.abs().max().item())
