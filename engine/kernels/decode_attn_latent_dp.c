@@ -22,6 +22,7 @@
 #include <string.h>
 
 #include "avx512_math.h"
+#include "thread_buffer.h"
 
 #define LD 576      // a cached row: kv_lora_rank 512 + qk_rope_head_dim 64 (DeepSeek-V2/V3)
 #define LV 512      // its latent part, the values
@@ -33,6 +34,15 @@
 #define NV (LV / 16)  // value vectors of 16 columns a head (interleaved order: unpacklo, unpackhi halves)
 #define HB 4        // heads a value tile
 #define JB 4        // value vectors a value tile: HB x JB accumulators (2 alike, 8 slower)
+#define MAX_PARTS 8 // parts a sequence's tokens are split in at most
+#define MIN_PART 64 // tokens a part at least where a sequence's tokens are split over threads (decode_attn_latent_dp)
+
+// A task's result over part of a sequence's tokens, before normalising: the values' sums o (interleaved column
+// order), and per head (lanes) the running maximum m and the softmax denominator l.
+typedef struct {
+    __m512 o[MAX_H][NV];
+    __m512 m, l;
+} partial_t;
 
 // The scores of one 16-token slice (rows adjacent, LD apart) for every head: s[t] lane h, unscaled. `ahead`: the
 // next slice's first row, its 16 x ROW_LINES = PAIRS lines asked for one a pair step, spread over the work (the
@@ -54,9 +64,10 @@ static inline __attribute__((always_inline)) void slice_scores(const uint16_t *r
     for (int t = 0; t < SL; t++) s[t] = acc[t];
 }
 
-// One task: sequence b, heads [h0, h0 + H) of H_all (H <= MAX_H).
+// One task: sequence b, heads [h0, h0 + H) of H_all (H <= MAX_H), its tokens [t0, t1) (t0 a multiple of CH) →
+// the normalised values in out, or with `part` that part's sums, maximum and denominator in it.
 static void task(int64_t b, int64_t h0, int64_t H, int64_t H_all, const uint16_t *q, const uint16_t *kc, int64_t bs,
-                 const int64_t *table, int64_t L, float scale, uint16_t *out) {
+                 const int64_t *table, int64_t t0, int64_t L, float scale, uint16_t *out, partial_t *part) {
     __m512i qt[PAIRS] __attribute__((aligned(64)));  // lane h: head h's dims 2p, 2p + 1 (zero past H)
     __m512 o[MAX_H][NV] __attribute__((aligned(64)));
     __m512i V2[CH / 2][NV] __attribute__((aligned(64)));  // token pairs of the chunk interleaved, per 16 columns
@@ -74,7 +85,7 @@ static void task(int64_t b, int64_t h0, int64_t H, int64_t H_all, const uint16_t
     const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
     const __m512i order = pair_order();
     __m512 m = ninf, l = _mm512_setzero_ps();  // per head: running maximum, softmax denominator
-    for (int64_t c = 0; c < L; c += CH) {
+    for (int64_t c = t0; c < L; c += CH) {
         const int64_t n = L - c < CH ? L - c : CH;
         __m512 s[CH];
         for (int64_t c0 = 0; c0 < n; c0 += SL) {
@@ -136,6 +147,11 @@ static void task(int64_t b, int64_t h0, int64_t H, int64_t H_all, const uint16_t
                         if (gg < hb) o[g0 + gg][j0 + jj] = acc[gg][jj];
             }
     }
+    if (part) {
+        memcpy(part->o, o, sizeof(o));
+        part->m = m, part->l = l;
+        return;
+    }
     float lh[MAX_H] __attribute__((aligned(64)));
     _mm512_store_ps(lh, l);
     for (int64_t h = 0; h < H; h++) {
@@ -145,18 +161,77 @@ static void task(int64_t b, int64_t h0, int64_t H, int64_t H_all, const uint16_t
     }
 }
 
+// Sequence b's heads [h0, h0 + H) from its parts' results: each part's sums and denominator weighed by
+// exp(its maximum - the largest), then normalised into out.
+static void combine(int64_t b, int64_t h0, int64_t H, int64_t H_all, const partial_t *parts, int64_t n,
+                    uint16_t *out) {
+    __m512 mx = parts[0].m;
+    for (int64_t p = 1; p < n; p++) mx = _mm512_max_ps(mx, parts[p].m);
+    float w[MAX_PARTS][MAX_H] __attribute__((aligned(64)));
+    __m512 l = _mm512_setzero_ps();
+    for (int64_t p = 0; p < n; p++) {
+        const __m512 a = exp512(_mm512_sub_ps(parts[p].m, mx));  // a part's -inf maximum: its l and o are zero
+        _mm512_store_ps(w[p], a);
+        l = _mm512_fmadd_ps(parts[p].l, a, l);
+    }
+    float lh[MAX_H] __attribute__((aligned(64)));
+    _mm512_store_ps(lh, l);
+    for (int64_t h = 0; h < H; h++) {
+        __m512 o[NV];
+        for (int j = 0; j < NV; j++) {
+            __m512 acc = _mm512_setzero_ps();
+            for (int64_t p = 0; p < n; p++) acc = _mm512_fmadd_ps(parts[p].o[h][j], _mm512_set1_ps(w[p][h]), acc);
+            o[j] = acc;
+        }
+        uint16_t *orow = out + (b * H_all + h0 + h) * LD;
+        store_deinterleaved(orow, o, NV / 2, _mm512_set1_ps(lh[h] > 0.0f ? 1.0f / lh[h] : 0.0f));
+        memset(orow + LV, 0, sizeof(uint16_t) * (LD - LV));
+    }
+}
+
+static __thread thread_buffer parts_buf;
+
 // q, out: [B][H][LD] bf16; cache: [blocks][bs][LD] (kc == vc: K and V are the same rows); tables: [B][W] block
 // ids; ctx_lens: [B]. Writes out[b][h][0 .. LV) and zeros the rest. The family's signature (decode_attn.py): KV
 // is 1 and D == LD (the caller checks: decode_attn_latent_dp.py). One task per sequence and group of up to 16
-// heads (DeepSeek-V2/V3 have 128: eight groups read the same rows).
+// heads (DeepSeek-V2/V3 have 128: eight groups read the same rows), or with fewer such tasks than threads, one per
+// part of a sequence's tokens (whole CH-token chunks, at least MIN_PART tokens a part), the parts combined after.
+// Without memory for the parts it runs one task a sequence.
 void decode_attn_latent_dp(int64_t B, int64_t H_all, int64_t KV, int64_t D, const uint16_t *q, const uint16_t *kc,
                            const uint16_t *vc, int64_t bs, const int64_t *tables, int64_t W, const int64_t *ctx_lens,
                            float scale, uint16_t *out, int nthreads) {
     (void)KV, (void)D, (void)vc;
-    const int64_t groups = (H_all + MAX_H - 1) / MAX_H;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
-    for (int64_t t = 0; t < B * groups; t++) {
-        const int64_t b = t / groups, h0 = t % groups * MAX_H, H = H_all - h0 < MAX_H ? H_all - h0 : MAX_H;
-        task(b, h0, H, H_all, q, kc, bs, tables + b * W, ctx_lens[b], scale, out);
+    const int64_t groups = (H_all + MAX_H - 1) / MAX_H, tasks = B * groups;
+    // fewer tasks than threads (one sequence at batch 1): each sequence's tokens in parts of whole chunks, a task
+    // each, then combined. WHY: one thread attended while the other waited; DeepSeek-V2-tiny at 1,000 tokens
+    // took ~180 us a layer on a 2-core Zen 4.
+    int64_t split = tasks < nthreads ? nthreads / tasks : 1;
+    split = split > MAX_PARTS ? MAX_PARTS : split;
+    partial_t *parts = split > 1 ? grow_aligned(&parts_buf, sizeof(partial_t) * (size_t)(tasks * split)) : NULL;
+    if (!parts) split = 1;  // no memory for the parts: one task a sequence as before
+    int64_t n_parts[tasks > 0 ? tasks : 1];
+    for (int64_t t = 0; t < tasks; t++) {
+        const int64_t chunks = (ctx_lens[t / groups] + CH - 1) / CH, most = ctx_lens[t / groups] / MIN_PART;
+        const int64_t n = split < most ? split : most;
+        n_parts[t] = n > 1 && chunks >= n ? n : 1;
     }
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
+    for (int64_t i = 0; i < tasks * split; i++) {
+        const int64_t t = i / split, p = i % split, n = n_parts[t];
+        if (p >= n) continue;
+        const int64_t b = t / groups, h0 = t % groups * MAX_H, H = H_all - h0 < MAX_H ? H_all - h0 : MAX_H;
+        const int64_t L = ctx_lens[b], chunks = (L + CH - 1) / CH;
+        if (n == 1) {
+            task(b, h0, H, H_all, q, kc, bs, tables + b * W, 0, L, scale, out, NULL);
+            continue;
+        }
+        const int64_t end = chunks * (p + 1) / n * CH;
+        task(b, h0, H, H_all, q, kc, bs, tables + b * W, chunks * p / n * CH, end < L ? end : L, scale, out,
+             parts + i);
+    }
+    for (int64_t t = 0; t < tasks; t++)
+        if (n_parts[t] > 1) {
+            const int64_t h0 = t % groups * MAX_H, H = H_all - h0 < MAX_H ? H_all - h0 : MAX_H;
+            combine(t / groups, h0, H, H_all, parts + t * split, n_parts[t], out);
+        }
 }

@@ -69,6 +69,30 @@ def test_scores_far_apart_keep_their_running_maximum(kernel: LatentDotAttention)
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("threads", [2, 3, 4])
+def test_one_sequence_split_over_threads_equals_the_reference(kernel: LatentDotAttention, threads: int) -> None:
+    """Fewer sequences than threads: each sequence's tokens run in parts of whole chunks (at least 64 tokens a
+    part), combined after. Lengths below one part, at the split's edges, past whole chunks; a single sequence
+    and two of very different lengths (one split, one not); the largest score in the last part of one sequence
+    and the first of another, so the parts' maxima differ by far; stale NaN rows past each context."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for lens in ((127,), (128,), (200,), (1000,), (513,), (1000, 40)):
+            rows, tables = latent_cache(lens, 16, seed=len(lens), dtype=torch.bfloat16)
+            rows *= 0.05
+            q = (torch.randn(len(lens), 16, WIDTH, generator=torch.Generator().manual_seed(7)) * 2).bfloat16()
+            for b, at in enumerate((lens[0] - 3, 5)[: len(lens)]):
+                rows.view(-1, WIDTH)[tables[b, at // 16] * 16 + at % 16] = q[b, 0] * 2
+            used = torch.tensor(lens)
+            got = kernel(q, rows, rows, tables, used, WIDTH**-0.5)
+            assert torch.isfinite(got.float()).all() and not got[..., VALUES:].any(), lens
+            want = reference(q, rows, rows, tables, used, WIDTH**-0.5)[..., :VALUES]
+            torch.testing.assert_close(got[..., :VALUES].float(), want, rtol=2e-2, atol=2e-2)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_takes_only_bf16_latent_rows_of_its_width_in_16_token_slices(kernel: LatentDotAttention) -> None:
     assert kernel.takes_latent(16, WIDTH, torch.bfloat16) and kernel.takes_latent(3, WIDTH, torch.bfloat16, 32)
     assert kernel.takes_latent(128, WIDTH, torch.bfloat16)  # DeepSeek-V2/V3: groups of 16 heads
