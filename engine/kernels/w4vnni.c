@@ -70,12 +70,13 @@ static void prepare_rows(int64_t M, int64_t K, int64_t G, const uint16_t *x, int
                 const __m512i lo = _mm512_sub_epi32(X, _mm512_slli_epi32(hi, 7));
                 const __m128i hb = _mm512_cvtepi32_epi8(hi), lb = _mm512_cvtepi32_epi8(lo);
                 const int64_t kb = (g * G + k) / 8;  // 16 bytes for every 8 k and row
-                _mm_storeu_si128((__m128i *)(xq + (kb * M + m) * 4), _mm_shuffle_epi8(_mm_unpacklo_epi64(hb, lb), order));
-                _mm_storeu_si128((__m128i *)(xq + ((kb + 1) * M + m) * 4),
-                                 _mm_shuffle_epi8(_mm_unpackhi_epi64(hb, lb), order));
+                const __m128i first = _mm_unpacklo_epi64(hb, lb), second = _mm_unpackhi_epi64(hb, lb);
+                _mm_storeu_si128((__m128i *)(xq + (kb * M + m) * 4), _mm_shuffle_epi8(first, order));
+                _mm_storeu_si128((__m128i *)(xq + ((kb + 1) * M + m) * 4), _mm_shuffle_epi8(second, order));
             }
             d[m * groups + g] = ldexpf(1.f, -e);
-            xs[m * groups + g] = ldexpf((float)_mm512_reduce_add_epi32(sum), -e);  // |sum| <= G * 2^13: exact
+            // |sum| <= G * 2^13: exact in float for groups up to 2,048
+            xs[m * groups + g] = ldexpf((float)_mm512_reduce_add_epi32(sum), -e);
         }
 }
 
@@ -89,10 +90,10 @@ static inline __attribute__((always_inline)) __m512 gather_half(__m512 a, __m512
 
 // mr rows against nv 16-column vectors (from vector v0; vector v lies in the block's 32-column half v / 2, whose
 // unpack v % 2 gives it) of one block, added into tot [mr][64] (vector v's totals at 16 v, its lanes in the
-// unpack's order). xq, d, xs at the tile's first row (prepare_rows' layout: 4 M int32 for each 8 k). WHY the order: each 8 k's nibbles
-// first (2 nv operands), then a row at a time its four bytes broadcast, so 2 mr nv int32 sums stay in registers
-// beside them (1-2 rows x 4 vectors, 3-4 x 2, 5-8 x 1); the float totals live in memory (a load and a store
-// a group).
+// unpack's order). xq, d, xs at the tile's first row (prepare_rows' layout: 4 M int32 for each 8 k). WHY the
+// order: each 8 k's nibbles first (2 nv operands), then a row at a time its four bytes broadcast, so 2 mr nv
+// int32 sums stay in registers beside them (1-2 rows x 4 vectors, 3-4 x 2, 5-8 x 1); the float totals live in
+// memory (a load and a store a group).
 static inline __attribute__((always_inline)) void vtile(const int mr, const int nv, const int v0, int64_t K,
                                                         int64_t G, int64_t M, const int32_t *xq, const float *d,
                                                         const float *xs, const uint8_t *wq, const float *sc,
