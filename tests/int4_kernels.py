@@ -1,14 +1,19 @@
-"""What the tests of our int4 kernels (w4mm for bf16 math, w4f32 for float32) share: a random weight, and the
-check that the measured selection keeps whichever of a kernel's two entry points times fastest."""
+"""What the tests of our int4 kernels (w4mm for bf16 math, w4f32 for float32, and w4fp16 / w4vnni over w4mm's packed
+weight) share: a random weight, the check that the measured selection keeps whichever of a kernel's entry points
+times fastest, and the checks every kernel over w4mm's copy passes (its path, its fused gated-MLP entry)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
-from engine.kernels.select import GemmSelector
-from engine.quant.paths import quant_paths
+from engine.kernels import w4mm
+from engine.kernels.gemm import interleave_halves
+from engine.kernels.select import GemmSelector, _matches_reference
+from engine.kernels.w4mm import PackedInt4
+from engine.quant.paths import W4MMPath, interleaved, quant_paths
 from engine.quant.weights import Int4Weight, pack_nibbles
 
 
@@ -61,3 +66,41 @@ def assert_the_selection_keeps_the_fastest_entry(
     for entry, path in zip(entries, ours, strict=True):
         choice = GemmSelector(paths, dtype, timer=fast(entry)).choose(entry, [(w, None)], None)  # type: ignore[list-item]
         assert choice.per_class == [path.name] * 5
+
+
+def assert_the_path_checks_and_shares_w4mms_copy(path: Any, name: str) -> None:
+    """A kernel's path over w4mm's packed weight (w4fp16's, w4vnni's): its name and layout, the selector's
+    reference check at decode and batch rows, any leading shape, the very packed copy w4mm's direct path holds,
+    and an entry a decode program calls."""
+    assert path.name == name and path.layout == "w4mm"
+    w = int4_weight(96, 256, 64, symmetric=False)
+    run = path.prepare(w, None, None)
+    for rows in (1, 8, 33):
+        x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        assert _matches_reference(run, x, w, None, None)
+    assert run(torch.randn(2, 3, 256).bfloat16()).shape == (2, 3, 96)
+    k4 = w4mm.kernel()
+    assert k4 is not None  # every CPU these kernels build on has AVX512-BF16
+    runs = [path.prepare(w, None, None), W4MMPath(k4, "direct").prepare(w, None, None)]
+    cells = [packed_copies(r, PackedInt4) for r in runs]
+    assert cells[0] and cells[0] == cells[1]
+    entry = path._entry(W4MMPath.pack(w), None, 1)
+    assert entry is not None and entry.cols == 96 and entry.dtype == torch.bfloat16  # a decode program calls it
+
+
+def assert_the_fused_entry_equals_the_unfused_then_torchs_act(
+    fused: Any, plain: Any, n: int, k: int, g: int
+) -> None:  # fmt: skip
+    """silu(gate) * up out of an epilogue (`fused`, over the [gate; up] rows interleaved in blocks of 32: the copy
+    w4mm-silu-mul packs) against the unfused entry (`plain`) over the plain copy, then torch's bf16 SiLU and
+    product."""
+    w = int4_weight(n, k, g, symmetric=False)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(3)).bfloat16()
+    packed, packed_fused = W4MMPath.pack(w), W4MMPath.pack(interleaved(w))
+    for rows in (1, 2, 3, 4, 33):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        got = fused(x, packed_fused, interleave_halves(bias))
+        gate, up = plain(x, packed, bias).chunk(2, dim=-1)
+        want = F.silu(gate) * up
+        assert got.shape == (rows, n // 2) and got.dtype == torch.bfloat16
+        assert torch.allclose(got.float(), want.float(), rtol=1 / 64, atol=1e-3 * want.float().abs().max().item())

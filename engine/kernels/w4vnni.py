@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from engine.kernels.cbuild import Once, build
+from engine.kernels.cbuild import Once, build, cpu_flags
 from engine.kernels.w4mm import W4MM, PackedInt4, check_int4_kernel, check_int4_silu_mul, run_grouped
 
 log = logging.getLogger(__name__)
@@ -82,16 +82,9 @@ def self_check(kernel: W4VNNI) -> None:
 
 
 def supported() -> bool:
-    """AVX512-VNNI and AVX512-BF16 in the CPU's flags (Linux): the only reason to try building the kernel (whether
-    it is used is measured)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return {"avx512_vnni", "avx512_bf16"} <= set(line.split())
-    except OSError:
-        pass
-    return False
+    """AVX512-VNNI and AVX512-BF16 in the CPU's flags: the only reason to try building the kernel (whether it is
+    used is measured)."""
+    return {"avx512_vnni", "avx512_bf16"} <= cpu_flags()
 
 
 _once = Once(W4VNNI.build, log, "W4A16 layers will not use int8 dot products (w4mm still runs them)", check=self_check)

@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from engine.kernels import w4fp16, w4mm
-from engine.kernels.gemm import interleave_halves
-from engine.kernels.select import _matches_reference
 from engine.kernels.w4fp16 import W4FP16
-from engine.kernels.w4mm import W4MM, PackedInt4
+from engine.kernels.w4mm import W4MM
 from engine.layers.activation import ActAndMul
-from engine.quant.paths import W4FP16Path, W4FP16SiluPath, W4MMPath, W4MMSiluPath, interleaved, quant_paths
-from tests.int4_kernels import assert_the_selection_keeps_the_fastest_entry, int4_weight, packed_copies
+from engine.quant.paths import W4FP16Path, W4FP16SiluPath, W4MMSiluPath, quant_paths
+from tests.int4_kernels import (
+    assert_the_fused_entry_equals_the_unfused_then_torchs_act,
+    assert_the_path_checks_and_shares_w4mms_copy,
+    assert_the_selection_keeps_the_fastest_entry,
+    int4_weight,
+)
 
 pytestmark = pytest.mark.skipif(not w4fp16.supported(), reason="this CPU has no AVX512-FP16")
 
@@ -78,21 +80,7 @@ def test_groups_that_are_not_whole_fp16_spans_are_left_to_w4mm(kernel: W4FP16) -
 
 
 def test_the_path_matches_the_reference_as_the_selector_checks_it_and_shares_w4mms_copy(kernel: W4FP16) -> None:
-    path = W4FP16Path(kernel, "fp16")
-    assert path.name == "w4mm-fp16" and path.layout == "w4mm"
-    w = int4_weight(96, 256, 64, symmetric=False)
-    run = path.prepare(w, None, None)
-    for rows in (1, 8, 33):
-        x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).bfloat16()
-        assert _matches_reference(run, x, w, None, None)
-    assert run(torch.randn(2, 3, 256).bfloat16()).shape == (2, 3, 96)
-    k4 = w4mm.kernel()
-    assert k4 is not None  # every AVX512-FP16 CPU has AVX512-BF16
-    runs = [path.prepare(w, None, None), W4MMPath(k4, "direct").prepare(w, None, None)]
-    cells = [packed_copies(r, PackedInt4) for r in runs]
-    assert cells[0] and cells[0] == cells[1]
-    entry = path._entry(W4MMPath.pack(w), None, 1)
-    assert entry is not None and entry.cols == 96 and entry.dtype == torch.bfloat16  # a decode program calls it
+    assert_the_path_checks_and_shares_w4mms_copy(W4FP16Path(kernel, "fp16"), "w4mm-fp16")
 
 
 def test_the_selection_times_it_among_the_bf16_candidates_and_keeps_the_fastest(kernel: W4FP16) -> None:
@@ -107,19 +95,7 @@ def test_the_selection_times_it_among_the_bf16_candidates_and_keeps_the_fastest(
 def test_the_fused_gated_mlp_entry_equals_the_unfused_entry_then_torchs_act(
     kernel: W4FP16, n: int, k: int, g: int
 ) -> None:
-    """silu(gate) * up out of the epilogue, over the [gate; up] rows interleaved in blocks of 32 (the copy
-    w4mm-silu-mul packs): the same sums as the unfused entry over the plain copy, then torch's bf16 SiLU and
-    product."""
-    w = int4_weight(n, k, g, symmetric=False)
-    bias = torch.randn(n, generator=torch.Generator().manual_seed(3)).bfloat16()
-    plain, fused = W4MMPath.pack(w), W4MMPath.pack(interleaved(w))
-    for rows in (1, 2, 3, 4, 33):
-        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).bfloat16()
-        got = kernel.fp16_silu_mul(x, fused, interleave_halves(bias))
-        gate, up = kernel.fp16(x, plain, bias).chunk(2, dim=-1)
-        want = F.silu(gate) * up
-        assert got.shape == (rows, n // 2) and got.dtype == torch.bfloat16
-        assert torch.allclose(got.float(), want.float(), rtol=1 / 64, atol=1e-3 * want.float().abs().max().item())
+    assert_the_fused_entry_equals_the_unfused_then_torchs_act(kernel.fp16_silu_mul, kernel.fp16, n, k, g)
 
 
 def test_the_fused_entry_is_a_timed_candidate_over_w4mm_silu_muls_copy(kernel: W4FP16) -> None:
