@@ -64,7 +64,7 @@ static inline __attribute__((always_inline)) void slice_scores(const uint16_t *r
     for (int t = 0; t < SL; t++) s[t] = acc[t];
 }
 
-// One task: sequence b, heads [h0, h0 + H) of H_all (H <= MAX_H), its tokens [t0, t1) (t0 a multiple of CH) →
+// One task: sequence b, heads [h0, h0 + H) of H_all (H <= MAX_H), its tokens [t0, L) (t0 a multiple of CH) →
 // the normalised values in out, or with `part` that part's sums, maximum and denominator in it.
 static void task(int64_t b, int64_t h0, int64_t H, int64_t H_all, const uint16_t *q, const uint16_t *kc, int64_t bs,
                  const int64_t *table, int64_t t0, int64_t L, float scale, uint16_t *out, partial_t *part) {
@@ -202,6 +202,7 @@ void decode_attn_latent_dp(int64_t B, int64_t H_all, int64_t KV, int64_t D, cons
                            float scale, uint16_t *out, int nthreads) {
     (void)KV, (void)D, (void)vc;
     const int64_t groups = (H_all + MAX_H - 1) / MAX_H, tasks = B * groups;
+    if (tasks <= 0) return;
     // fewer tasks than threads (one sequence at batch 1): each sequence's tokens in parts of whole chunks, a task
     // each, then combined. WHY: one thread attended while the other waited; DeepSeek-V2-tiny at 1,000 tokens
     // took ~180 us a layer on a 2-core Zen 4.
@@ -209,7 +210,7 @@ void decode_attn_latent_dp(int64_t B, int64_t H_all, int64_t KV, int64_t D, cons
     split = split > MAX_PARTS ? MAX_PARTS : split;
     partial_t *parts = split > 1 ? grow_aligned(&parts_buf, sizeof(partial_t) * (size_t)(tasks * split)) : NULL;
     if (!parts) split = 1;  // no memory for the parts: one task a sequence as before
-    int64_t n_parts[tasks > 0 ? tasks : 1];
+    int64_t n_parts[tasks];
     for (int64_t t = 0; t < tasks; t++) {
         const int64_t chunks = (ctx_lens[t / groups] + CH - 1) / CH, most = ctx_lens[t / groups] / MIN_PART;
         const int64_t n = split < most ? split : most;
