@@ -89,7 +89,7 @@ def assert_the_path_checks_and_shares_w4mms_copy(path: Any, name: str) -> None:
 
 
 def assert_the_fused_entry_equals_the_unfused_then_torchs_act(
-    fused: Any, plain: Any, n: int, k: int, g: int
+    fused: Any, plain: Any, n: int, k: int, g: int, rows_tried: tuple[int, ...] = (1, 2, 3, 4, 33)
 ) -> None:  # fmt: skip
     """silu(gate) * up out of an epilogue (`fused`, over the [gate; up] rows interleaved in blocks of 32: the copy
     w4mm-silu-mul packs) against the unfused entry (`plain`) over the plain copy, then torch's bf16 SiLU and
@@ -97,7 +97,7 @@ def assert_the_fused_entry_equals_the_unfused_then_torchs_act(
     w = int4_weight(n, k, g, symmetric=False)
     bias = torch.randn(n, generator=torch.Generator().manual_seed(3)).bfloat16()
     packed, packed_fused = W4MMPath.pack(w), W4MMPath.pack(interleaved(w))
-    for rows in (1, 2, 3, 4, 33):
+    for rows in rows_tried:
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).bfloat16()
         got = fused(x, packed_fused, interleave_halves(bias))
         gate, up = plain(x, packed, bias).chunk(2, dim=-1)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from engine.kernels.cbuild import Once, build
+from engine.kernels.cbuild import Once, build, cpu_flags
 from engine.kernels.w4mm import W4MM, PackedInt4, check_int4_kernel, check_int4_silu_mul
 
 log = logging.getLogger(__name__)
@@ -67,16 +67,9 @@ def self_check(kernel: W4FP16) -> None:
 
 
 def supported() -> bool:
-    """AVX512-FP16 in the CPU's flags (Linux): the only reason to try building the kernel (whether it is used is
+    """AVX512-FP16 in the CPU's flags: the only reason to try building the kernel (whether it is used is
     measured)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return "avx512_fp16" in line.split()
-    except OSError:
-        pass
-    return False
+    return "avx512_fp16" in cpu_flags()
 
 
 _once = Once(W4FP16.build, log, "W4A16 layers will not use fp16 products (w4mm still runs them)", check=self_check)

@@ -8,16 +8,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from engine.kernels import amxmm, w4amx, w4mm
-from engine.kernels.gemm import interleave_halves
 from engine.kernels.select import _matches_reference
 from engine.kernels.w4amx import W4AMX
 from engine.kernels.w4mm import W4MM, PackedInt4
 from engine.layers.activation import ActAndMul
-from engine.quant.paths import W4AMXPath, W4AMXSiluPath, W4MMPath, W4MMSiluPath, interleaved, quant_paths
-from tests.int4_kernels import assert_the_selection_keeps_the_fastest_entry, int4_weight, packed_copies
+from engine.quant.paths import W4AMXPath, W4AMXSiluPath, W4MMPath, W4MMSiluPath, quant_paths
+from tests.int4_kernels import (
+    assert_the_fused_entry_equals_the_unfused_then_torchs_act,
+    assert_the_selection_keeps_the_fastest_entry,
+    int4_weight,
+    packed_copies,
+)
 
 pytestmark = pytest.mark.skipif(not amxmm.supported(), reason="this CPU has no AMX")
 ENTRIES = ("amx", "amx-dequant")
@@ -103,18 +106,9 @@ def test_the_fused_gated_mlp_entries_equal_the_unfused_entry_then_torchs_act(
     """silu(gate) * up out of the epilogue, over the [gate; up] rows interleaved in blocks of 32 (the copy
     w4mm-silu-mul packs): the same tile sums as the unfused entry over the plain copy, so torch's bf16 SiLU and
     product over that entry's output give it, to the last bit of SiLU's rounding."""
-    w = int4_weight(n, k, g, symmetric=False)
-    bias = torch.randn(n, generator=torch.Generator().manual_seed(3)).bfloat16()
-    plain = W4MMPath.pack(w)
-    fused = W4MMPath.pack(interleaved(w))
     run, run_fused = getattr(kernel, entry.replace("-", "_")), getattr(kernel, f"{entry.replace('-', '_')}_silu_mul")
-    for rows in (1, 15, 16, 17, 32, 33, 100):  # one 16-row slice, two, past a 32-row block
-        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).bfloat16()
-        got = run_fused(x, fused, interleave_halves(bias))
-        gate, up = run(x, plain, bias).chunk(2, dim=-1)
-        want = F.silu(gate) * up
-        assert got.shape == (rows, n // 2) and got.dtype == torch.bfloat16
-        assert torch.allclose(got.float(), want.float(), rtol=1 / 64, atol=1e-3 * want.float().abs().max().item())
+    # one 16-row slice, two, past a 32-row block
+    assert_the_fused_entry_equals_the_unfused_then_torchs_act(run_fused, run, n, k, g, (1, 15, 16, 17, 32, 33, 100))
 
 
 def test_the_fused_entries_are_timed_candidates_over_w4mm_silu_muls_copy(kernel: W4AMX) -> None:
