@@ -1,14 +1,16 @@
 // W4A16 linear layers for CPUs with AVX512-BF16: y[M][N] = x[M][K] . W^T (+ b), x, b and y bf16, W unsigned
 // 4-bit with a float scale s and zero point z per output channel and group of G inputs: w = (q - z) * s.
 //
-// Two entry points, which the engine times against each other and torch's int4 GEMM per shape and batch class
-// (and w4mm_grouped, the direct kernel over a MoE layer's experts in one call):
+// Entry points, which the engine times against each other and torch's int4 GEMM per shape and batch class (and
+// w4mm_grouped, the direct kernel over a MoE layer's experts in one call):
 // - w4mm_linear: the nibbles are widened to bf16 in registers (as 128 + q, exact) and VDPBF16PS sums
 //   x * (128 + q) over a group; at the group's end y += s * sum - s * (128 + z) * (sum x). It reads a quarter of
 //   bf16's bytes: for decode's small batches, which stream every weight from memory once per step.
+//   w4mm_linear_wide: the same sums in tiles of 8 rows x 32 columns (wtile), for decode's larger batches.
 // - w4mm_linear_panel: a thread widens one group of its 64-column block at a time into bf16mm's layout in an L1
 //   buffer of its own, then runs bf16mm's tiles (6 rows x 64 columns) over it for every row, the group's sums
 //   scaled into float rows in memory: the widening is shared by all the rows (batches past a few rows).
+// - w4mm_linear_block: a 64-column block dequantized to bf16 whole, then bf16mm's tiles over all of K (prefill).
 //
 // Packed layout (w4mm.py packs): nibbles [N/64][K/4][4][32] bytes: for each 64-column block, each 4 k and each
 // 16 columns, byte i holds column i/2's k = 4kq + i%2 in its low nibble and k = 4kq + 2 + i%2 in its high one,
@@ -75,6 +77,48 @@ static inline __attribute__((always_inline)) void qtile(const int mr, const int 
         for (int c = 0; c < nc; c++) _mm512_storeu_ps(out + r * NB + 16 * (c0 + c), tot[r][c]);
 }
 
+// The wide entry's tile: mr (<= WR) rows against two of the block's 16-column chunks (from chunk c0), their group
+// totals in out (memory) rather than in registers: 16 running sums and 4 widened k pairs, no spills, each weight
+// widened once for 8 rows. The same products in the same order as qtile, so the same bits. WHY: on a 2-core Zen 5
+// (family 26), Qwen2-0.5B's decode GEMMs from memory at 32 rows took 1.12-1.19x bf16mm's time over bf16 weights
+// through qtile's tall tiles (QT: their 16 totals spill at every group) and 1.01-1.08x through these (at 8 rows
+// 0.74-0.95x against 0.86-1.07x); 4 rows x 4 chunks ran as fast, 6 x 4 and 10-12 x 2 spilled and ran slower.
+#define WR 8
+static inline __attribute__((always_inline)) void wtile(const int mr, const int c0, int64_t K, int64_t G,
+                                                        const uint16_t *x, const uint8_t *wq, const float *sc,
+                                                        const float *xs, float *out) {
+    const int64_t groups = K / G;
+    for (int r = 0; r < mr; r++)
+        for (int c = 0; c < 2; c++) _mm512_storeu_ps(out + r * NB + 16 * (c0 + c), _mm512_setzero_ps());
+    for (int64_t g = 0; g < groups; g++) {
+        __m512 acc[WR][2];
+        for (int r = 0; r < mr; r++)
+            for (int c = 0; c < 2; c++) acc[r][c] = _mm512_setzero_ps();
+        for (int64_t kq = g * G / 4; kq < (g + 1) * G / 4; kq++) {
+            const uint8_t *wk = wq + kq * 128;
+            if (c0 == 0) prefetch_nibbles(wk);
+            __m512bh a[2], b[2];
+            for (int c = 0; c < 2; c++) widen(wk + 32 * (c0 + c), &a[c], &b[c]);
+            const uint16_t *xk = x + 4 * kq;
+            for (int r = 0; r < mr; r++) {
+                const __m512bh p0 = (__m512bh)_mm512_set1_epi32(*(const pair_t *)(xk + r * K));
+                for (int c = 0; c < 2; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], p0, a[c]);
+                const __m512bh p1 = (__m512bh)_mm512_set1_epi32(*(const pair_t *)(xk + r * K + 2));
+                for (int c = 0; c < 2; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], p1, b[c]);
+            }
+        }
+        const float *s = sc + g * 128 + 16 * c0, *sz = s + 64;
+        for (int r = 0; r < mr; r++) {
+            const __m512 sum = _mm512_set1_ps(xs[r * groups + g]);
+            for (int c = 0; c < 2; c++) {
+                float *o = out + r * NB + 16 * (c0 + c);
+                const __m512 v = _mm512_fmadd_ps(acc[r][c], _mm512_loadu_ps(s + 16 * c), _mm512_loadu_ps(o));
+                _mm512_storeu_ps(o, _mm512_fnmadd_ps(sum, _mm512_loadu_ps(sz + 16 * c), v));
+            }
+        }
+    }
+}
+
 // Up to 3 rows: one tile over the block's 64 columns (2 x 4 accumulators a row); 4 to 6 rows: two tiles of 32
 // columns each (2 x 2 a row, 24 registers at 6 rows). WHY: a tile widens its nibbles once for all its rows, and
 // the widening shares the vector pipes with the products: 6-row tiles widen each weight half as often as 3-row
@@ -102,6 +146,23 @@ static void qtile_any(int mr, int64_t K, int64_t G, const uint16_t *x, const uin
 // The rows the next tile takes of the `left` still to do (qtile_any's shapes).
 static inline int tile_rows(int64_t left) { return left >= QT ? QT : left < QR ? (int)left : QR; }
 
+static void wtile_any(int mr, int64_t K, int64_t G, const uint16_t *x, const uint8_t *wq, const float *sc,
+                      const float *xs, float *out) {
+#define WTILE(n) \
+    case n: wtile(n, 0, K, G, x, wq, sc, xs, out), wtile(n, 2, K, G, x, wq, sc, xs, out); break;
+    switch (mr) {  // constant shapes keep every sum in a register
+        WTILE(1) WTILE(2) WTILE(3) WTILE(4) WTILE(5) WTILE(6) WTILE(7)
+    default: WTILE(WR)
+    }
+#undef WTILE
+}
+
+// The rows the wide entry's next tile takes of the `left` still to do: WR at a time, two even tiles at the end
+// rather than a full one and a thin one (which widens its weights for few rows).
+static inline int wide_rows(int64_t left) {
+    return left <= WR ? (int)left : left < 2 * WR ? (int)(left + 1) / 2 : WR;
+}
+
 typedef struct {
     int64_t K, G;
     const uint16_t *x;
@@ -113,21 +174,36 @@ static void direct_tile(const void *ctx, int64_t r0, int mr, const uint8_t *wq, 
     qtile_any(mr, c->K, c->G, c->x + r0 * c->K, wq, sc, c->xs + r0 * (c->K / c->G), out);
 }
 
+static void wide_tile(const void *ctx, int64_t r0, int mr, const uint8_t *wq, const float *sc, float *out) {
+    const direct_t *c = ctx;
+    wtile_any(mr, c->K, c->G, c->x + r0 * c->K, wq, sc, c->xs + r0 * (c->K / c->G), out);
+}
+
+// wide: the wide entry's tiles (wtile) rather than qtile's.
 static int direct(int64_t M, int64_t N, int64_t K, int64_t G, const uint16_t *x, const uint8_t *wq, const float *sc,
-                  const uint16_t *b, uint16_t *y, int nthreads, const int silu_mul) {
+                  const uint16_t *b, uint16_t *y, int nthreads, const int silu_mul, const int wide) {
     if (M <= 0) return 0;
     float *xs = sums_for(M * (K / G));
     if (!xs) return -1;
     group_sums(M, K, G, x, xs, nthreads);
     const direct_t c = {K, G, x, xs};
-    w4_direct_blocks(M, N, K, G, wq, sc, b, y, nthreads, silu_mul, QT, tile_rows, direct_tile, &c);
+    if (wide)
+        w4_direct_blocks(M, N, K, G, wq, sc, b, y, nthreads, silu_mul, WR, wide_rows, wide_tile, &c);
+    else
+        w4_direct_blocks(M, N, K, G, wq, sc, b, y, nthreads, silu_mul, QT, tile_rows, direct_tile, &c);
     return 0;
 }
 
 // Returns 0, or -1 where the rows' group sums could not be had (y untouched).
 int w4mm_linear(int64_t M, int64_t N, int64_t K, int64_t G, const uint16_t *x, const uint8_t *wq, const float *sc,
                 const uint16_t *b, uint16_t *y, int nthreads) {
-    return direct(M, N, K, G, x, wq, sc, b, y, nthreads, 0);
+    return direct(M, N, K, G, x, wq, sc, b, y, nthreads, 0, 0);
+}
+
+// The same through the wide tiles (wtile): 8 rows x 32 columns, for batches of 8 and more.
+int w4mm_linear_wide(int64_t M, int64_t N, int64_t K, int64_t G, const uint16_t *x, const uint8_t *wq,
+                     const float *sc, const uint16_t *b, uint16_t *y, int nthreads) {
+    return direct(M, N, K, G, x, wq, sc, b, y, nthreads, 0, 1);
 }
 
 // The same over a gated MLP's [gate; up] weight with its rows interleaved in blocks of 32 (N % 64 == 0): y [M][N /
@@ -136,7 +212,12 @@ int w4mm_linear(int64_t M, int64_t N, int64_t K, int64_t G, const uint16_t *x, c
 // took 1.68 ms against 1.46 for bf16mm's fused kernel over the bf16 weight (a 2-core Zen 4).
 int w4mm_linear_silu_mul(int64_t M, int64_t N, int64_t K, int64_t G, const uint16_t *x, const uint8_t *wq,
                          const float *sc, const uint16_t *b, uint16_t *y, int nthreads) {
-    return direct(M, N, K, G, x, wq, sc, b, y, nthreads, 1);
+    return direct(M, N, K, G, x, wq, sc, b, y, nthreads, 1, 0);
+}
+
+int w4mm_linear_wide_silu_mul(int64_t M, int64_t N, int64_t K, int64_t G, const uint16_t *x, const uint8_t *wq,
+                              const float *sc, const uint16_t *b, uint16_t *y, int nthreads) {
+    return direct(M, N, K, G, x, wq, sc, b, y, nthreads, 1, 1);
 }
 
 // One task of w4mm_grouped: a layer's rows (piece p) through one column block (grouped_tasks.h).

@@ -1,8 +1,9 @@
 """W4A16 linear layers for CPUs with AVX512-BF16 (engine/kernels/w4mm.c): unsigned 4-bit weights with a float
 scale and zero point per output channel and group of inputs, bf16 activations.
 
-Three entry points over one packed weight: `direct` widens the nibbles in registers, a few rows at a time (a
-quarter of bf16's bytes streamed: decode's small batches); `panel` widens one group of a 64-column block at a
+Entry points over one packed weight: `direct` widens the nibbles in registers, a few rows at a time (a quarter
+of bf16's bytes streamed: decode's small batches), `wide` the same in tiles of 8 rows (decode's larger batches);
+`panel` widens one group of a 64-column block at a
 time into an L1 buffer and runs bf16mm's tiles over it for every row (larger batches, prefill); `block`
 dequantizes a whole 64-column block to bf16 once and runs bf16mm's tiles over all of K (prefill and the larger
 decode batches: the widening is paid once per weight, not per row tile or group). The engine times them, with
@@ -56,7 +57,8 @@ class W4MM:
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib = lib
         entries = (lib.w4mm_linear, lib.w4mm_linear_panel, lib.w4mm_linear_block, lib.w4mm_linear_silu_mul)
-        for f in (*entries, lib.w4mm_linear_block_silu_mul):
+        wide = (lib.w4mm_linear_wide, lib.w4mm_linear_wide_silu_mul)
+        for f in (*entries, *wide, lib.w4mm_linear_block_silu_mul):
             f.argtypes = [_i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _int]
             f.restype = _int
         lib.w4mm_dequantize.argtypes = [_i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _int]
@@ -69,10 +71,12 @@ class W4MM:
         return cls(build(SOURCE, flags))
 
     def c_fn(self, entry: str) -> ctypes._CFuncPtr | None:
-        """The C function behind an entry method (`direct`, `panel`, `block`, `silu_mul`, `block_silu_mul`), for a
-        decode program (w4_entry); None for the others."""
-        names = {"direct": "w4mm_linear", "panel": "w4mm_linear_panel", "block": "w4mm_linear_block",
-                 "silu_mul": "w4mm_linear_silu_mul", "block_silu_mul": "w4mm_linear_block_silu_mul"}  # fmt: skip
+        """The C function behind an entry method (`direct`, `wide`, `panel`, `block`, `silu_mul`, `wide_silu_mul`,
+        `block_silu_mul`), for a decode program (w4_entry); None for the others."""
+        names = {"direct": "w4mm_linear", "wide": "w4mm_linear_wide", "panel": "w4mm_linear_panel",
+                 "block": "w4mm_linear_block", "silu_mul": "w4mm_linear_silu_mul",
+                 "wide_silu_mul": "w4mm_linear_wide_silu_mul",
+                 "block_silu_mul": "w4mm_linear_block_silu_mul"}  # fmt: skip
         return getattr(self.lib, names[entry]) if entry in names else None
 
     @staticmethod
@@ -101,6 +105,11 @@ class W4MM:
         """x [..., K] → x W^T + b, [..., N] bf16, the nibbles widened in registers."""
         return self.run(self.lib.w4mm_linear, x, w, bias, "w4mm")
 
+    def wide(self, x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None) -> torch.Tensor:
+        """`direct`'s sums (the same bits) in tiles of 8 rows x 32 columns, the group totals in memory: for
+        batches of 8 rows and more."""
+        return self.run(self.lib.w4mm_linear_wide, x, w, bias, "w4mm")
+
     def panel(self, x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None) -> torch.Tensor:
         """The same, each group widened once into a buffer for all the rows and run through bf16mm's tiles."""
         return self.run(self.lib.w4mm_linear_panel, x, w, bias, "w4mm")
@@ -114,6 +123,10 @@ class W4MM:
         """`direct` over a gated MLP's [gate; up] weight packed with its rows interleaved in blocks of 32
         (interleave_halves; N % 64 == 0) → silu(gate) * up, [..., N / 2], rounded as the unfused bf16 code."""
         return self.run(self.lib.w4mm_linear_silu_mul, x, w, bias, "w4mm", w.n // 2)
+
+    def wide_silu_mul(self, x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None) -> torch.Tensor:
+        """`wide` over such a weight, the same fused output."""
+        return self.run(self.lib.w4mm_linear_wide_silu_mul, x, w, bias, "w4mm", w.n // 2)
 
     def block_silu_mul(self, x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None) -> torch.Tensor:
         """`block` over such a weight, the same fused output."""

@@ -333,13 +333,13 @@ class _Int4KernelPath:
 _PACKED: dict[str, dict[int, object]] = {}  # per kernel: weight nibbles' id → its packed copy
 
 
-W4MM_ENTRIES = ("direct", "panel", "block")
+W4MM_ENTRIES = ("direct", "wide", "panel", "block")
 
 
 class W4MMPath(_Int4KernelPath):
-    """engine.kernels.w4mm for bf16 math: `direct` (nibbles widened in registers), `panel` (a group at a time
-    widened into a buffer and run through bf16mm's tiles) or `block` (a 64-column block dequantized to bf16 whole,
-    then bf16mm's tiles over all of K)."""
+    """engine.kernels.w4mm for bf16 math: `direct` (nibbles widened in registers; `wide` the same in 8-row tiles),
+    `panel` (a group at a time widened into a buffer and run through bf16mm's tiles) or `block` (a 64-column block
+    dequantized to bf16 whole, then bf16mm's tiles over all of K)."""
 
     prefix, bias_dtype = "w4mm", torch.bfloat16
 
@@ -355,7 +355,8 @@ class W4MMPath(_Int4KernelPath):
 
 
 class W4MMSiluPath(W4MMPath):
-    """A gated MLP's [gate; up] projection through w4mm's fused entry points (`silu-mul`: direct; `block-silu-mul`):
+    """A gated MLP's [gate; up] projection through w4mm's fused entry points (`silu-mul`: direct; `wide-silu-mul`;
+    `block-silu-mul`):
     silu(gate) * up comes out of the epilogue, as bf16mm-silu's does for bf16 weights, so the [T, 2I] projection
     never goes to memory. Only for SiLU MLPs, whose act it replaces; its packed copy has the rows interleaved
     (a layout of its own)."""
@@ -373,7 +374,7 @@ class W4MMSiluPath(W4MMPath):
         return EntryRun(lambda x: fn(x, packed, b), self._entry(packed, b, 2))
 
 
-W4MM_SILU_ENTRIES = ("silu-mul", "block-silu-mul")
+W4MM_SILU_ENTRIES = ("silu-mul", "wide-silu-mul", "block-silu-mul")
 
 
 class W4AMXPath(W4MMPath):

@@ -59,7 +59,8 @@ def test_every_entry_point_equals_the_reference(
     w = int4_weight(n, k, g, symmetric)
     bias = torch.randn(n, generator=torch.Generator().manual_seed(1)).bfloat16()
     packed = W4MM.pack(w.values(), w.scale, w.zero, g)
-    for rows in (1, 2, 3, 4, 7, 33, 200):  # direct's tiles of 3, 6 and 16 rows; 6 (panel, block); past 192 (a pass)
+    # direct's tiles of 3, 6 and 16 rows; wide's of 8 and two halves (9, 15); 6 (panel, block); past 192 (a pass)
+    for rows in (1, 2, 3, 4, 7, 8, 9, 15, 33, 200):
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).bfloat16()
         want = w.reference(x, bias.float())
         got = getattr(kernel, entry)(x, packed, bias)
@@ -68,22 +69,27 @@ def test_every_entry_point_equals_the_reference(
 
 
 @pytest.mark.parametrize("fused", [False, True])
-def test_the_direct_kernel_gives_a_row_the_same_bits_whatever_tile_it_falls_in(kernel: W4MM, fused: bool) -> None:
-    # 1-3 rows run as one 64-column tile, 4-6 as two 32-column ones, 16 as four 16-column tall ones: every row count
-    # up to two full tiles and a tail, then tall tiles with each kind of tail, each row against the same row
-    # computed alone (and the fused gated MLP's, which shares the tiles)
+@pytest.mark.parametrize("wide", [False, True])
+def test_the_direct_kernel_gives_a_row_the_same_bits_whatever_tile_it_falls_in(
+    kernel: W4MM, fused: bool, wide: bool
+) -> None:
+    # direct: 1-3 rows run as one 64-column tile, 4-6 as two 32-column ones, 16 as four 16-column tall ones; wide:
+    # 8-row tiles of 32 columns, two even ones at the end. Every row count up to two full tiles and a tail, then
+    # tall tiles with each kind of tail, each row against the same row computed alone by direct's entry (and the
+    # fused gated MLP's, which shares the tiles): the wide tiles sum the same products in the same order
     w = int4_weight(192, 256, 64, symmetric=False)
     i = interleave_halves
     packed = (
         W4MM.pack(i(w.values()), i(w.scale), i(w.zero), 64) if fused else W4MM.pack(w.values(), w.scale, w.zero, 64)
     )
     bias = torch.randn(192, generator=torch.Generator().manual_seed(2)).bfloat16()
-    run = kernel.silu_mul if fused else kernel.direct
+    alone = kernel.silu_mul if fused else kernel.direct
+    run = (kernel.wide_silu_mul if fused else kernel.wide) if wide else alone
     for rows in (*range(1, 14), 16, 17, 19, 22, 23, 32, 33, 38):
         x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).bfloat16()
         y = run(x, packed, bias)
         for r in range(rows):
-            assert torch.equal(y[r : r + 1], run(x[r : r + 1], packed, bias)), (rows, r)
+            assert torch.equal(y[r : r + 1], alone(x[r : r + 1], packed, bias)), (rows, r)
 
 
 @pytest.mark.parametrize("entry", W4MM_ENTRIES)
@@ -105,7 +111,9 @@ def test_the_paths_match_the_reference_as_the_selector_checks_it(kernel: W4MM, e
     assert torch.equal(path.prepare(w, None, act)(x3), act(run(x3)))
 
 
-@pytest.mark.parametrize(("entry", "unfused"), [("silu-mul", "direct"), ("block-silu-mul", "block")])
+@pytest.mark.parametrize(
+    ("entry", "unfused"), [("silu-mul", "direct"), ("wide-silu-mul", "wide"), ("block-silu-mul", "block")]
+)
 @pytest.mark.parametrize(("n", "k", "g", "symmetric"), [(128, 256, 128, False), (192, 96, 32, True)])
 def test_the_fused_silu_entries_equal_their_unfused_entry_then_the_torch_code(
     kernel: W4MM, entry: str, unfused: str, n: int, k: int, g: int, symmetric: bool
@@ -136,7 +144,7 @@ def test_the_fused_silu_path_takes_only_gated_mlps_and_packs_its_own_interleaved
     i = interleaved(w)
     assert torch.equal(packed.nibbles, W4MM.pack(i.values(), i.scale, i.zero, 32).nibbles)
     names = [p.name for p in quant_paths(torch.bfloat16)]
-    assert {"w4mm-silu-mul", "w4mm-block-silu-mul", "w4mm-silu-mul-noprefetch"} <= set(names)
+    assert {"w4mm-silu-mul", "w4mm-wide-silu-mul", "w4mm-block-silu-mul", "w4mm-silu-mul-noprefetch"} <= set(names)
 
 
 @pytest.mark.parametrize("entry", W4MM_ENTRIES)
@@ -160,7 +168,7 @@ def test_every_entry_point_shares_one_packed_copy(kernel: W4MM) -> None:
 
 def test_the_selection_times_them_among_the_bf16_candidates_and_keeps_the_fastest(kernel: W4MM) -> None:
     names = [p.name for p in quant_paths(torch.bfloat16)]
-    assert {"w4mm", "w4mm-panel", "w4mm-block"} <= set(names) and names[-1] == "torch-dequant"
+    assert {"w4mm", "w4mm-wide", "w4mm-panel", "w4mm-block"} <= set(names) and names[-1] == "torch-dequant"
     assert {"w4mm-noprefetch", "w4mm-panel-noprefetch", "w4mm-block-noprefetch"} <= set(names)  # prefetch timed too
     assert "w4mm" not in [p.name for p in quant_paths(torch.float32)]  # bf16 math only
     assert_the_selection_keeps_the_fastest_entry(kernel, W4MMPath, torch.bfloat16, W4MM_ENTRIES)
