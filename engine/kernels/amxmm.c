@@ -63,14 +63,13 @@ static inline uint16_t to_bf16(float f) {  // round to nearest even, as VCVTNEPS
     return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1)) >> 16);
 }
 
+// b's test outside the loop, as w4mm_common.h's load_bias (masked loads from page zero for b = NULL otherwise).
 static void load_bias(const uint16_t *b, int64_t n0, int64_t nn, float bias[32]) {
-    for (int64_t j = 0; j < 32; j++) {
-        float v = 0.0f;
-        if (b && j < nn) {
-            const uint32_t u = (uint32_t)b[n0 + j] << 16;
-            memcpy(&v, &u, 4);
-        }
-        bias[j] = v;
+    memset(bias, 0, sizeof(float) * 32);
+    if (!b) return;
+    for (int64_t j = 0; j < nn && j < 32; j++) {
+        const uint32_t u = (uint32_t)b[n0 + j] << 16;
+        memcpy(&bias[j], &u, 4);
     }
 }
 
