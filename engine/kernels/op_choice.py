@@ -286,13 +286,15 @@ def choose_quant_experts(
 
 def _quant_grouped_builds(weight: object) -> dict[str, QuantKernel]:
     """The grouped quantized kernels built for this CPU for `weight`'s scheme, by name ("grouped w4mm", ...):
-    w4mm's (or i8mm's) builds with and without software prefetch, on AVX512-VNNI CPUs w4vnni's and on AMX CPUs
-    w4amx's (or i8amx's), all over the same packed copy."""
+    w4mm's (or i8mm's) builds with and without software prefetch (and w4mm's wide tiles), on AVX512-VNNI CPUs
+    w4vnni's and on AMX CPUs w4amx's (or i8amx's), all over the same packed copy."""
     modules = (w4mm, w4vnni, w4amx) if isinstance(weight, Int4Weight) else (i8mm, i8amx)
     builds: dict[str, QuantKernel | None] = {}
     for module in modules:
         name = module.__name__.rsplit(".", 1)[1]
         builds |= {f"grouped {name}": module.kernel(), f"grouped {name}-noprefetch": module.kernel_without_prefetch()}
+    if isinstance(weight, Int4Weight):
+        builds["grouped w4mm-wide"] = w4mm.wide_kernel()  # w4mm's wide tiles, for MoE layers' larger batches
     return {name: k for name, k in builds.items() if k is not None}
 
 

@@ -220,18 +220,23 @@ int w4mm_linear_wide_silu_mul(int64_t M, int64_t N, int64_t K, int64_t G, const 
     return direct(M, N, K, G, x, wq, sc, b, y, nthreads, 1, 1);
 }
 
-// One task of w4mm_grouped: a layer's rows (piece p) through one column block (grouped_tasks.h).
-static void w4group_task(const void *ctx, int64_t p, int64_t nb, int64_t end) {
-    (void)end;  // the direct kernel asks for nibbles PF_BYTES ahead, in whichever block they lie
+// One task of w4mm_grouped (wide: of w4mm_grouped_wide, through wtile): a layer's rows (piece p) through one
+// column block (grouped_tasks.h).
+static inline __attribute__((always_inline)) void group_task(const void *ctx, int64_t p, int64_t nb, const int wide) {
     const w4group_t *g = ctx;
     const int64_t e = g->layer[p], N = g->N, K = g->K, G = g->G, groups = K / G, n0 = nb * NB;
     const int64_t nn = N - n0 < NB ? N - n0 : NB, width = g->silu_mul ? N / 2 : N;
     static const float zeros[NB];
     float out[QT * NB];
     for (int64_t r0 = g->first[p], mr; r0 < g->first[p] + g->counts[e]; r0 += mr) {
-        mr = tile_rows(g->first[p] + g->counts[e] - r0);
-        qtile_any(mr, K, G, g->x + r0 * K, g->wq[e] + nb * K * 32, g->sc[e] + nb * groups * 128, g->xs + r0 * groups,
-                  out);
+        const int64_t left = g->first[p] + g->counts[e] - r0;
+        mr = wide ? wide_rows(left) : tile_rows(left);
+        const uint8_t *wq = g->wq[e] + nb * K * 32;
+        const float *sc = g->sc[e] + nb * groups * 128;
+        if (wide)
+            wtile_any((int)mr, K, G, g->x + r0 * K, wq, sc, g->xs + r0 * groups, out);
+        else
+            qtile_any((int)mr, K, G, g->x + r0 * K, wq, sc, g->xs + r0 * groups, out);
         for (int r = 0; r < mr; r++) {
             const float *o = out + r * NB;
             if (!g->silu_mul) {
@@ -243,6 +248,17 @@ static void w4group_task(const void *ctx, int64_t p, int64_t nb, int64_t end) {
     }
 }
 
+// the direct kernels ask for nibbles PF_BYTES ahead, in whichever block they lie: `end` is not needed
+static void w4group_task(const void *ctx, int64_t p, int64_t nb, int64_t end) {
+    (void)end;
+    group_task(ctx, p, nb, 0);
+}
+
+static void w4group_task_wide(const void *ctx, int64_t p, int64_t nb, int64_t end) {
+    (void)end;
+    group_task(ctx, p, nb, 1);
+}
+
 // E W4A16 linear layers of one shape (no bias) in one call, as bf16mm_grouped: layer e takes counts[e] consecutive
 // rows of x and its packed weight (nibbles wq[e], scales sc[e]); y gets its rows in the same order, N wide (N / 2
 // with silu_mul: the weight's rows are a gated MLP's [gate; up] interleaved in blocks of 32, and y = silu(gate) *
@@ -251,6 +267,12 @@ static void w4group_task(const void *ctx, int64_t p, int64_t nb, int64_t end) {
 int w4mm_grouped(int64_t E, const int64_t *counts, int64_t N, int64_t K, int64_t G, const uint16_t *x,
                  const uint8_t *const *wq, const float *const *sc, uint16_t *y, int nthreads, int silu_mul) {
     return w4_grouped(E, counts, N, K, G, x, wq, sc, y, nthreads, silu_mul, w4group_task);
+}
+
+// The same through the wide tiles (wtile): the same bits.
+int w4mm_grouped_wide(int64_t E, const int64_t *counts, int64_t N, int64_t K, int64_t G, const uint16_t *x,
+                      const uint8_t *const *wq, const float *const *sc, uint16_t *y, int nthreads, int silu_mul) {
+    return w4_grouped(E, counts, N, K, G, x, wq, sc, y, nthreads, silu_mul, w4group_task_wide);
 }
 
 // One group's nibbles of a 64-column block widened to bf16 (128 + q, exact) in bf16mm's layout [G/2][64][2].

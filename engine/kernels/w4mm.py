@@ -63,8 +63,9 @@ class W4MM:
             f.restype = _int
         lib.w4mm_dequantize.argtypes = [_i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _int]
         lib.w4mm_dequantize.restype = None
-        lib.w4mm_grouped.argtypes = [_i64, _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _int, _int]
-        lib.w4mm_grouped.restype = _int
+        for f in (lib.w4mm_grouped, lib.w4mm_grouped_wide):
+            f.argtypes = [_i64, _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _int, _int]
+            f.restype = _int
 
     @classmethod
     def build(cls, flags: tuple[str, ...] = ("-march=native",)) -> W4MM:
@@ -223,6 +224,21 @@ def w4_entry(fn: ctypes._CFuncPtr, w: PackedInt4, bias: torch.Tensor | None, col
     return CEntry(cols, torch.bfloat16, emit, keep)
 
 
+class W4MMWide(W4MM):
+    """w4mm whose grouped call runs the wide tiles (w4mm_grouped_wide, the same bits): the same library and packed
+    copy, a kernel of its own for the grouped choices, which time each kernel's grouped call
+    (engine.kernels.op_choice)."""
+
+    def grouped_entry(self) -> object:
+        return self.lib.w4mm_grouped_wide
+
+    def grouped(
+        self, x: torch.Tensor, counts: ctypes.Array, shape: tuple[int, int, int], nibbles: ctypes.Array,
+        scales: ctypes.Array, silu_mul: bool,
+    ) -> torch.Tensor:  # fmt: skip
+        return run_grouped(self.lib.w4mm_grouped_wide, x, counts, shape, nibbles, scales, silu_mul, "w4mm")
+
+
 def _random_case(
     g: torch.Generator, m: int, n: int, k: int, gs: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -273,9 +289,13 @@ def check_int4_silu_mul(
 
 def self_check(kernel: W4MM) -> None:
     """Column tails, several groups, more rows than a tile, asymmetric zero points, through every entry point."""
-    entries = {"direct": kernel.direct, "panel": kernel.panel, "block": kernel.block}
+    entries = {"direct": kernel.direct, "wide": kernel.wide, "panel": kernel.panel, "block": kernel.block}
     check_int4_kernel("w4mm", entries, ((1, 70, 64, 32), (7, 130, 256, 128), (200, 64, 96, 32), (4, 16, 128, 64)))
-    fused = {"silu-mul": kernel.silu_mul, "block-silu-mul": kernel.block_silu_mul}
+    fused = {
+        "silu-mul": kernel.silu_mul,
+        "wide-silu-mul": kernel.wide_silu_mul,
+        "block-silu-mul": kernel.block_silu_mul,
+    }
     check_int4_silu_mul("w4mm", fused, ((1, 128, 64, 32), (7, 256, 256, 128), (200, 64, 96, 32)))
 
 
@@ -297,3 +317,9 @@ def kernel() -> W4MM | None:
 def kernel_without_prefetch() -> W4MM | None:
     """The kernel built with no software prefetch (PF_BYTES=0), as kernel() otherwise."""
     return _once_plain() if bf16mm.supported() else None
+
+
+def wide_kernel() -> W4MMWide | None:
+    """kernel()'s library as W4MMWide (its grouped call through the wide tiles), as kernel() otherwise."""
+    k = kernel()
+    return W4MMWide(k.lib) if k is not None else None

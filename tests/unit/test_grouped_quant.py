@@ -25,14 +25,15 @@ pytestmark = pytest.mark.skipif(not bf16mm.supported(), reason="the grouped quan
 
 HIDDEN, INNER, GROUP = 128, 64, 32
 SCHEMES = ["w4a16", "w8a8"]
-# a scheme, and "-amx" for its AMX kernel (AMX CPUs only), "-vnni" for w4vnni (AVX512-VNNI CPUs)
-KERNELS = ["w4a16", "w4a16-vnni", "w4a16-amx", "w8a8", "w8a8-amx"]
+# a scheme, and "-amx" for its AMX kernel (AMX CPUs only), "-vnni" for w4vnni (AVX512-VNNI CPUs), "-wide" for
+# w4mm's grouped call through its wide tiles
+KERNELS = ["w4a16", "w4a16-wide", "w4a16-vnni", "w4a16-amx", "w8a8", "w8a8-amx"]
 Kernel = w4mm.W4MM | w4vnni.W4VNNI | w4amx.W4AMX | i8mm.I8MM | i8amx.I8AMX
 
 
 def _kernel(name: str) -> Kernel:
     makers = {"w4a16": w4mm.kernel, "w4a16-vnni": w4vnni.kernel, "w4a16-amx": w4amx.kernel, "w8a8": i8mm.kernel}
-    makers["w8a8-amx"] = i8amx.kernel
+    makers |= {"w8a8-amx": i8amx.kernel, "w4a16-wide": w4mm.wide_kernel}
     kernel = makers[name]()
     if kernel is None:
         pytest.skip(f"no {name} kernel on this CPU")
@@ -56,11 +57,11 @@ def _per_expert_path(kernel: Kernel) -> W4MMPath | W4AMXPath | I8MMPath:
     return W4MMPath(kernel, "direct") if isinstance(kernel, w4mm.W4MM) else I8MMPath(kernel)  # i8amx: its `linear`
 
 
-# every expert a few rows; empty experts between busy ones and one past the kernels' row tiles (3, 6 and 16 rows);
-# single rows; none at all
+# every expert a few rows; empty experts between busy ones and one past the kernels' row tiles (3, 6 and 16 rows;
+# the wide tiles' 8 and two halves); single rows; none at all
 # (w4amx: and one past its 32-row tile steps)
 @pytest.mark.parametrize("name", KERNELS)
-@pytest.mark.parametrize("counts", [[3, 3, 3, 3], [0, 5, 0, 40, 1, 0], [1, 0, 0, 1], [0, 0, 0], [7, 2]])
+@pytest.mark.parametrize("counts", [[3, 3, 3, 3], [0, 5, 0, 40, 1, 0], [1, 0, 0, 1], [0, 0, 0], [7, 2], [9, 0, 15]])
 def test_grouped_experts_equal_the_kernel_s_call_per_expert(name: str, counts: list[int]) -> None:
     kernel, scheme = _kernel(name), name.split("-")[0]
     gate_up, down = _experts(scheme, len(counts), symmetric=len(counts) % 2 == 0)
