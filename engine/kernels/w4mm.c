@@ -6,7 +6,7 @@
 // - w4mm_linear: the nibbles are widened to bf16 in registers (as 128 + q, exact) and VDPBF16PS sums
 //   x * (128 + q) over a group; at the group's end y += s * sum - s * (128 + z) * (sum x). It reads a quarter of
 //   bf16's bytes: for decode's small batches, which stream every weight from memory once per step.
-//   w4mm_linear_wide: the same sums in tiles of 8 rows x 32 columns (wtile), for decode's larger batches.
+//   w4mm_linear_wide: the same sums in tiles of 6-8 rows x 32 columns (wtile), for decode's larger batches.
 // - w4mm_linear_panel: a thread widens one group of its 64-column block at a time into bf16mm's layout in an L1
 //   buffer of its own, then runs bf16mm's tiles (6 rows x 64 columns) over it for every row, the group's sums
 //   scaled into float rows in memory: the widening is shared by all the rows (batches past a few rows).
@@ -146,12 +146,18 @@ static void qtile_any(int mr, int64_t K, int64_t G, const uint16_t *x, const uin
 // The rows the next tile takes of the `left` still to do (qtile_any's shapes).
 static inline int tile_rows(int64_t left) { return left >= QT ? QT : left < QR ? (int)left : QR; }
 
+// Up to 5 rows through qtile (the same bits), which keeps its totals in registers: on the Zen 5, from memory, 1-5
+// rows took 0.6-0.97x wtile's time, 6 the same, 7-8 1.06-1.18x.
 static void wtile_any(int mr, int64_t K, int64_t G, const uint16_t *x, const uint8_t *wq, const float *sc,
                       const float *xs, float *out) {
+    if (mr <= 5) {
+        qtile_any(mr, K, G, x, wq, sc, xs, out);
+        return;
+    }
 #define WTILE(n) \
     case n: wtile(n, 0, K, G, x, wq, sc, xs, out), wtile(n, 2, K, G, x, wq, sc, xs, out); break;
     switch (mr) {  // constant shapes keep every sum in a register
-        WTILE(1) WTILE(2) WTILE(3) WTILE(4) WTILE(5) WTILE(6) WTILE(7)
+        WTILE(6) WTILE(7)
     default: WTILE(WR)
     }
 #undef WTILE
@@ -200,7 +206,8 @@ int w4mm_linear(int64_t M, int64_t N, int64_t K, int64_t G, const uint16_t *x, c
     return direct(M, N, K, G, x, wq, sc, b, y, nthreads, 0, 0);
 }
 
-// The same through the wide tiles (wtile): 8 rows x 32 columns, for batches of 8 and more.
+// The same through the wide tiles (wtile: 6-8 rows x 32 columns; fewer rows through qtile), for batches of 6 and
+// more.
 int w4mm_linear_wide(int64_t M, int64_t N, int64_t K, int64_t G, const uint16_t *x, const uint8_t *wq,
                      const float *sc, const uint16_t *b, uint16_t *y, int nthreads) {
     return direct(M, N, K, G, x, wq, sc, b, y, nthreads, 0, 1);

@@ -2,7 +2,7 @@
 scale and zero point per output channel and group of inputs, bf16 activations.
 
 Entry points over one packed weight: `direct` widens the nibbles in registers, a few rows at a time (a quarter
-of bf16's bytes streamed: decode's small batches), `wide` the same in tiles of 8 rows (decode's larger batches);
+of bf16's bytes streamed: decode's small batches), `wide` the same in tiles of 6-8 rows (decode's larger batches);
 `panel` widens one group of a 64-column block at a
 time into an L1 buffer and runs bf16mm's tiles over it for every row (larger batches, prefill); `block`
 dequantizes a whole 64-column block to bf16 once and runs bf16mm's tiles over all of K (prefill and the larger
@@ -107,8 +107,8 @@ class W4MM:
         return self.run(self.lib.w4mm_linear, x, w, bias, "w4mm")
 
     def wide(self, x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None) -> torch.Tensor:
-        """`direct`'s sums (the same bits) in tiles of 8 rows x 32 columns, the group totals in memory: for
-        batches of 8 rows and more."""
+        """`direct`'s sums (the same bits) in tiles of 6-8 rows x 32 columns, the group totals in memory (fewer
+        rows through direct's tiles): for batches of 6 rows and more."""
         return self.run(self.lib.w4mm_linear_wide, x, w, bias, "w4mm")
 
     def panel(self, x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None) -> torch.Tensor:

@@ -337,7 +337,7 @@ W4MM_ENTRIES = ("direct", "wide", "panel", "block")
 
 
 class W4MMPath(_Int4KernelPath):
-    """engine.kernels.w4mm for bf16 math: `direct` (nibbles widened in registers; `wide` the same in 8-row tiles),
+    """engine.kernels.w4mm for bf16 math: `direct` (nibbles widened in registers; `wide` the same in 6-8-row tiles),
     `panel` (a group at a time widened into a buffer and run through bf16mm's tiles) or `block` (a 64-column block
     dequantized to bf16 whole, then bf16mm's tiles over all of K)."""
 

@@ -74,9 +74,10 @@ def test_the_direct_kernel_gives_a_row_the_same_bits_whatever_tile_it_falls_in(
     kernel: W4MM, fused: bool, wide: bool
 ) -> None:
     # direct: 1-3 rows run as one 64-column tile, 4-6 as two 32-column ones, 16 as four 16-column tall ones; wide:
-    # 8-row tiles of 32 columns, two even ones at the end. Every row count up to two full tiles and a tail, then
-    # tall tiles with each kind of tail, each row against the same row computed alone by direct's entry (and the
-    # fused gated MLP's, which shares the tiles): the wide tiles sum the same products in the same order
+    # 6-8-row tiles of 32 columns (fewer rows: direct's), two even ones at the end. Every row count up to two full
+    # tiles and a tail, then tall tiles with each kind of tail, each row against the same row computed alone by
+    # direct's entry (and the fused gated MLP's, which shares the tiles): the wide tiles sum the same products in
+    # the same order
     w = int4_weight(192, 256, 64, symmetric=False)
     i = interleave_halves
     packed = (
