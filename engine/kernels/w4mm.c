@@ -80,8 +80,8 @@ static inline __attribute__((always_inline)) void qtile(const int mr, const int 
 // The wide entry's tile: mr (<= WR) rows against two of the block's 16-column chunks (from chunk c0), their group
 // totals in out (memory) rather than in registers: 16 running sums and 4 widened k pairs, no spills, each weight
 // widened once for 8 rows. The same products in the same order as qtile, so the same bits. WHY: on a 2-core Zen 5
-// (family 26), Qwen2-0.5B's decode GEMMs from memory at 32 rows took 1.12-1.19x bf16mm's time over bf16 weights
-// through qtile's tall tiles (QT: their 16 totals spill at every group) and 1.01-1.08x through these (at 8 rows
+// (family 26), Qwen2-0.5B's decode GEMMs from memory at 32 rows took 1.11-1.21x bf16mm's time over bf16 weights
+// through qtile's tall tiles (QT: their 16 totals spill at every group) and 1.00-1.09x through these (at 8 rows
 // 0.74-0.95x against 0.86-1.07x); 4 rows x 4 chunks ran as fast, 6 x 4 and 10-12 x 2 spilled and ran slower.
 #define WR 8
 static inline __attribute__((always_inline)) void wtile(const int mr, const int c0, int64_t K, int64_t G,
