@@ -247,8 +247,10 @@ def choose_quant_experts(
     """The grouped call over quantized experts (engine.quant.grouped.GroupedQuantExperts: w4mm's for W4A16, i8mm's
     for W8A8, and on AMX CPUs also w4amx's or i8amx's; each kernel's builds with and without software prefetch),
     where it beat a call per expert and projection on `moe`'s own first experts, ROWS tokens routed at random to its
-    top-k; None where that lost, the math is not bf16, the kernel is missing here or the experts do not fit it. What
-    it returns makes the grouped call for a layer's experts (None where they do not fit). `flush`: as fastest's."""
+    top-k; None where that lost, the math is not bf16, the kernel is missing here or the experts do not fit it. The
+    grouped kernels are timed again at one token, whose fastest the grouped call runs for a single token's rows.
+    What it returns makes the grouped call for a layer's experts (None where they do not fit). `flush`: as
+    fastest's."""
     experts = moe.local_experts()
     if dtype != torch.bfloat16 or not experts or not all(hasattr(e.gate_up_proj, "gemm_weight") for e in experts):
         return None
@@ -263,9 +265,9 @@ def choose_quant_experts(
     tokens = max(1, ROWS * e // len(experts))
     counts, x = _routed(tokens, e, top_k, down[0].shape[0], dtype, torch.Generator().manual_seed(0))
     candidates: dict[str, Callable[[], object]] = {}
-    for c, built in kernels.items():
-        grouped = GroupedQuantExperts(built, gate_up, down)
-        candidates[c] = lambda grouped=grouped: grouped(x, counts)  # type: ignore[misc]
+    groupeds = {c: GroupedQuantExperts(built, gate_up, down) for c, built in kernels.items()}
+    for c, grouped in groupeds.items():
+        candidates[c] = lambda grouped=grouped, x=x, counts=counts: grouped(x, counts)  # type: ignore[misc]
     # against a call per expert through each kernel the experts' plans take at decode's rows (on AMX CPUs also
     # the AMX one over the same packed copy, which may beat the grouped VNNI / AVX512-BF16 loops there)
     fits = [p for p in quant_paths(dtype) if p.name in DECODE_QUANT_PATHS]
@@ -281,7 +283,21 @@ def choose_quant_experts(
     chosen = kernels.get(fastest(key, candidates, timer, cache, flush))
     if chosen is None:
         return None
-    return lambda up, dn: GroupedQuantExperts(chosen, up, dn) if GroupedQuantExperts.accepts(chosen, up, dn) else None
+    # NOTE: and the grouped kernels again at one token (its top_k rows: batch-1 decode), which may take another:
+    # on a 2-core Zen 5 w4vnni's grouped call took 39 µs a DeepSeek-V2-tiny layer there against w4mm's 44, and
+    # 641 against 408 at 32 tokens
+    counts1, x1 = _routed(1, e, top_k, down[0].shape[0], dtype, torch.Generator().manual_seed(1))
+    ones = {c: lambda grouped=g, x=x1, counts=counts1: grouped(x, counts) for c, g in groupeds.items()}  # type: ignore[misc]
+    one = kernels[fastest(f"{key} one token", ones, timer, cache, flush)]
+
+    def make(up: list[object], dn: list[object]) -> GroupedQuantExperts | None:
+        if not GroupedQuantExperts.accepts(chosen, up, dn):
+            return None
+        fits = GroupedQuantExperts.accepts(one, up, dn)
+        top_k = getattr(moe.gate, "top_k", 1)
+        return GroupedQuantExperts(chosen, up, dn, one if fits else None, top_k)  # type: ignore[arg-type]
+
+    return make
 
 
 def _quant_grouped_builds(weight: object) -> dict[str, QuantKernel]:

@@ -3,11 +3,10 @@ scale and zero point per output channel and group of inputs, bf16 activations.
 
 Entry points over one packed weight: `direct` widens the nibbles in registers, a few rows at a time (a quarter
 of bf16's bytes streamed: decode's small batches), `wide` the same in tiles of 6-8 rows (decode's larger batches);
-`panel` widens one group of a 64-column block at a
-time into an L1 buffer and runs bf16mm's tiles over it for every row (larger batches, prefill); `block`
-dequantizes a whole 64-column block to bf16 once and runs bf16mm's tiles over all of K (prefill and the larger
-decode batches: the widening is paid once per weight, not per row tile or group). The engine times them, with
-torch's int4 GEMM, per shape and batch class (engine.quant.paths).
+`panel` widens one group of a 64-column block at a time into an L1 buffer and runs bf16mm's tiles over it for every
+row (larger batches, prefill); `block` dequantizes a whole 64-column block to bf16 once and runs bf16mm's tiles
+over all of K (prefill and the larger decode batches: the widening is paid once per weight, not per row tile or
+group). The engine times them, with torch's int4 GEMM, per shape and batch class (engine.quant.paths).
 """
 
 from __future__ import annotations

@@ -172,10 +172,10 @@ def _moe(f: Frame, moe: MoE, cls: int) -> str | None:
         return "the MoE combine runs in torch"
     if not isinstance(grouped, GroupedExperts | GroupedQuantExperts) or moe.num_local != moe.num_experts:
         return "the routed experts run one call each"
-    up, down = grouped.gate_up, grouped.down
+    experts, pairs = gate.weight.shape[0], f.width * k
+    up, down = (grouped.gate_up, grouped.down) if isinstance(grouped, GroupedExperts) else grouped.projections(pairs)
     if (up.kernel.dtype if isinstance(grouped, GroupedExperts) else torch.bfloat16) != dtype:
         return "the routed experts' grouped kernel takes rows of another dtype"
-    experts, pairs = gate.weight.shape[0], f.width * k
     weights, ids = f.buffer("route_w", k, dtype=torch.float32), f.buffer("route_ids", k, dtype=torch.int64)
     order = f.buffer("order", 1, dtype=torch.int64, rows=pairs)
     counts = f.buffer("experts", experts, dtype=torch.int64, rows=1)

@@ -34,9 +34,18 @@ def _pointers(tensors: list[torch.Tensor]) -> ctypes.Array:
 class GroupedQuantLinear:
     """Quantized linear layers of one shape and scheme (no bias) over consecutive row groups of one input."""
 
-    def __init__(self, kernel: QuantKernel, weights: list[QuantWeight], silu_mul: bool = False) -> None:
+    def __init__(
+        self, kernel: QuantKernel, weights: list[QuantWeight], silu_mul: bool = False,
+        like: GroupedQuantLinear | None = None,
+    ) -> None:  # fmt: skip
+        """like: the same weights for another kernel of the scheme, whose packed copies this one shares (the W4A16
+        kernels share w4mm's layout, the W8A8 ones i8mm's)."""
         self.kernel, self.silu_mul = kernel, silu_mul
         self.n, self.k = weights[0].shape
+        if like is not None:
+            assert isinstance(kernel, W4MM | W4AMX | W4VNNI) == isinstance(like.kernel, W4MM | W4AMX | W4VNNI)
+            self.packed, self.shape, self.pointers = like.packed, like.shape, like.pointers
+            return
         ws = [interleaved(w) if silu_mul else w for w in weights]
         if isinstance(kernel, W4MM | W4AMX | W4VNNI):  # one packed layout for all three
             self.packed: list[object] = [W4MMPath.pack(w) for w in ws]  # type: ignore[arg-type]
@@ -93,10 +102,24 @@ class GroupedQuantLinear:
 class GroupedQuantExperts:
     """A MoE layer's routed experts (SiLU gated MLPs, no bias, W4A16 or W8A8) in two grouped calls."""
 
-    def __init__(self, kernel: QuantKernel, gate_up: list[QuantWeight], down: list[QuantWeight]) -> None:
-        """gate_up: each expert's [2I, H] merged weight ([gate; up]); down: each expert's [H, I]."""
+    def __init__(
+        self, kernel: QuantKernel, gate_up: list[QuantWeight], down: list[QuantWeight],
+        one_token: QuantKernel | None = None, top_k: int = 1,
+    ) -> None:  # fmt: skip
+        """gate_up: each expert's [2I, H] merged weight ([gate; up]); down: each expert's [H, I]. one_token: the
+        kernel for a single token's top_k rows, where another timed faster there (op_choice), over the same packed
+        copies."""
         self.gate_up = GroupedQuantLinear(kernel, gate_up, silu_mul=True)
         self.down = GroupedQuantLinear(kernel, down)
+        self.top_k = top_k
+        self.one: tuple[GroupedQuantLinear, GroupedQuantLinear] | None = None
+        if one_token is not None and one_token is not kernel:
+            up = GroupedQuantLinear(one_token, gate_up, silu_mul=True, like=self.gate_up)
+            self.one = (up, GroupedQuantLinear(one_token, down, like=self.down))
+
+    def projections(self, rows: int) -> tuple[GroupedQuantLinear, GroupedQuantLinear]:
+        """The gate/up and down calls for `rows` routed rows: the one-token kernel's for at most top_k."""
+        return self.one if self.one is not None and rows <= self.top_k else (self.gate_up, self.down)
 
     @staticmethod
     def accepts(kernel: QuantKernel, gate_up: list[object], down: list[object]) -> bool:
@@ -111,4 +134,5 @@ class GroupedQuantExperts:
 
     def __call__(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x [rows, H], expert-major (counts[e] rows for expert e, in order) → the experts' outputs, [rows, H]."""
-        return self.down(self.gate_up(x, counts), counts)
+        up, down = self.projections(x.shape[0])
+        return down(up(x, counts), counts)

@@ -158,6 +158,76 @@ def test_the_experts_choice_takes_the_kernel_build_that_timed_fastest(
         assert all(m.grouped.gate_up.kernel is plain and m.grouped.down.kernel is plain for m in moes)
 
 
+def _spy(monkeypatch: pytest.MonkeyPatch, kernel: Kernel, calls: list[Kernel]) -> None:
+    """Record `kernel` in calls at each grouped call and each decode program's take of its grouped entry."""
+    for method in ("grouped", "grouped_entry"):
+        original = getattr(kernel, method)
+        spy = lambda *a, original=original, **kw: calls.append(kernel) or original(*a, **kw)  # noqa: E731
+        monkeypatch.setattr(kernel, method, spy)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_a_single_token_s_rows_run_through_the_one_token_kernel_over_the_same_packed_copies(
+    monkeypatch: pytest.MonkeyPatch, scheme: str
+) -> None:
+    kernel, plain = _kernel(scheme), (w4mm if scheme == "w4a16" else i8mm).kernel_without_prefetch()
+    assert plain is not None
+    gate_up, down = _experts(scheme, 4)
+    grouped = GroupedQuantExperts(plain, gate_up, down, one_token=kernel, top_k=2)
+    assert grouped.one is not None and [p.kernel for p in grouped.one] == [kernel, kernel]
+    assert grouped.one[0].packed is grouped.gate_up.packed and grouped.one[1].pointers is grouped.down.pointers
+    assert grouped.projections(2) == grouped.one and grouped.projections(3) == (grouped.gate_up, grouped.down)
+    calls: list[Kernel] = []
+    _spy(monkeypatch, kernel, calls), _spy(monkeypatch, plain, calls)
+    for counts, ran in (([0, 1, 0, 1], kernel), ([2, 0, 1, 1], plain)):  # one token's top-2 rows; two tokens'
+        x = torch.randn(sum(counts), HIDDEN, generator=torch.Generator().manual_seed(sum(counts))).bfloat16()
+        want = GroupedQuantExperts(ran, gate_up, down)(x, counts)
+        calls.clear()
+        assert torch.equal(grouped(x, counts), want) and calls == [ran, ran]  # gate/up, then down
+    assert GroupedQuantExperts(kernel, gate_up, down, one_token=kernel).one is None  # the same kernel: no second
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_the_experts_choice_times_the_grouped_kernels_again_at_one_token(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, scheme: str
+) -> None:
+    """The timer makes the build without prefetch fastest at a batch's rows and the default build at one token's:
+    the layers' grouped calls take both, and one sequence's decode steps (programs or layers) run the default
+    build's; the model answers as with the default build alone (the two builds give the same bits)."""
+    module = w4mm if scheme == "w4a16" else i8mm
+    kernel, plain = _kernel(scheme), module.kernel_without_prefetch()
+    quantize(build_deepseek("v2-grouped", tmp_path / "src"), tmp_path / "q", scheme, group_size=8)
+
+    def timer(fn: object) -> float:
+        d = getattr(fn, "__defaults__", None) or ()
+        if len(d) < 2 or not isinstance(d[0], GroupedQuantExperts):
+            return 1.0
+        one = d[1].shape[0] <= 8  # the probe's one token: its top-k rows; a batch's: 32 tokens' (ROWS)
+        return 1e-3 if d[0].gate_up.kernel is (kernel if one else plain) else 1.0
+
+    choose = op_choice.choose_quant_experts
+    monkeypatch.setattr(op_choice, "choose_quant_experts", lambda moe, dtype, *_: choose(moe, dtype, timer, None))
+    cfg = dict(dtype="bfloat16", max_num_seqs=8, gemm_path="bf16mm")
+    both = make_core(tmp_path / "q", **cfg)
+    moes = [m for m in both.runner.model.modules() if type(m).__name__ == "MoE"]
+    assert moes and all(isinstance(m.grouped, GroupedQuantExperts) for m in moes)
+    assert all(m.grouped.gate_up.kernel is plain and m.grouped.one[0].kernel is kernel for m in moes)
+    assert all(m.grouped.top_k == m.gate.top_k for m in moes)
+    monkeypatch.setattr(op_choice, "choose_quant_experts", lambda moe, dtype, *_: choose(moe, dtype, None, None))
+    first = make_core(tmp_path / "q", **cfg)  # no timer: the first candidate, the default build, for all rows
+    assert all(m.grouped.one is None for m in first.runner.model.modules() if type(m).__name__ == "MoE")
+    used: list[GroupedQuantLinear] = []  # each grouped call (layers) or program's take of one (programs)
+    for method in ("__call__", "emit"):
+        original = getattr(GroupedQuantLinear, method)
+        spy = lambda self, *a, original=original: used.append(self) or original(self, *a)  # noqa: E731
+        monkeypatch.setattr(GroupedQuantLinear, method, spy)
+    prompt = mixed_prompts(1)  # one sequence: each decode step one token
+    got = step_logits(both, prompt, 4)
+    assert any(u is m.grouped.one[0] for m in moes for u in used)  # its decode steps took the one-token kernel
+    for a, b in zip(got, step_logits(first, prompt, 4), strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("name", ["w4a16-amx", "w8a8-amx"])
 def test_the_experts_choice_takes_the_amx_kernel_s_grouped_call_where_it_timed_fastest(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str
