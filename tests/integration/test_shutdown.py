@@ -107,8 +107,12 @@ async def closed_by_server(reader: asyncio.StreamReader) -> bool:
         return True
 
 
-async def stream_until_end(client: httpx.AsyncClient, body: dict, agent: str, started: asyncio.Event) -> str:
-    """Read the stream slowly to its end; what it ended with: "done" ([DONE] seen) or "cut"."""
+async def stream_until_end(
+    client: httpx.AsyncClient, body: dict, agent: str, started: asyncio.Event, drain: asyncio.Event
+) -> str:
+    """Read the stream slowly to its end, at full speed once `drain` is set; what it ended with: "done" ([DONE]
+    seen) or "cut". WHY drain: a fast CPU's server has written hundreds of KB of a stream into the socket buffers
+    before the cut, which lines 10 ms apart took longer to read than the test waits."""
     try:
         async with client.stream("POST", "/v1/chat/completions", json=body, headers={"User-Agent": agent}) as r:
             assert r.status_code == 200
@@ -116,7 +120,8 @@ async def stream_until_end(client: httpx.AsyncClient, body: dict, agent: str, st
             async for line in r.aiter_lines():
                 if line == "data: [DONE]":
                     return "done"
-                await asyncio.sleep(0.01)
+                if not drain.is_set():
+                    await asyncio.sleep(0.01)
     except (httpx.ReadError, httpx.RemoteProtocolError):
         pass
     return "cut"
@@ -162,8 +167,10 @@ async def test_sigterm_refuses_new_drops_idle_cuts_the_rest_and_exits_0(
             assert (await c.get("/v1/models", headers={"User-Agent": f"idle-{i}"})).status_code == 200
         # long streams, read slowly
         long = chat | {"stream": True, "max_tokens": LONG - 64, "ignore_eos": True}
-        starts = [asyncio.Event() for _ in range(3)]
-        streams = [asyncio.create_task(stream_until_end(client, long, f"stream-{i}", starts[i])) for i in range(3)]
+        starts, drain = [asyncio.Event() for _ in range(3)], asyncio.Event()
+        streams = [
+            asyncio.create_task(stream_until_end(client, long, f"stream-{i}", starts[i], drain)) for i in range(3)
+        ]
         await asyncio.wait_for(asyncio.gather(*(s.wait() for s in starts)), 120)
         # a request whose body never completes, one whose headers never complete, a TCP connection that sends nothing
         half_body = await open_tls(port, ctx)
@@ -192,14 +199,15 @@ async def test_sigterm_refuses_new_drops_idle_cuts_the_rest_and_exits_0(
             with pytest.raises(httpx.TransportError):
                 await c.get("/v1/models")
         assert proc.poll() is None, "the grace period is not over: the streams and the half-sent body keep it"
+        rc = await asyncio.to_thread(proc.wait, GRACE_S + 30)
+        elapsed = time.monotonic() - sent
+        drain.set()  # the server is gone: what it sent before the cut is read at full speed, to the cut
         ends = await asyncio.wait_for(asyncio.gather(*streams), 60)
         assert await closed_by_server(half_body[0])
         for c in idle:
             await c.aclose()
         for _, w in (half_body, half_headers, silent):
             w.close()
-    rc = await asyncio.to_thread(proc.wait, GRACE_S + 30)
-    elapsed = time.monotonic() - sent
     assert rc == 0
     assert elapsed >= GRACE_S, "the in-flight requests got their grace period"
     assert "cut" in ends
