@@ -132,7 +132,7 @@ class W4MM:
         """`block` over such a weight, the same fused output."""
         return self.run(self.lib.w4mm_linear_block_silu_mul, x, w, bias, "w4mm", w.n // 2)
 
-    def grouped_entry(self) -> object:
+    def grouped_entry(self) -> ctypes._CFuncPtr:
         """`grouped`'s C entry point, which a decode program calls itself (engine.kernels.program)."""
         return self.lib.w4mm_grouped
 
@@ -144,7 +144,7 @@ class W4MM:
         nibbles and scales pointers; all of shape (N, K, G), no bias) in one call → [rows, N] bf16, or
         [rows, N / 2] = silu(gate) * up where the weights are gated MLPs' [gate; up] rows interleaved in blocks of
         32 (N a multiple of 64). The C side trusts its arguments: engine.quant.grouped checks them."""
-        return run_grouped(self.lib.w4mm_grouped, x, counts, shape, nibbles, scales, silu_mul, "w4mm")
+        return run_grouped(self.grouped_entry(), x, counts, shape, nibbles, scales, silu_mul, "w4mm")
 
     def dense(self, x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None) -> torch.Tensor:
         """The same from the weight as stored: dequantized to bf16 rows, DENSE_ROWS_MAX weights at a time, in a
@@ -228,14 +228,8 @@ class W4MMWide(W4MM):
     copy, a kernel of its own for the grouped choices, which time each kernel's grouped call
     (engine.kernels.op_choice)."""
 
-    def grouped_entry(self) -> object:
+    def grouped_entry(self) -> ctypes._CFuncPtr:
         return self.lib.w4mm_grouped_wide
-
-    def grouped(
-        self, x: torch.Tensor, counts: ctypes.Array, shape: tuple[int, int, int], nibbles: ctypes.Array,
-        scales: ctypes.Array, silu_mul: bool,
-    ) -> torch.Tensor:  # fmt: skip
-        return run_grouped(self.lib.w4mm_grouped_wide, x, counts, shape, nibbles, scales, silu_mul, "w4mm")
 
 
 def _random_case(

@@ -4,13 +4,16 @@ replace) gives, and a quantized DeepSeek takes them."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
+from engine.core import EngineCore
 from engine.kernels import bf16mm, i8amx, i8mm, op_choice, w4amx, w4mm, w4vnni
 from engine.layers.activation import ActAndMul
+from engine.layers.moe import MoE
 from engine.quant.grouped import GroupedQuantExperts, GroupedQuantLinear
 from engine.quant.paths import I8MMPath, W4AMXPath, W4MMPath, W4VNNIPath
 from engine.quant.quantize import quantize
@@ -55,6 +58,19 @@ def _per_expert_path(kernel: Kernel) -> W4MMPath | W4AMXPath | I8MMPath:
     if isinstance(kernel, w4vnni.W4VNNI):
         return W4VNNIPath(kernel, "vnni")
     return W4MMPath(kernel, "direct") if isinstance(kernel, w4mm.W4MM) else I8MMPath(kernel)  # i8amx: its `linear`
+
+
+_CHOOSE = op_choice.choose_quant_experts  # the real choice, which the tests below run under a timer of theirs
+
+
+def _timed_core(
+    monkeypatch: pytest.MonkeyPatch, path: Path, timer: Callable[[object], float] | None, **cfg: object
+) -> tuple[EngineCore, list[MoE]]:
+    """An engine on `path` whose experts' choice ran under `timer` (None: untimed, the first candidate), and its
+    MoE layers."""
+    monkeypatch.setattr(op_choice, "choose_quant_experts", lambda moe, dtype, *_: _CHOOSE(moe, dtype, timer, None))
+    core = make_core(path, **cfg)
+    return core, [m for m in core.runner.model.modules() if isinstance(m, MoE)]
 
 
 # every expert a few rows; empty experts between busy ones and one past the kernels' row tiles (3, 6 and 16 rows;
@@ -148,9 +164,7 @@ def test_the_experts_choice_takes_the_kernel_build_that_timed_fastest(
         ran = d[0].gate_up.kernel if d and isinstance(d[0], GroupedQuantExperts) else None
         return 1e-3 if (ran is plain if fastest == "noprefetch" else ran is None) else 1.0
 
-    choose = op_choice.choose_quant_experts
-    monkeypatch.setattr(op_choice, "choose_quant_experts", lambda moe, dtype, *_: choose(moe, dtype, timer, None))
-    moes = [m for m in make_core(tmp_path / "q", dtype="bfloat16").runner.model.modules() if type(m).__name__ == "MoE"]
+    _, moes = _timed_core(monkeypatch, tmp_path / "q", timer, dtype="bfloat16")
     if fastest == "each":
         assert moes and all(m.grouped is None for m in moes)
     else:
@@ -159,11 +173,9 @@ def test_the_experts_choice_takes_the_kernel_build_that_timed_fastest(
 
 
 def _spy(monkeypatch: pytest.MonkeyPatch, kernel: Kernel, calls: list[Kernel]) -> None:
-    """Record `kernel` in calls at each grouped call and each decode program's take of its grouped entry."""
-    for method in ("grouped", "grouped_entry"):
-        original = getattr(kernel, method)
-        spy = lambda *a, original=original, **kw: calls.append(kernel) or original(*a, **kw)  # noqa: E731
-        monkeypatch.setattr(kernel, method, spy)
+    """Record `kernel` in calls at each of its grouped calls."""
+    original = kernel.grouped
+    monkeypatch.setattr(kernel, "grouped", lambda *a: calls.append(kernel) or original(*a))
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
@@ -205,17 +217,13 @@ def test_the_experts_choice_times_the_grouped_kernels_again_at_one_token(
         one = d[1].shape[0] <= 8  # the probe's one token: its top-k rows; a batch's: 32 tokens' (ROWS)
         return 1e-3 if d[0].gate_up.kernel is (kernel if one else plain) else 1.0
 
-    choose = op_choice.choose_quant_experts
-    monkeypatch.setattr(op_choice, "choose_quant_experts", lambda moe, dtype, *_: choose(moe, dtype, timer, None))
     cfg = dict(dtype="bfloat16", max_num_seqs=8, gemm_path="bf16mm")
-    both = make_core(tmp_path / "q", **cfg)
-    moes = [m for m in both.runner.model.modules() if type(m).__name__ == "MoE"]
+    both, moes = _timed_core(monkeypatch, tmp_path / "q", timer, **cfg)
     assert moes and all(isinstance(m.grouped, GroupedQuantExperts) for m in moes)
     assert all(m.grouped.gate_up.kernel is plain and m.grouped.one[0].kernel is kernel for m in moes)
     assert all(m.grouped.top_k == m.gate.top_k for m in moes)
-    monkeypatch.setattr(op_choice, "choose_quant_experts", lambda moe, dtype, *_: choose(moe, dtype, None, None))
-    first = make_core(tmp_path / "q", **cfg)  # no timer: the first candidate, the default build, for all rows
-    assert all(m.grouped.one is None for m in first.runner.model.modules() if type(m).__name__ == "MoE")
+    first, untimed = _timed_core(monkeypatch, tmp_path / "q", None, **cfg)  # the first candidate for all rows
+    assert all(m.grouped.one is None for m in untimed)
     used: list[GroupedQuantLinear] = []  # each grouped call (layers) or program's take of one (programs)
     for method in ("__call__", "emit"):
         original = getattr(GroupedQuantLinear, method)
@@ -246,13 +254,10 @@ def test_the_experts_choice_takes_the_amx_kernel_s_grouped_call_where_it_timed_f
         d = getattr(fn, "__defaults__", None) or ()
         return 1e-3 if d and isinstance(d[0], GroupedQuantExperts) and d[0].gate_up.kernel is amx else 1.0
 
-    choose = op_choice.choose_quant_experts
-    monkeypatch.setattr(op_choice, "choose_quant_experts", lambda moe, dtype, *_: choose(moe, dtype, timer, None))
     # the other layers on one untimed path in both engines: timed, each could pick another (a bf16-dequantizing one
     # rounds the weights, which moved a logit 6% of the largest in one CI run)
     cfg = dict(dtype="bfloat16", max_num_seqs=8, gemm_path="bf16mm")
-    grouped = make_core(tmp_path / "q", **cfg)
-    moes = [m for m in grouped.runner.model.modules() if type(m).__name__ == "MoE"]
+    grouped, moes = _timed_core(monkeypatch, tmp_path / "q", timer, **cfg)
     assert moes and all(isinstance(m.grouped, GroupedQuantExperts) for m in moes)
     assert all(m.grouped.gate_up.kernel is amx and m.grouped.down.kernel is amx for m in moes)
     monkeypatch.setattr(op_choice, "choose_quant_experts", lambda *_: None)
