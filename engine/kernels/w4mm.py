@@ -12,6 +12,7 @@ group). The engine times them, with torch's int4 GEMM, per shape and batch class
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import threading
 from collections.abc import Callable
@@ -312,7 +313,9 @@ def kernel_without_prefetch() -> W4MM | None:
     return _once_plain() if bf16mm.supported() else None
 
 
+@functools.cache
 def wide_kernel() -> W4MMWide | None:
-    """kernel()'s library as W4MMWide (its grouped call through the wide tiles), as kernel() otherwise."""
+    """kernel()'s library as W4MMWide (its grouped call through the wide tiles), as kernel() otherwise; one for the
+    process, as kernel() is."""
     k = kernel()
     return W4MMWide(k.lib) if k is not None else None
