@@ -67,15 +67,17 @@ def ours(
     cpu_kernels: bool = True,
     device: str = "auto",
     decode_program: str = "auto",
+    huge_pages: bool = True,
 ) -> tuple[float, float]:
-    llm = engine(path, len(prompts), dtype, cpu_kernels, device, decode_program)
+    llm = engine(path, len(prompts), dtype, cpu_kernels, device, decode_program, huge_pages)
     print(f"{Path(path).name}: {resident_mib():.0f} MiB resident after load", flush=True)  # weights, layouts, KV
     return measure(llm, prompts, n)
 
 
 def engine(
-    path: str, seqs: int, dtype: str, cpu_kernels: bool = True, device: str = "auto", decode_program: str = "auto"
-) -> LLM:
+    path: str, seqs: int, dtype: str, cpu_kernels: bool = True, device: str = "auto", decode_program: str = "auto",
+    huge_pages: bool = True,
+) -> LLM:  # fmt: skip
     """An engine on `path` for `seqs` sequences at a time, warmed up: long enough for batch-1 decode steps to settle
     whether they run as one program (the batch's steps settle within their first 2 * TRIALS + 2 of a timed run).
     The warm-up's 16 token ids share no prefix with the measured prompts' (random ids, another seed)."""
@@ -87,6 +89,7 @@ def engine(
         max_model_len=1024,
         cpu_kernels=cpu_kernels,
         decode_program=decode_program,
+        huge_pages=huge_pages,
     )
     llm = LLM(config)
     warm = random.Random(1).choices(range(1000), k=16)
@@ -118,13 +121,22 @@ def batch_one_ms(llm: LLM, warm: list[int], prompt: list[int], n: int) -> float:
 def alternated(
     paths: list[str], rounds: list[list[list[int]]], n: int, dtype: str, device: str = "auto",
     modes: tuple[str, ...] = ("auto", "auto"),
+    huge: tuple[bool, ...] = (True, True),
 ) -> list[list[tuple[float, float]]]:  # fmt: skip
     """Batch tok/s and batch-1 ms/token (as `measure`) of each model in `paths` (engine i with decode_program
-    modes[i]), all loaded in this process and measured in turn, one round per prompt set in `rounds` (each set new
-    to every engine): [round][model]. WHY: a shared VM's read bandwidth moved 24-64 GB/s within minutes (a 2-core
-    Zen 4, 2026-12-06), and rows run minutes apart in processes of their own compared different moments of it;
-    measured in turn, a ratio compares the same one."""
-    llms = [engine(path, len(rounds[0]), dtype, device=device, decode_program=m) for path, m in zip(paths, modes)]
+    modes[i], huge_pages huge[i]), all loaded in this process and measured in turn, one round per prompt set in
+    `rounds` (each set new to every engine): [round][model]. WHY: a shared VM's read bandwidth moved 24-64 GB/s
+    within minutes (a 2-core Zen 4, 2026-12-06), and rows run minutes apart in processes of their own compared
+    different moments of it; measured in turn, a ratio compares the same one.
+
+    Engines on huge pages are built first: an engine moves all of the process's resident memory to them
+    (engine.hugepages), so one on small pages built before it would be moved too."""
+    order = sorted(range(len(paths)), key=lambda i: not huge[i])
+    built = {
+        i: engine(paths[i], len(rounds[0]), dtype, device=device, decode_program=modes[i], huge_pages=huge[i])
+        for i in order
+    }
+    llms = [built[i] for i in range(len(paths))]
     return [[measure(llm, prompts, n) for llm in llms] for prompts in rounds]
 
 
@@ -213,6 +225,7 @@ def main() -> None:
     ap.add_argument(
         "--layers-row", action="store_true", help="also run tianmen with every decode step through the layers' Python"
     )
+    ap.add_argument("--small-pages-row", action="store_true", help="also run tianmen with huge_pages off (4 KiB pages)")
     ap.add_argument("--vllm", metavar="PYTHON", help="also run vLLM's CPU build with this venv's python")
     ap.add_argument("--quantization", choices=["w8a8", "w4a16"], help="also run tianmen on a quantized copy")
     ap.add_argument("--group-size", type=int, default=128, help="W4A16's group size")
@@ -220,13 +233,14 @@ def main() -> None:
     ap.add_argument("--rotate", action="store_true", help="with --quantization: a row on a rotated copy too")
     ap.add_argument(
         "--alternate", type=int, default=0, metavar="N",
-        help="with --quantization or --layers-row: also N rounds of both rows' engines in one process, in turn",
+        help="with --quantization, --layers-row or --small-pages-row: also N rounds of both rows' engines in one "
+        "process, in turn",
     )  # fmt: skip
     ap.add_argument("--device", default="cpu", help="cpu, or cuda[:N]: both tianmen and transformers run there")
     ap.add_argument("--llamacpp", metavar="DIR", help="also run llama.cpp (its binaries in DIR): BF16, and Q8_0 / Q4_0")
     args = ap.parse_args()
-    if args.alternate < 0 or (args.alternate and not (args.quantization or args.layers_row)):
-        ap.error("--alternate takes a number of rounds >= 0, with --quantization or --layers-row")
+    if args.alternate < 0 or (args.alternate and not (args.quantization or args.layers_row or args.small_pages_row)):
+        ap.error("--alternate takes a number of rounds >= 0, with --quantization, --layers-row or --small-pages-row")
 
     path = str(checkpoint(args.shape))
     vocab = SHAPES[args.shape]["vocab_size"]
@@ -244,6 +258,12 @@ def main() -> None:
     if args.layers_row:
         layers = ("tianmen-layers", lambda: isolated(ours, path, chosen, args.output_len, dname, True, dev, "layers"))
         work.append(layers)
+    if args.small_pages_row:
+        small = (
+            "tianmen-small-pages",
+            lambda: isolated(ours, path, chosen, args.output_len, dname, True, dev, "auto", False),
+        )
+        work.append(small)
     if args.quantization:
         qpath = str(quantized(Path(path), args.quantization, args.group_size, args.quantize_lm_head))
         qname = f"tianmen {args.quantization}" + (" +head" if args.quantize_lm_head else "")
@@ -319,9 +339,13 @@ def main() -> None:
         if args.quantization:
             turns = isolated(alternated, [path, qpath], sets, args.output_len, dname, dev)
             in_turn(turns, "bf16", qname, "the bf16")
-        else:  # --layers-row: the same model, its decode programs against the layers
+        elif args.layers_row:  # the same model, its decode programs against the layers
             turns = isolated(alternated, [path, path], sets, args.output_len, dname, dev, ("layers", "auto"))
             in_turn(turns, "tianmen-layers", "tianmen", "the layers'")
+        else:  # --small-pages-row: the same model on 4 KiB pages against huge pages
+            modes, huge = ("auto", "auto"), (False, True)
+            turns = isolated(alternated, [path, path], sets, args.output_len, dname, dev, modes, huge)
+            in_turn(turns, "tianmen-small-pages", "tianmen", "the small pages'")
 
 
 def in_turn(turns: list[list[tuple[float, float]]], first: str, second: str, base: str) -> None:

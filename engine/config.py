@@ -56,6 +56,9 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU; None keeps torch's default
     keep_freed_memory: bool = True  # CPU: glibc malloc reuses freed memory instead of faulting it in (engine.malloc)
+    # CPU, a model of 64 MiB of weights or more: once loaded, the weights, KV cache and buffers move to 2 MiB pages
+    # where Linux can (engine.hugepages); the GEMM selection times its candidates on them too
+    huge_pages: bool = True
     # before the first request, one step of the largest prefill the scheduler forms and one decode step of up to
     # max_num_seqs rows, on placeholder tokens (as vLLM's profile run): the steps' memory is faulted in and each
     # kernel's first-call work done at start, not in the first requests' steps (engine.core)

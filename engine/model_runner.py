@@ -13,6 +13,7 @@ from engine.block_manager import cdiv
 from engine.config import EngineConfig
 from engine.context import AttentionContext, PrefillMeta, reset_context, set_context
 from engine.errors import ConfigError
+from engine.hugepages import collapse_resident
 from engine.kernels import pointwise, wbf16
 from engine.kernels.bind import BindReport, bind_cpu_kernels, gemm_paths, make_selector
 from engine.kernels.decode_attn import DECODE_ROWS, runs_at
@@ -28,6 +29,10 @@ from engine.sampler import Sampler
 from engine.structured import GrammarMask, fill_masks
 
 log = logging.getLogger(__name__)
+
+# config.huge_pages from this many bytes of weights: a smaller model's weights stay in cache between steps, where
+# the page size hardly matters, and the pass over the process's memory would cost more than it gives
+HUGE_PAGES_FROM = 64 << 20
 
 MAX_DEFAULT_KV_BYTES = 4 << 30
 
@@ -80,11 +85,21 @@ class ModelRunner:
                 setattr(layer, name, torch.zeros(shape, dtype=self.dtype, device=self.device))
         self.sampler = Sampler()
         self.kernel_report = BindReport()
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.huge_pages = config.huge_pages and cpu and weights >= HUGE_PAGES_FROM
         if cpu:
             self.kernel_report = self._bind_cpu_kernels(compact)
         self.plan_attention()
         if config.keep_freed_memory and cpu:
             release_freed_memory()  # the checkpoint's tensors and the trial copies: freed, but kept resident
+        if self.huge_pages:
+            done = collapse_resident()
+            log.info(
+                "huge pages: %d MiB of weights, KV cache and buffers on 2 MiB pages (%d MiB could not be), %.2f s",
+                done.huge_bytes >> 20,
+                done.failed_bytes >> 20,
+                done.seconds,
+            )
         log.info(
             "model on %s, %s math, %s weights: %d KV blocks of %d tokens",
             self.device,
@@ -120,7 +135,10 @@ class ModelRunner:
         # (dequantize, then F.linear), what fidelity checks want (engine.quant.fidelity)
         forced = c.gemm_path if use or c.gemm_path == "torch" else "onednn"
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        selector = make_selector(paths, self.dtype, forced, max_layouts=c.gemm_layouts, model_bytes=weights)
+        settle = collapse_resident if self.huge_pages else None
+        selector = make_selector(
+            paths, self.dtype, forced, max_layouts=c.gemm_layouts, model_bytes=weights, settle=settle
+        )
         kernels = CpuKernels()
         if use:
             pw = pointwise.kernel()

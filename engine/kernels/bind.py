@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -95,11 +95,13 @@ def gemm_paths(dtype: torch.dtype, batch_hint: int, use_kernels: bool, bf16_weig
 def make_selector(
     paths: list[GemmPath], dtype: torch.dtype, forced: str = "auto", timer: Timer = call_seconds,
     cache_dir: Path | None = None, max_layouts: int = 2, model_bytes: int | None = None,
+    settle: Callable[[], object] | None = None,
 ) -> GemmSelector:  # fmt: skip
     """A selector over `paths` that caches its timings on disk; with `forced`, that path wherever it applies
     (oneDNN, then F.linear, elsewhere), untimed. `model_bytes` (the weights' size): a model that takes at most
     half the last-level cache (the rest is for its KV cache and activations) stays there between steps, so its
-    small batches are timed hot, without evicting it first."""
+    small batches are timed hot, without evicting it first. `settle`: the engine's memory step (huge pages), done
+    to the trial copies too; the timings are cached apart from those made without it."""
     if forced != "auto":
         paths = [p for p in paths if not p.name.endswith(TIMED_ONLY)]  # only the timing chooses between those
         family = [p for p in paths if p.name.split("-")[0] == forced]  # bf16mm: its fused variant first
@@ -111,14 +113,18 @@ def make_selector(
     try:
         directory = cache_dir or cbuild.cache_dir()
         cache = PlanCache(
-            directory, cache_key(cbuild.cpu_signature(), _SOURCES) + "-" + str(dtype).removeprefix("torch.")
+            directory,
+            cache_key(cbuild.cpu_signature(), _SOURCES)
+            + "-"
+            + str(dtype).removeprefix("torch.")
+            + ("" if settle is not None else "-small-pages"),
         )
     except cbuild.BuildError as e:
         log.warning("GEMM timings will not be cached: %s", e)
     # NOTE: a flush writes 1.5x the last-level cache: 720 MB, ~50 ms, on a VM that reports 480 MB of L3, before
     # every timed small-batch call; for a model that fits in it, that was wasted (and made the test suite 2x longer)
     cold = model_bytes is None or 2 * model_bytes > last_level_cache_bytes()
-    return GemmSelector(paths, dtype, cache, timer, max_layouts, flush=CacheFlush() if cold else None)
+    return GemmSelector(paths, dtype, cache, timer, max_layouts, flush=CacheFlush() if cold else None, settle=settle)
 
 
 def bind_cpu_kernels(
@@ -188,6 +194,7 @@ def _quant_selector(selector: GemmSelector) -> GemmSelector:
         selector.max_layouts,
         measure=selector.measure,
         flush=selector.flush,
+        settle=selector.settle,
     )
 
 

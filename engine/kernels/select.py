@@ -172,11 +172,14 @@ class GemmSelector:
         baseline: str = "onednn",
         measure: bool = True,
         flush: Callable[[], None] | None = None,
+        settle: Callable[[], object] | None = None,
     ) -> None:
-        """`measure=False`: no timing, the first of `paths` that takes a weight runs it (a forced path)."""
+        """`measure=False`: no timing, the first of `paths` that takes a weight runs it (a forced path).
+        `settle`: what the engine does to its memory once loaded (engine.hugepages), done to the trial copies
+        before they are timed, so the paths are timed on the pages they will run on."""
         assert paths and max_layouts >= 1
         self.paths = {p.name: p for p in paths}
-        self.measure, self.flush = measure, flush
+        self.measure, self.flush, self.settle = measure, flush, settle
         self.dtype, self.cache, self.timer, self.max_layouts = dtype, cache, timer, max_layouts
         self.baseline = baseline if baseline in self.paths else next(iter(self.paths))
 
@@ -221,6 +224,8 @@ class GemmSelector:
         """µs a call per path and class. Candidates take turns, round after round, and each keeps its fastest
         round: a burst of load from elsewhere on the machine then slows one round of each, not one candidate."""
         runs = {name: [path.prepare(w, b, act) for w, b in samples[:MAX_SAMPLES]] for name, path in paths.items()}
+        if self.settle is not None:
+            self.settle()
         us = {name: [math.inf] * len(ROWS) for name in paths}
         weight, bias = samples[0]
         classes: list[tuple[int, torch.Tensor]] = []

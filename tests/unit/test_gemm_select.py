@@ -400,3 +400,24 @@ def test_close_timings_get_more_rounds_than_the_budget_gives() -> None:
 
     assert rounds({"a": 0.2, "b": 0.201}) == {"a": MAX_ROUNDS, "b": MAX_ROUNDS}
     assert rounds({"a": 0.2, "b": 0.3}) == {"a": MIN_ROUNDS, "b": MIN_ROUNDS}
+
+
+def test_the_trial_copies_are_settled_before_any_timing_and_cached_apart(tmp_path: Path) -> None:
+    """The engine's memory step (huge pages) runs on the trial copies after every path has packed them and before
+    the first timed call, so paths are timed on the pages they will run on; timings made without it are cached
+    under another key."""
+    clock, events = FakeClock(), []
+    fast = FakePath("fast", clock, lambda r: 1e-3)
+    prepare, timer = fast.prepare, clock.timer
+    fast.prepare = lambda *a: (events.append("prepare"), prepare(*a))[1]  # type: ignore[method-assign]
+    clock.timer = lambda fn: (events.append("time"), timer(fn))[1]  # type: ignore[method-assign]
+    base = FakePath("onednn", clock, lambda r: 2e-3)
+    sel = _selector(base, fast, clock=clock, settle=lambda: events.append("settle"))
+    sel.choose("24x16", _samples(), None)
+    assert events.count("settle") == 1
+    assert events.index("settle") > max(i for i, e in enumerate(events) if e == "prepare")
+    assert events.index("settle") < events.index("time")
+    paths = [TorchPath(torch.float32)]
+    settled = make_selector(paths, torch.float32, cache_dir=tmp_path, settle=lambda: None)  # type: ignore[arg-type]
+    plain = make_selector(paths, torch.float32, cache_dir=tmp_path)  # type: ignore[arg-type]
+    assert settled.cache is not None and plain.cache is not None and settled.cache.path != plain.cache.path
