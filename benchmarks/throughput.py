@@ -2,7 +2,7 @@
 
     python -m benchmarks.throughput [--shape qwen2-0.5b|deepseek-v2-tiny] [--num-prompts 32] [--prompt-len 128]
                                     [--output-len 128] [--vllm /path/to/vllm-venv/bin/python] [--onednn-row]
-                                    [--layers-row]
+                                    [--layers-row] [--small-pages-row]
                                     [--quantization w8a8|w4a16 [--group-size 128] [--quantize-lm-head] [--rotate]
                                                                [--alternate N]]
                                     [--device cpu|cuda] [--llamacpp DIR]
@@ -24,6 +24,8 @@ peak and read bandwidth, benchmarks.bound) is printed beside the rows.
 
 With --layers-row, a "tianmen-layers" row runs every decode step through the layers' Python instead of as one
 program (engine.models.llama_program, deepseek_program), which the default row uses wherever it measured faster.
+With --small-pages-row, a "tianmen-small-pages" row runs with huge_pages off (the engine's memory on 4 KiB pages,
+engine.hugepages); with --alternate N, both are measured in turn in one process (the huge-page engine built first).
 
 Batch: N prompts of random token ids, greedy, EOS ignored → output tok/s. Batch-1: ms per decoded token. Each
 tianmen row first prints its process's resident memory once the engine is loaded (weights as packed for the
