@@ -85,8 +85,8 @@ class ModelRunner:
                 setattr(layer, name, torch.zeros(shape, dtype=self.dtype, device=self.device))
         self.sampler = Sampler()
         self.kernel_report = BindReport()
-        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        self.huge_pages = config.huge_pages and cpu and weights >= HUGE_PAGES_FROM
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.huge_pages = config.huge_pages and cpu and self.weight_bytes >= HUGE_PAGES_FROM
         if cpu:
             self.kernel_report = self._bind_cpu_kernels(compact)
         self.plan_attention()
@@ -95,7 +95,8 @@ class ModelRunner:
         if self.huge_pages:
             done = collapse_resident()
             log.info(
-                "huge pages: %d MiB of weights, KV cache and buffers on 2 MiB pages (%d MiB could not be), %.2f s",
+                "huge pages: %d MiB of the process's memory (weights, KV cache, buffers) on 2 MiB pages, "
+                "%d MiB could not be moved, %.2f s",
                 done.huge_bytes >> 20,
                 done.failed_bytes >> 20,
                 done.seconds,
@@ -134,10 +135,9 @@ class ModelRunner:
         # without our kernels oneDNN leads, unless torch is asked for: its quantized path is the reference
         # (dequantize, then F.linear), what fidelity checks want (engine.quant.fidelity)
         forced = c.gemm_path if use or c.gemm_path == "torch" else "onednn"
-        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         settle = collapse_resident if self.huge_pages else None
         selector = make_selector(
-            paths, self.dtype, forced, max_layouts=c.gemm_layouts, model_bytes=weights, settle=settle
+            paths, self.dtype, forced, max_layouts=c.gemm_layouts, model_bytes=self.weight_bytes, settle=settle
         )
         kernels = CpuKernels()
         if use:
