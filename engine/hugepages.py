@@ -3,9 +3,10 @@
 WHY: a decode step streams every weight from memory, and with 4 KiB pages the stream takes a TLB miss and a page
 walk every 4 KiB. Measured on a 2-core Zen 4 (2026-12-06): bf16mm over Qwen2-0.5B's weights rotated past the L3,
 the two page sizes in turn, one row of gate/up 340-378 → 305-315 µs, of the LM head 5.06-5.46 → 4.59-5.23 ms, 32
-rows ~2%; the Qwen2-0.5B engine, in turn (`benchmarks.throughput --small-pages-row --alternate 4`), batch 1.06x the
-throughput, batch-1 0.93x the time. Weights, the KV cache and the step's buffers are allocated by torch from
-malloc's heaps, which a distribution's default (THP "madvise") leaves on 4 KiB pages; glibc's own switch for it
+rows ~2%; the Qwen2-0.5B engine, in turn (`benchmarks.throughput --small-pages-row --alternate 4`), batch 1.06x
+the throughput in two runs, batch-1 0.93x and 1.02x the time. Weights, the KV cache and the step's buffers are
+allocated by torch from malloc's heaps, which a distribution's default (THP "madvise") leaves on 4 KiB pages;
+glibc's own switch for it
 (GLIBC_TUNABLES=glibc.malloc.hugetlb=1) must be set before the process starts, which an engine inside a library
 cannot do. So once the engine's memory is in place, its fully resident 2 MiB runs are collapsed in place.
 
