@@ -6,9 +6,9 @@ the two page sizes in turn, one row of gate/up 340-378 → 305-315 µs, of the L
 rows ~2%; the Qwen2-0.5B engine, in turn (`benchmarks.throughput --small-pages-row --alternate 4`), batch 1.06x
 the throughput in two runs, batch-1 0.93x and 1.02x the time. Weights, the KV cache and the step's buffers are
 allocated by torch from malloc's heaps, which a distribution's default (THP "madvise") leaves on 4 KiB pages;
-glibc's own switch for it
-(GLIBC_TUNABLES=glibc.malloc.hugetlb=1) must be set before the process starts, which an engine inside a library
-cannot do. So once the engine's memory is in place, its fully resident 2 MiB runs are collapsed in place.
+glibc's own switch for it (GLIBC_TUNABLES=glibc.malloc.hugetlb=1) must be set before the process starts, which
+an engine inside a library cannot do. So once the engine's memory is in place, its fully resident 2 MiB runs are
+collapsed in place.
 
 Only runs whose every 4 KiB page is already resident are collapsed, so the resident size does not grow. Where
 the kernel cannot (before Linux 6.1, THP compiled out, no free 2 MiB blocks) the memory stays as it was: the
