@@ -132,7 +132,8 @@ def alternated(
     different moments of it; measured in turn, a ratio compares the same one.
 
     Engines on huge pages are built first: an engine moves all of the process's resident memory to them
-    (engine.hugepages), so one on small pages built before it would be moved too."""
+    (engine.hugepages), so one on small pages built before it would be moved too. One built after it may still
+    reuse freed memory that was moved, so a gain measured this way is a lower bound."""
     order = sorted(range(len(paths)), key=lambda i: not huge[i])
     built = {
         i: engine(paths[i], len(rounds[0]), dtype, device=device, decode_program=modes[i], huge_pages=huge[i])
