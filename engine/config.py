@@ -56,8 +56,8 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU; None keeps torch's default
     keep_freed_memory: bool = True  # CPU: glibc malloc reuses freed memory instead of faulting it in (engine.malloc)
-    # CPU, a model of 64 MiB of weights or more: once loaded, the weights, KV cache and buffers move to 2 MiB pages
-    # where Linux can (engine.hugepages); the GEMM selection times its candidates on them too
+    # CPU, a model whose weights do not fit in half the last-level cache: once loaded, the weights, KV cache and
+    # buffers move to 2 MiB pages where Linux can (engine.hugepages); the GEMM selection times its candidates there
     huge_pages: bool = True
     # before the first request, one step of the largest prefill the scheduler forms and one decode step of up to
     # max_num_seqs rows, on placeholder tokens (as vLLM's profile run): the steps' memory is faulted in and each

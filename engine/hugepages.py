@@ -18,10 +18,12 @@ call reports what it did and never fails.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +48,13 @@ class Collapsed:
 
 def supported() -> bool:
     return sys.platform == "linux" and os.path.exists("/proc/self/pagemap")
+
+
+@functools.cache
+def _madvise() -> Callable[[int, int, int], int]:
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return madvise
 
 
 def _anonymous_writable() -> list[tuple[int, int]]:
@@ -88,9 +97,7 @@ def collapse_resident(min_bytes: int = 8 * HUGE, within: tuple[int, int] | None 
     if not supported():
         return done
     t = time.perf_counter()
-    libc = ctypes.CDLL(None, use_errno=True)
-    madvise = libc.madvise
-    madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    madvise = _madvise()
     try:
         pagemap = os.open("/proc/self/pagemap", os.O_RDONLY)
     except OSError as e:

@@ -19,6 +19,7 @@ from engine.kernels.bind import BindReport, bind_cpu_kernels, gemm_paths, make_s
 from engine.kernels.decode_attn import DECODE_ROWS, runs_at
 from engine.kernels.kernel_set import CpuKernels
 from engine.kernels.op_choice import choose_kernels, decode_attention_kernels, grouped_kernels
+from engine.kernels.select import streams_from_memory
 from engine.loader import ModelFiles, load_model
 from engine.malloc import keep_freed_memory, release_freed_memory
 from engine.models.decode_program import programmable
@@ -29,10 +30,6 @@ from engine.sampler import Sampler
 from engine.structured import GrammarMask, fill_masks
 
 log = logging.getLogger(__name__)
-
-# config.huge_pages from this many bytes of weights: a smaller model's weights stay in cache between steps, where
-# the page size hardly matters, and the pass over the process's memory would cost more than it gives
-HUGE_PAGES_FROM = 64 << 20
 
 MAX_DEFAULT_KV_BYTES = 4 << 30
 
@@ -86,7 +83,9 @@ class ModelRunner:
         self.sampler = Sampler()
         self.kernel_report = BindReport()
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        self.huge_pages = config.huge_pages and cpu and self.weight_bytes >= HUGE_PAGES_FROM
+        # a model that stays in cache between steps gains little from the page size, and the pass over the
+        # process's memory would cost more than it gives
+        self.huge_pages = config.huge_pages and cpu and streams_from_memory(self.weight_bytes)
         if cpu:
             self.kernel_report = self._bind_cpu_kernels(compact)
         self.plan_attention()

@@ -104,6 +104,7 @@ class EngineSettings:
     max_waiting: int = 1024
     num_threads: int | None = None
     keep_freed_memory: bool = True
+    huge_pages: bool = True  # a model larger than half the last-level cache moves to 2 MiB pages once loaded
     warm_start: bool = True  # the largest step once at start, on placeholders: the first requests do not pay for it
     compact_weights: bool = True
     cpu_kernels: bool = True

@@ -31,7 +31,7 @@ from engine.kernels.select import (
     Timer,
     cache_key,
     call_seconds,
-    last_level_cache_bytes,
+    streams_from_memory,
 )
 from engine.layers.linear import Linear
 from engine.layers.mlp import GatedMLP
@@ -123,7 +123,7 @@ def make_selector(
         log.warning("GEMM timings will not be cached: %s", e)
     # NOTE: a flush writes 1.5x the last-level cache: 720 MB, ~50 ms, on a VM that reports 480 MB of L3, before
     # every timed small-batch call; for a model that fits in it, that was wasted (and made the test suite 2x longer)
-    cold = model_bytes is None or 2 * model_bytes > last_level_cache_bytes()
+    cold = model_bytes is None or streams_from_memory(model_bytes)
     return GemmSelector(paths, dtype, cache, timer, max_layouts, flush=CacheFlush() if cold else None, settle=settle)
 
 

@@ -154,7 +154,7 @@ def fastest(
     With `flush` (the GEMM selection's, where the model does not stay in the caches) each timed call comes right
     after one, as a decode step finds a layer's weights in memory; the flush itself is not timed."""
     names = list(candidates)
-    if timer is None:
+    if timer is None or len(names) == 1:  # nothing to choose between: no timing
         return names[0]
     if flush is not None:
         # NOTE: with the flush inside the timed call every candidate measured ~30 ms on an AMX VM that reports
@@ -290,12 +290,13 @@ def choose_quant_experts(
     ones = {c: lambda grouped=g, x=x1, counts=counts1: grouped(x, counts) for c, g in groupeds.items()}  # type: ignore[misc]
     one = kernels[fastest(f"{key} one token", ones, timer, cache, flush)]
 
+    per_token = getattr(moe.gate, "top_k", 1)  # the model's (top_k above is capped at the probe's experts)
+
     def make(up: list[object], dn: list[object]) -> GroupedQuantExperts | None:
         if not GroupedQuantExperts.accepts(chosen, up, dn):
             return None
         fits = GroupedQuantExperts.accepts(one, up, dn)
-        top_k = getattr(moe.gate, "top_k", 1)
-        return GroupedQuantExperts(chosen, up, dn, one if fits else None, top_k)  # type: ignore[arg-type]
+        return GroupedQuantExperts(chosen, up, dn, one if fits else None, per_token)  # type: ignore[arg-type]
 
     return make
 

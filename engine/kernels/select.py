@@ -57,6 +57,13 @@ def last_level_cache_bytes() -> int:
     return max(sizes, default=64 << 20)
 
 
+def streams_from_memory(model_bytes: int) -> bool:
+    """Whether a model of `model_bytes` of weights streams them from memory at every decode step: more than half
+    the last-level cache (the rest is for its KV cache and activations). A smaller one stays in cache between
+    steps."""
+    return 2 * model_bytes > last_level_cache_bytes()
+
+
 class CacheFlush:
     """Evicts the weights from every cache level before a timed call: in the model, a decode step streams all of
     its weights from memory, so a small-batch GEMM timed hot in cache would rank the paths wrongly."""

@@ -91,7 +91,7 @@ def test_an_engine_on_huge_pages_answers_as_one_on_small_pages(tmp_path: Path, m
     from engine import LLM, EngineConfig, SamplingParams, model_runner
 
     model = build_tiny_chat_model(tmp_path / "tiny", tied=False)
-    monkeypatch.setattr(model_runner, "HUGE_PAGES_FROM", 0)  # the tiny model is far below the size it applies from
+    monkeypatch.setattr(model_runner, "streams_from_memory", lambda nbytes: True)  # the tiny model stays in cache
     calls: list[Collapsed] = []
     monkeypatch.setattr(model_runner, "collapse_resident", lambda: calls.append(collapse_resident()) or calls[-1])
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
