@@ -15,6 +15,7 @@ from engine.kernels.prefill_attn_amx import PrefillAttention
 
 if TYPE_CHECKING:
     from engine.layers.mla import MLAttention
+    from engine.quant.absorbed_key import GroupScaledKey
 
 # a grouped call's form: [rows, K] and rows per group → [rows, N] (GroupedLinear, engine.quant's GroupedQuantLinear)
 Grouped = GroupedLinear | Callable[[torch.Tensor, list[int]], torch.Tensor]
@@ -59,7 +60,8 @@ class CpuKernels:
     latent_attn_at: tuple[bool, ...] = ()  # as decode_attn_at
     # MLA decode's per-head W_UK / W_UV products as one grouped call each, where that beat torch.bmm: given the
     # layer, its two grouped calls (engine.kernels.op_choice.choose_absorbed_gemm; W_UV over the checkpoint's
-    # quantized rows where that beat the bf16 call: choose_absorbed_quant)
-    absorbed: Callable[[MLAttention], tuple[GroupedLinear, Grouped] | None] | None = None
+    # quantized rows where that beat the bf16 call: choose_absorbed_quant; W_UK over its int4 key rows likewise:
+    # choose_absorbed_key)
+    absorbed: Callable[[MLAttention], tuple[GroupedLinear | GroupScaledKey, Grouped] | None] | None = None
     # decode steps as one C call over the kernels above (engine.models.decode_program): auto | program | layers
     decode_program: str = "auto"

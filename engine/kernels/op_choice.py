@@ -27,6 +27,7 @@ from engine.kernels import (
     i8amx,
     i8mm,
     prefill_attn_amx,
+    program,
     w4amx,
     w4mm,
     w4vnni,
@@ -38,12 +39,14 @@ from engine.kernels.grouped import GroupedExperts, GroupedKernel, GroupedLinear
 from engine.kernels.kernel_set import CpuKernels, QuantExpertsFactory
 from engine.kernels.pointwise import PointwiseKernels, apply_rotary, apply_rotary_interleaved, moe_combine, rms_norm
 from engine.kernels.prefill_attn_amx import PrefillAttention
+from engine.kernels.program import ProgramBuilder
 from engine.kernels.select import MIN_ROUNDS, CacheFlush, PlanCache, ShapeChoice, Timer
 from engine.layers.activation import ActAndMul
 from engine.layers.attention import PagedAttention
 from engine.layers.mla import MLAttention, bmm_absorbed, latent_attention, per_head_absorbed
 from engine.layers.moe import MoE
 from engine.layers.norm import RMSNorm
+from engine.quant.absorbed_key import GroupScaledKey
 from engine.quant.grouped import GroupedQuantExperts, GroupedQuantLinear, QuantKernel
 from engine.quant.paths import quant_paths
 from engine.quant.weights import Int4Weight
@@ -346,6 +349,62 @@ def choose_absorbed_quant(
     return kernels.get(fastest(key, candidates, timer, cache, flush))
 
 
+class _ProgramCall:
+    """A candidate run as a decode program runs it: its ops in one C call, no Python between (`what`: the object
+    whose ops they are)."""
+
+    def __init__(self, what: object, emit: Callable[[ProgramBuilder], object], output: torch.Tensor) -> None:
+        lib = program.library()
+        assert lib is not None
+        b = ProgramBuilder()
+        emit(b)
+        self.what, self.program = what, b.build(lib, output)
+        self.step = [0] * program.NUM_STEP_VALUES
+        self.step[program.ROWS.index], self.step[program.THREADS.index] = 1, torch.get_num_threads()
+
+    def __call__(self) -> object:
+        return self.program(self.step)
+
+
+def choose_absorbed_key(
+    kernel: GroupedKernel, mla: MLAttention, dtype: torch.dtype, timer: Timer | None, cache: PlanCache | None,
+    flush: Callable[[], None] | None = None,
+) -> QuantKernel | None:  # fmt: skip
+    """The quantized grouped kernel whose W_UK call over the checkpoint's int4 key rows (the query scaled per latent
+    group: engine.quant.absorbed_key) ran MLA decode's q_nope W_UK faster than `kernel`'s bf16 call at one row,
+    from memory, both timed as a decode program runs them (the scaling is a C op there; from Python its torch ops
+    alone took longer than either call); None where the bf16 call won, kv_b_proj is not symmetric W4A16, the
+    math is not bf16, no program runs here or no kernel fits. `flush`: as fastest's. WHY one row only: as
+    choose_absorbed_quant's."""
+    pieces = mla.absorbed_key_quantized()
+    if pieces is None or dtype != torch.bfloat16 or program.library() is None:
+        return None
+    kernels = {c: k for c, k in _quant_grouped_builds(pieces.weights[0]).items() if GroupScaledKey.accepts(k, pieces)}
+    if not kernels or timer is None:  # untimed: the first that fits (fastest's forced configuration)
+        return next(iter(kernels.values()), None)
+    h, n, lat = mla.num_heads, mla.nope, mla.kv_lora_rank
+    x = torch.randn(h, n, generator=torch.Generator().manual_seed(0)).to(dtype)
+    y, counts = torch.empty(h, lat, dtype=dtype), torch.empty(h, dtype=torch.int64)
+    ptr = torch.Tensor.data_ptr
+
+    def int4(k: QuantKernel) -> _ProgramCall:
+        key = GroupScaledKey(k, pieces)  # type: ignore[arg-type]
+        return _ProgramCall(key, lambda b: key.emit(b, ptr(x), ptr(y), 1), y)
+
+    bf16 = GroupedLinear(kernel, mla.absorbed_weights()[0])
+
+    def emit_bf16(b: ProgramBuilder) -> None:
+        b.fill_rows(h, ptr(counts))
+        bf16.emit(b, ptr(counts), ptr(x), ptr(y))
+
+    candidates: dict[str, Callable[[], object]] = {c: int4(k) for c, k in kernels.items()}
+    candidates["bf16"] = _ProgramCall(bf16, emit_bf16, y)
+    ours = "+".join(c.removeprefix("grouped ") for c in kernels)
+    g = pieces.weights[0].shape[0]
+    key = f"op absorbed_uk 1 h{h} n{n} l{lat} w4a16-g{g} {dtype} program {ours} vs bf16"
+    return kernels.get(fastest(key, candidates, timer, cache, flush))
+
+
 def _routed(
     tokens: int, experts: int, top_k: int, hidden: int, dtype: torch.dtype, g: torch.Generator
 ) -> tuple[list[int], torch.Tensor]:
@@ -452,19 +511,24 @@ def _per_class(
 
 
 def absorbed_gemm(
-    kernel: GroupedKernel, quantized: QuantKernel | None = None
-) -> Callable[[MLAttention], tuple[GroupedLinear, GroupedLinear | GroupedQuantLinear] | None]:
+    kernel: GroupedKernel, quantized: QuantKernel | None = None, key: QuantKernel | None = None
+) -> Callable[[MLAttention], tuple[GroupedLinear | GroupScaledKey, GroupedLinear | GroupedQuantLinear] | None]:
     """For a layer: its W_UK and W_UV per head as two grouped calls, None where the shapes do not fit; W_UV over
-    the checkpoint's quantized rows through `quantized` where given and they fit it."""
+    the checkpoint's quantized rows through `quantized`, and W_UK over its int4 key rows through `key`, where
+    given and they fit."""
 
-    def make(mla: MLAttention) -> tuple[GroupedLinear, GroupedLinear | GroupedQuantLinear] | None:
+    def make(mla: MLAttention) -> tuple[GroupedLinear | GroupScaledKey, GroupedLinear | GroupedQuantLinear] | None:
         uk, uv = mla.absorbed_weights()
         if not (GroupedLinear.accepts(kernel, uk) and GroupedLinear.accepts(kernel, uv)):
             return None
         q = mla.absorbed_quantized() if quantized is not None else None
+        v: GroupedLinear | GroupedQuantLinear = GroupedLinear(kernel, uv)
         if q is not None and GroupedQuantLinear.accepts(quantized, q):  # type: ignore[arg-type]
-            return GroupedLinear(kernel, uk), GroupedQuantLinear(quantized, q)  # type: ignore[arg-type]
-        return GroupedLinear(kernel, uk), GroupedLinear(kernel, uv)
+            v = GroupedQuantLinear(quantized, q)  # type: ignore[arg-type]
+        pieces = mla.absorbed_key_quantized() if key is not None else None
+        if pieces is not None and GroupScaledKey.accepts(key, pieces):  # type: ignore[arg-type]
+            return GroupScaledKey(key, pieces), v  # type: ignore[arg-type]
+        return GroupedLinear(kernel, uk), v
 
     return make
 
@@ -714,7 +778,8 @@ def choose_kernels(
     if grouped and mla is not None:
         gk = choose_absorbed_gemm(grouped, mla, dtype, timer, cache, flush)
         uv = choose_absorbed_quant(gk, mla, dtype, timer, cache, flush) if gk is not None else None
-        k.absorbed = absorbed_gemm(gk, uv) if gk is not None else None
+        uk = choose_absorbed_key(gk, mla, dtype, timer, cache, flush) if gk is not None else None
+        k.absorbed = absorbed_gemm(gk, uv, uk) if gk is not None else None
     if grouped and moe is not None:
         k.moe_experts = choose_grouped_experts(grouped, moe, dtype, timer, cache, flush)
     if moe is not None:

@@ -18,7 +18,10 @@ enum {
     // DeepSeek's (engine/models/deepseek_program.py): norms of strided rows, RoPE on interleaved pairs, copies
     // between [rows][heads] and [heads][rows] layouts, rows into the cache, grouped GEMMs, MoE routing and combine
     OP_NORM_ROWS = 9, OP_ROPE_PAIRS = 10, OP_COPY = 11, OP_SCATTER = 12, OP_FILL = 13, OP_GROUPED = 14,
-    OP_GROUPED_W4 = 15, OP_GROUPED_I8 = 16, OP_ROUTE = 17, OP_COMBINE = 18
+    OP_GROUPED_W4 = 15, OP_GROUPED_I8 = 16, OP_ROUTE = 17, OP_COMBINE = 18,
+    // MLA's W_UK over the checkpoint's int4 key rows (engine/quant/absorbed_key.py): the query scaled per latent
+    // group into [heads][groups][rows], and the products by group back to [heads][rows][latent]
+    OP_SCALE_GROUPS = 19, OP_MERGE_GROUPS = 20
 };
 
 // the entry points' signatures: bf16mm.c / amxmm.c, pointwise.c, decode_attn*.c
@@ -76,6 +79,41 @@ static void copy(int64_t rows, int64_t heads, int64_t bytes, const char *src, in
     for (int64_t h = 0; h < heads; h++)
         for (int64_t r = 0; r < rows; r++)
             memcpy(dst + r * d_row + h * d_head, src + r * s_row + h * s_head, (size_t)bytes);
+}
+
+// bf16 of a float, rounded to nearest even as torch rounds (NaN stays a quiet NaN)
+static uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// out[h][g][r][:] = bf16(x[h][r][:] * scales[h][g][:]) for `n` inputs: x, out bf16, scales float
+static void scale_groups(int64_t rows, int64_t heads, int64_t groups, int64_t n, const uint16_t *x,
+                         const float *scales, uint16_t *out) {
+    for (int64_t h = 0; h < heads; h++)
+        for (int64_t g = 0; g < groups; g++)
+            for (int64_t r = 0; r < rows; r++) {
+                const uint16_t *xr = x + (h * rows + r) * n;
+                const float *s = scales + (h * groups + g) * n;
+                uint16_t *o = out + ((h * groups + g) * rows + r) * n;
+                for (int64_t i = 0; i < n; i++) {
+                    uint32_t u = (uint32_t)xr[i] << 16;
+                    float v;
+                    memcpy(&v, &u, sizeof v);
+                    o[i] = to_bf16(v * s[i]);
+                }
+            }
+}
+
+// dst[h][r][g * bytes ...] = src[h][g][r][...]: runs of `bytes`
+static void merge_groups(int64_t rows, int64_t heads, int64_t groups, int64_t bytes, const char *src, char *dst) {
+    for (int64_t h = 0; h < heads; h++)
+        for (int64_t g = 0; g < groups; g++)
+            for (int64_t r = 0; r < rows; r++)
+                memcpy(dst + ((h * rows + r) * groups + g) * bytes, src + ((h * groups + g) * rows + r) * bytes,
+                       (size_t)bytes);
 }
 
 // Runs ops [0, n) in order; returns n, or the index of the first op that failed (a quantized GEMM or the MoE
@@ -168,6 +206,12 @@ int64_t program_run(const int64_t *ops, int64_t n, const int64_t *step) {
             if (((combine_fn)fn)(a[0], a[1], a[2], a[0] * a[1], (const void *)a[3], (const void *)a[4],
                                  (const void *)a[5], (const void *)a[6], (void *)a[7], (int)a[8]) != 0)
                 return i;
+            break;
+        case OP_SCALE_GROUPS:
+            scale_groups(a[0], a[1], a[2], a[3], (const uint16_t *)a[4], (const float *)a[5], (uint16_t *)a[6]);
+            break;
+        case OP_MERGE_GROUPS:
+            merge_groups(a[0], a[1], a[2], a[3], (const char *)a[4], (char *)a[5]);
             break;
         default:
             return i;

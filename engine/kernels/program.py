@@ -10,7 +10,8 @@ The entry points are the kernels' own (bf16mm.c, amxmm.c, wbf16.c, i8mm.c / i8am
 their grouped entries, pointwise.c, decode_attn*.c), called with the same arguments as from Python, so a program
 computes exactly what the layers compute; torch code with no kernel (a gated MLP's act after a plain GEMM) runs
 between two C calls. A few ops are the executor's own: K/V rows into the cache, copies between [rows][heads] and
-[heads][rows] layouts, a grouped call's row counts (MLA's per-head products).
+[heads][rows] layouts, a grouped call's row counts (MLA's per-head products), MLA's query scaled per latent group
+for its int4 W_UK (engine.quant.absorbed_key).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ OP_WIDTH = 20  # as in program.c
 OP_GEMM, OP_NORM, OP_ROPE, OP_STORE, OP_ATTN, OP_I8, OP_I8_SILU, OP_W4 = 1, 2, 3, 4, 5, 6, 7, 8
 OP_NORM_ROWS, OP_ROPE_PAIRS, OP_COPY, OP_SCATTER, OP_FILL, OP_GROUPED = 9, 10, 11, 12, 13, 14
 OP_GROUPED_W4, OP_GROUPED_I8, OP_ROUTE, OP_COMBINE = 15, 16, 17, 18
+OP_SCALE_GROUPS, OP_MERGE_GROUPS = 19, 20
 # ops that may fail: no memory for the kernel's buffers
 MAY_FAIL = (OP_I8, OP_I8_SILU, OP_W4, OP_GROUPED_W4, OP_GROUPED_I8, OP_COMBINE)
 
@@ -155,6 +157,16 @@ class ProgramBuilder:
         OP_GROUPED_I8: i8mm / i8amx), layer g taking counts[g] rows; `weights`: the entry's pointer arrays."""
         shape = (n, k, group_size) if kind == OP_GROUPED_W4 else (n, k)
         self._op(kind, fn, groups, counts, *shape, x, *weights, y, THREADS, int(silu))
+
+    def scale_groups(self, heads: int, groups: int, n: int, x: int, scales: int, out: int) -> None:
+        """out [heads][groups][rows][n] = x [heads][rows][n] times scales [heads][groups][n] (float32), rounded to
+        bf16 (x bf16): MLA's query scaled per latent group for W_UK's int4 products (engine.quant.absorbed_key)."""
+        self._op(OP_SCALE_GROUPS, 0, ROWS, heads, groups, n, x, scales, out)
+
+    def merge_groups(self, heads: int, groups: int, nbytes: int, src: int, dst: int) -> None:
+        """dst [heads][rows][groups * nbytes] from src [heads][groups][rows][nbytes]: the products by latent group
+        back to each head's rows."""
+        self._op(OP_MERGE_GROUPS, 0, ROWS, heads, groups, nbytes, src, dst)
 
     def route(
         self, fn: int, hidden: int, experts: int, top_k: int, x: int, w: int, bias: int | None, config: int,

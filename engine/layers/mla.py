@@ -15,11 +15,15 @@ from engine.layers.norm import RMSNorm
 from engine.layers.parallel import column_linear, row_linear, split
 from engine.layers.rotary import apply_rotary, apply_rotary_interleaved
 from engine.parallel.group import Group, SingleGroup
+from engine.quant.absorbed_key import KeyPieces, key_pieces
+from engine.quant.weights import Int4Weight
 
 if TYPE_CHECKING:
     from engine.kernels.decode_attn import DecodeAttention
     from engine.kernels.grouped import GroupedLinear
     from engine.kernels.kernel_set import CpuKernels
+    from engine.quant.absorbed_key import GroupScaledKey
+    from engine.quant.grouped import GroupedQuantLinear
 
 
 class _UnpackedLinear(Linear):
@@ -81,7 +85,9 @@ class MLAttention(nn.Module):
         self._absorbed: tuple[tuple[int, int], torch.Tensor, torch.Tensor] | None = None
         self.kernel: DecodeAttention | None = None  # decode attends over the paged latents in place
         self.kernel_at: tuple[bool, ...] = ()  # by decode batch class: whether the kernel runs (CpuKernels)
-        self.absorbed: tuple[GroupedLinear, GroupedLinear] | None = None  # W_UK, W_UV as one call each
+        # W_UK, W_UV as one call each (W_UK over the checkpoint's int4 rows, W_UV over its quantized rows, where
+        # those timed faster: engine.kernels.op_choice)
+        self.absorbed: tuple[GroupedLinear | GroupScaledKey, GroupedLinear | GroupedQuantLinear] | None = None
 
     def bind_kernels(self, kernels: CpuKernels) -> None:
         k = kernels.latent_attn
@@ -104,12 +110,20 @@ class MLAttention(nn.Module):
     def absorbed_quantized(self) -> list[object] | None:
         """Per head, W_UV ([V, L]) as the checkpoint quantized it (kv_b_proj's value rows: their groups or channel
         scales run along the latent, W_UV's inputs), for a quantized grouped call; None where kv_b_proj was not
-        quantized. W_UK has no such form: its inputs are kv_b_proj's outputs."""
+        quantized. W_UK's inputs are kv_b_proj's outputs: absorbed_key_quantized."""
         kept = getattr(self.kv_b_proj, "kept", None)
         if kept is None:
             return None
         per = self.nope + self.v_dim
         return [kept.rows(h * per + self.nope, (h + 1) * per) for h in range(self.num_heads)]
+
+    def absorbed_key_quantized(self) -> KeyPieces | None:
+        """W_UK from kv_b_proj's int4 key rows as the checkpoint quantized them (engine.quant.absorbed_key: the
+        scales move onto the query, per latent group); None where kv_b_proj is not symmetric W4A16."""
+        kept = getattr(self.kv_b_proj, "kept", None)
+        if not isinstance(kept, Int4Weight) or kept.shape[1] % kept.group_size:
+            return None
+        return key_pieces(kept, self.num_heads, self.nope, self.v_dim)
 
     def _kv_b_heads(self) -> torch.Tensor:
         return self.kv_b_proj.weight.detach().view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)

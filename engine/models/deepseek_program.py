@@ -15,7 +15,8 @@ Per layer (rows [rows][...] unless said; "heads-major" is [heads][rows][...], a 
     norm(x, residual) → n                      qa = n W_qkv_a^T = [q_a | c | k_pe]
     norm(q_a) → nq                             q = nq W_q_b^T = [heads][nope | rope]
     RoPE pairs on q's rope and on k_pe         norm(c) | k_pe → latent → the cache at the step's slots
-    q's nope → heads-major → W_UK (grouped) → q_cat[:, h, :L]; q's rope → q_cat[:, h, L:]
+    q's nope → heads-major → W_UK (grouped; over int4 key rows: scaled per latent group, then by group) →
+    q_cat[:, h, :L]; q's rope → q_cat[:, h, L:]
     attention(q_cat) over the latent cache → a[:, h, :L] → heads-major → W_UV (grouped) → [rows][heads * V]
     O GEMM → o;  norm(o, residual) → n
     dense: the gated MLP (as Llama's);  MoE: route(n) → weights, order, counts, xs;  experts' gate/up + SiLU and
@@ -36,6 +37,7 @@ from engine.layers.mla import MLAttention
 from engine.layers.mlp import GatedMLP
 from engine.layers.moe import MoE
 from engine.models.program_parts import Frame, Gemm, Hooked, emit, gated_mlp, norm_entry, part, start
+from engine.quant.absorbed_key import GroupScaledKey
 from engine.quant.grouped import GroupedQuantExperts
 
 if TYPE_CHECKING:
@@ -103,7 +105,8 @@ def _mla(f: Frame, attn: MLAttention, cls: int) -> str | None:
     absorbed = attn.absorbed
     parts = {"MLA's input projection": qa, "the query's projection": qb, "the O GEMM": o,
              "MLA's norms": (nq or not q_lora) and nkv, "RoPE on pairs": rope, "latent decode attention": attn_fn,
-             "W_UK / W_UV as grouped calls": absorbed and absorbed[0].kernel.dtype == dtype}  # fmt: skip
+             "W_UK / W_UV as grouped calls": absorbed and (isinstance(absorbed[0], GroupScaledKey)
+                                                            or absorbed[0].kernel.dtype == dtype)}  # fmt: skip
     missing = [name for name, p in parts.items() if not p]
     if missing:
         return f"{missing[0]} has no C kernel here (the layer runs it in torch)"
@@ -142,7 +145,10 @@ def _mla(f: Frame, attn: MLAttention, cls: int) -> str | None:
     # q_cat = [q_nope W_UK | q_pe] per head
     b.copy(h, nope * es, ptr(q_buf), q_cols * es, (nope + r) * es, ptr(heads_in), nope * es, 0)
     b.fill_rows(h, ptr(counts))
-    absorbed[0].emit(b, ptr(counts), ptr(heads_in), ptr(heads_out))
+    if isinstance(absorbed[0], GroupScaledKey):  # over the checkpoint's int4 key rows
+        absorbed[0].emit(b, ptr(heads_in), ptr(heads_out), f.width)
+    else:
+        absorbed[0].emit(b, ptr(counts), ptr(heads_in), ptr(heads_out))
     b.copy(h, lat * es, ptr(heads_out), lat * es, 0, ptr(q_cat), h * row * es, row * es)
     b.copy(h, r * es, ptr(q_buf) + nope * es, q_cols * es, (nope + r) * es, ptr(q_cat) + lat * es, h * row * es,
            row * es)  # fmt: skip

@@ -95,7 +95,8 @@ def test_quantized_deepseek_programs_give_the_layers_logits_bit_for_bit(
     checkpoints: dict[str, Path], tmp_path: Path, scheme: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Quantized projections through their kernels' entries (the gated MLPs' fused ones), the routed experts and
-    MLA's W_UV (the checkpoint's quantized value rows of kv_b_proj) through the grouped W4A16 / W8A8 entries
+    MLA's W_UV (the checkpoint's quantized value rows of kv_b_proj; with W4A16 W_UK too, over its key rows) through the
+    grouped W4A16 / W8A8 entries
     (forced, untimed: the first accepting kernel runs): no stop for Python."""
     if not QUANT[scheme]:
         pytest.skip(f"this CPU has no {scheme} kernel a program calls (i8mm: AVX512-VNNI; w4mm: AVX512-BF16)")
@@ -114,6 +115,9 @@ def test_quantized_deepseek_programs_give_the_layers_logits_bit_for_bit(
     core = make_core(tmp_path / scheme, dtype="bfloat16", gemm_path=GEMM, decode_program="program")
     mlas = [m for m in core.runner.model.modules() if type(m).__name__ == "MLAttention"]
     assert mlas and all(type(m.absorbed[1]).__name__ == "GroupedQuantLinear" for m in mlas)
+    # W4A16: W_UK over the checkpoint's int4 key rows too, the query scaled per latent group in C
+    want_key = "GroupScaledKey" if scheme == "w4a16" else "GroupedLinear"
+    assert all(type(m.absorbed[0]).__name__ == want_key for m in mlas)
 
 
 def test_gemms_without_a_c_entry_run_as_the_layers_plans_between_the_c_calls(checkpoints: dict[str, Path]) -> None:

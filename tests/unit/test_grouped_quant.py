@@ -14,6 +14,7 @@ from engine.core import EngineCore
 from engine.kernels import bf16mm, i8amx, i8mm, op_choice, w4amx, w4mm, w4vnni
 from engine.layers.activation import ActAndMul
 from engine.layers.moe import MoE
+from engine.quant.absorbed_key import GroupScaledKey, key_pieces
 from engine.quant.grouped import GroupedQuantExperts, GroupedQuantLinear
 from engine.quant.paths import I8MMPath, W4AMXPath, W4MMPath, W4VNNIPath
 from engine.quant.quantize import quantize
@@ -302,3 +303,57 @@ def test_w_uv_runs_from_the_checkpoints_quantized_rows_where_that_timed_faster(
         got = mla.absorbed[1](o, [rows] * mla.num_heads).float()
         want = torch.cat([w.reference(o[h * rows : (h + 1) * rows], None) for h, w in enumerate(uv)])
         torch.testing.assert_close(got, want, rtol=3e-2, atol=2e-2 * want.abs().max().item())
+
+
+def test_w_uk_pieces_hold_the_checkpoints_key_rows_exactly() -> None:
+    """kv_b_proj's int4 key rows as W_UK's int4 products (engine.quant.absorbed_key): per head and latent group,
+    the query's scales times the transposed codes are those rows dequantized, exactly; a weight with zero points
+    has no such form."""
+    heads, nope, v, lat, g = 3, 8, 4, 32, 16
+    kv_b = int4_weight(heads * (nope + v), lat, g, symmetric=True, seed=3)
+    pieces = key_pieces(kv_b, heads, nope, v)
+    assert pieces is not None and pieces.scales.shape == (heads, lat // g, nope) and len(pieces.weights) == 6
+    dense = kv_b.float()
+    for h in range(heads):
+        for j in range(lat // g):
+            piece = pieces.weights[h * (lat // g) + j]
+            assert piece.shape == (g, nope) and piece.group_size == nope and bool((piece.scale == 1).all())
+            got = pieces.scales[h, j][:, None] * (piece.values().t().float() - 8)
+            want = dense[h * (nope + v) : h * (nope + v) + nope, j * g : (j + 1) * g]
+            assert torch.equal(got, want)
+    assert key_pieces(int4_weight(heads * (nope + v), lat, g, symmetric=False, seed=3), heads, nope, v) is None
+
+
+@pytest.mark.parametrize("faster", ["int4", "bf16"])
+def test_w_uk_runs_from_the_checkpoints_int4_key_rows_where_that_timed_faster(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, faster: str
+) -> None:
+    """MLA's W_UK per head can run over kv_b_proj's own int4 key rows, their scales moved onto the query per latent
+    group: the one-row call the timer says is faster (each timed as a decode program runs it) is the one the
+    layers take, and the int4 call gives each head's product with the dequantized key rows."""
+    kernel = _kernel("w4a16")
+    quantize(build_deepseek("v2-grouped", tmp_path / "src"), tmp_path / "q", "w4a16", group_size=8)
+
+    def timer(fn: object) -> float:
+        int4 = isinstance(getattr(fn, "what", None), GroupScaledKey)
+        return 1e-3 if int4 == (faster == "int4") else 1.0
+
+    choose = op_choice.choose_absorbed_key
+    monkeypatch.setattr(op_choice, "choose_absorbed_key", lambda k, mla, dtype, *_: choose(k, mla, dtype, timer, None))
+    core = make_core(tmp_path / "q", dtype="bfloat16", max_num_seqs=8, gemm_path="bf16mm")
+    mlas = [m for m in core.runner.model.modules() if type(m).__name__ == "MLAttention"]
+    want_kind = "GroupScaledKey" if faster == "int4" else "GroupedLinear"
+    assert mlas and {type(m.absorbed[0]).__name__ for m in mlas} == {want_kind}
+    mla = mlas[0]
+    pieces = mla.absorbed_key_quantized()
+    assert pieces is not None
+    key = mla.absorbed[0] if faster == "int4" else GroupScaledKey(kernel, pieces)
+    h, nope, per, rows = mla.num_heads, mla.nope, mla.nope + mla.v_dim, 3
+    x = torch.randn(rows * h, nope, generator=torch.Generator().manual_seed(5)).bfloat16()
+    got = key(x, [rows] * h).float()
+    kv_b = mla.kv_b_proj.kept
+    heads = [kv_b.rows(i * per, i * per + nope).float() for i in range(h)]  # [nope, latent] each
+    want = torch.cat([x[i * rows : (i + 1) * rows].float() @ w for i, w in enumerate(heads)])
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=1e-2 * want.abs().max().item())
+    with pytest.raises(ValueError):
+        key(x, [rows] * (h - 1) + [rows + 1])

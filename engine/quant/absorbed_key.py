@@ -1,0 +1,94 @@
+"""MLA decode's W_UK product (q_nope W_UK per head) over kv_b_proj's own 4-bit key rows, a quarter of the bf16
+copy's bytes.
+
+kv_b_proj's int4 rows run along the latent (its inputs), grouped there: row n of head h holds W_UK[n, l] =
+s[n, g(l)] (q[n, l] - 8) (symmetric). W_UK's product sums over n, where every weight of a latent group g has its own
+scale, so no int4 GEMM's per-(output, input group) scale can carry it; but the scale moves onto the input:
+
+    q_lat[l] = sum_n (x[n] s[n, g]) (q[n, l] - 8)          for l in latent group g
+
+so each head and latent group is one int4 product over N = nope inputs with unit scales: the query scaled per
+group (x'[h, g, n] = x[h, n] s[h, n, g], rounded to bf16 as every W4A16 kernel's input is) through the checkpoint's
+codes transposed. One grouped call runs all heads * groups of them. Checkpoints with zero points keep the bf16
+copy (a zero point per n would leave a sum per group to subtract).
+
+WHY: DeepSeek-V2-tiny's W4A16 decode step at batch 1 read its bf16 W_UK (1 MiB a layer, ~8% of the step's bytes)
+beside int4 everything else; kv_b_proj's value rows (W_UV) already run from the checkpoint's rows
+(MLAttention.absorbed_quantized).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.kernels.program import ProgramBuilder
+from engine.quant.grouped import GroupedQuantLinear, QuantKernel
+from engine.quant.weights import Int4Weight, pack_nibbles
+
+
+@dataclass(slots=True)
+class KeyPieces:
+    """W_UK as int4 products: per head and latent group (head-major), the codes [group, nope] with unit scales
+    (zero 8, one group over all of nope), and the scales the query takes per group, float32 [heads, groups, nope]."""
+
+    weights: list[Int4Weight]
+    scales: torch.Tensor
+
+
+def key_pieces(kv_b: Int4Weight, heads: int, nope: int, v_dim: int) -> KeyPieces | None:
+    """kv_b_proj's int4 weight [heads * (nope + v_dim), latent] → its key rows as KeyPieces; None where it has
+    zero points other than 8 or nope is no multiple of 4 (the W4A16 kernels' input step)."""
+    if not bool((kv_b.zero == 8).all()) or nope % 4:
+        return None
+    per, gs = nope + v_dim, kv_b.group_size
+    weights, scales = [], []
+    for h in range(heads):
+        rows = kv_b.rows(h * per, h * per + nope)  # [nope, latent]
+        codes = rows.values()
+        for g in range(rows.shape[1] // gs):
+            piece = codes[:, g * gs : (g + 1) * gs].t()  # [gs, nope]: this group's latents out, nope in
+            unit, eight = torch.ones(gs, 1), torch.full((gs, 1), 8, dtype=torch.uint8)
+            weights.append(Int4Weight(pack_nibbles(piece.contiguous()), unit, eight, nope))
+        scales.append(rows.scale.float().t())  # [groups, nope]
+    return KeyPieces(weights, torch.stack(scales).contiguous())
+
+
+class GroupScaledKey:
+    """W_UK per head as one grouped int4 call (KeyPieces): x [heads * rows, nope] heads-major → [heads * rows,
+    latent], as MLAttention's grouped W_UK call takes and gives them."""
+
+    def __init__(self, kernel: QuantKernel, pieces: KeyPieces) -> None:
+        self.kernel = kernel
+        self.grouped = GroupedQuantLinear(kernel, pieces.weights)  # type: ignore[arg-type]
+        self.scales = pieces.scales
+        self.heads, self.groups, self.k = pieces.scales.shape
+        self.n = self.groups * self.grouped.n  # latent
+
+    @staticmethod
+    def accepts(kernel: QuantKernel, pieces: KeyPieces) -> bool:
+        return GroupedQuantLinear.accepts(kernel, pieces.weights)  # type: ignore[arg-type]
+
+    def __call__(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """counts: rows per head, all the same (a decode step's rows)."""
+        h, g, k = self.scales.shape
+        if len(counts) != h or len(set(counts)) != 1 or x.shape != (h * counts[0], k):
+            raise ValueError(f"{len(counts)} heads of {counts[:1]} rows for {h} heads, x {tuple(x.shape)}")
+        rows = counts[0]
+        xs = (x.view(h, 1, rows, k).float() * self.scales.view(h, g, 1, k)).to(torch.bfloat16)
+        y = self.grouped(xs.view(-1, k), [rows] * (h * g))  # [heads][groups][rows][gs]
+        return y.view(h, g, rows, -1).transpose(1, 2).reshape(h * rows, self.n)
+
+    def emit(self, b: ProgramBuilder, x: int, y: int, width: int) -> None:
+        """This call in a decode program of up to `width` rows: x [heads][rows][nope] and y [heads][rows][latent],
+        bf16 (pointers); the scaled queries, the products by group and their counts in buffers of its own."""
+        h, g, k = self.scales.shape
+        counts = b.buffer(h * g, dtype=torch.int64)
+        xs = b.buffer(h * g * width, k, dtype=torch.bfloat16)
+        ys = b.buffer(h * g * width, self.grouped.n, dtype=torch.bfloat16)
+        b.fill_rows(h * g, counts.data_ptr())
+        b.scale_groups(h, g, k, x, self.scales.data_ptr(), xs.data_ptr())
+        self.grouped.emit(b, counts.data_ptr(), xs.data_ptr(), ys.data_ptr())
+        b.merge_groups(h, g, self.grouped.n * ys.element_size(), ys.data_ptr(), y)
+        b.keep += [self.scales]
