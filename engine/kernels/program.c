@@ -9,6 +9,7 @@
 // Python (module calls, argument checks, a torch.empty per output, the ctypes call) took ~100 us a layer.
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 
 #define OP_WIDTH 20
 #define MAX_ARGS (OP_WIDTH - 3)
@@ -116,10 +117,18 @@ static void merge_groups(int64_t rows, int64_t heads, int64_t groups, int64_t by
                        (size_t)bytes);
 }
 
+static double now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec * 1e9 + (double)t.tv_nsec;
+}
+
 // Runs ops [0, n) in order; returns n, or the index of the first op that failed (a quantized GEMM or the MoE
-// combine without memory for its buffers) or is of an unknown kind: nothing after it runs.
-int64_t program_run(const int64_t *ops, int64_t n, const int64_t *step) {
+// combine without memory for its buffers) or is of an unknown kind: nothing after it runs. With `ns`, op i's
+// wall time is added to ns[i] (nanoseconds; benchmarks/program_ops.py).
+static int64_t run(const int64_t *ops, int64_t n, const int64_t *step, double *ns) {
     for (int64_t i = 0; i < n; i++) {
+        const double t0 = ns ? now_ns() : 0.0;
         const int64_t *op = ops + i * OP_WIDTH;
         const int64_t mask = op[2];
         int64_t a[MAX_ARGS];
@@ -216,6 +225,13 @@ int64_t program_run(const int64_t *ops, int64_t n, const int64_t *step) {
         default:
             return i;
         }
+        if (ns) ns[i] += now_ns() - t0;
     }
     return n;
+}
+
+int64_t program_run(const int64_t *ops, int64_t n, const int64_t *step) { return run(ops, n, step, NULL); }
+
+int64_t program_run_timed(const int64_t *ops, int64_t n, const int64_t *step, double *ns) {
+    return run(ops, n, step, ns);
 }

@@ -219,11 +219,20 @@ class Program:
         row_bytes = table.element_size() * OP_WIDTH
         self._segments = [(table.data_ptr() + a * row_bytes, a, n, hook) for a, n, hook in segments]
         self.python_calls = len(segments) - 1  # hooks a run makes between its C calls
+        self.op_ns: torch.Tensor | None = None  # float64 [ops]: each op's wall time summed over runs (profile())
+
+    def profile(self) -> torch.Tensor:
+        """From now on add each op's wall time (ns) to the returned zeros, one per op (benchmarks.program_ops)."""
+        self.op_ns = torch.zeros(self.n, dtype=torch.float64)
+        return self.op_ns
 
     def __call__(self, step: Sequence[int]) -> None:
         values = (ctypes.c_int64 * NUM_STEP_VALUES)(*step)
         for ops, first, n, hook in self._segments:
-            done = self.lib.program_run(ops, n, values)
+            if self.op_ns is None:
+                done = self.lib.program_run(ops, n, values)
+            else:
+                done = self.lib.program_run_timed(ops, n, values, self.op_ns.data_ptr() + first * 8)
             if done != n:
                 kind = int(self.table[first + done, 0])
                 if kind in MAY_FAIL:
@@ -238,6 +247,8 @@ def _load() -> ctypes.CDLL:
     lib = build(SOURCE, ("-march=native",))
     lib.program_run.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
     lib.program_run.restype = ctypes.c_int64
+    lib.program_run_timed.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+    lib.program_run_timed.restype = ctypes.c_int64
     return lib
 
 

@@ -106,3 +106,34 @@ def test_moe_ops_compute_what_the_layer_computes() -> None:
         want_ys = down(grouped(want_xs, want_counts.tolist()), want_counts.tolist())
         assert torch.equal(ys[: rows * k], want_ys)
         assert torch.equal(out[:rows], pw.moe_combine(want_ys, want_order, want_w, shared[:rows], rows))
+
+
+def test_the_int4_w_uk_ops_scale_per_latent_group_and_merge_as_torch_does() -> None:
+    """MLA's query scaled per latent group ([heads][rows] → [heads][groups][rows], rounded to bf16 as torch rounds
+    float32; a NaN stays one) and the products by group back to [heads][rows][latent] (engine.quant.absorbed_key);
+    a profiled run adds each op's wall time and computes the same."""
+    lib = program.library()
+    assert lib is not None
+    g = torch.Generator().manual_seed(2)
+    groups, gs, bf = 4, 8, torch.bfloat16
+    scales = torch.rand(H, groups, NOPE, generator=g) * 3 + 1e-3
+    b = ProgramBuilder()
+    x, xs = b.buffer(H * WIDTH, NOPE, dtype=bf), b.buffer(H * groups * WIDTH, NOPE, dtype=bf)
+    ys, y = b.buffer(H * groups * WIDTH, gs, dtype=bf), b.buffer(H * WIDTH, groups * gs, dtype=bf)
+    b.scale_groups(H, groups, NOPE, x.data_ptr(), scales.data_ptr(), xs.data_ptr())
+    b.merge_groups(H, groups, gs * 2, ys.data_ptr(), y.data_ptr())
+    prog = b.build(lib, y)
+    for rows, profiled in ((3, False), (1, True)):
+        ns = prog.profile() if profiled else None
+        xr = torch.randn(H, rows, NOPE, generator=g).bfloat16()
+        xr[0, 0, 0] = float("nan")
+        x[: H * rows] = xr.view(-1, NOPE)
+        yr = torch.randn(H, groups, rows, gs, generator=g).bfloat16()
+        ys[: H * groups * rows] = yr.view(-1, gs)
+        prog(_step(rows, torch.zeros(1), torch.zeros(1), torch.zeros(1), x))
+        want = (xr.view(H, 1, rows, NOPE).float() * scales.view(H, groups, 1, NOPE)).to(bf)
+        got = xs[: H * groups * rows].view(H, groups, rows, NOPE)
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)  # the same values, a NaN a NaN
+        assert torch.equal(y[: H * rows].view(H, rows, -1), yr.transpose(1, 2).reshape(H, rows, -1))
+        if ns is not None:
+            assert ns.shape == (2,) and bool((ns > 0).all())
