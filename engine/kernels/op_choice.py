@@ -371,11 +371,11 @@ def choose_absorbed_key(
     flush: Callable[[], None] | None = None,
 ) -> QuantKernel | None:  # fmt: skip
     """The quantized grouped kernel whose W_UK call over the checkpoint's int4 key rows (the query scaled per latent
-    group: engine.quant.absorbed_key) ran MLA decode's q_nope W_UK faster than `kernel`'s bf16 call at one row,
-    from memory, both timed as a decode program runs them (the scaling is a C op there; from Python its torch ops
-    alone took longer than either call); None where the bf16 call won, kv_b_proj is not symmetric W4A16, the
-    math is not bf16, no program runs here or no kernel fits. `flush`: as fastest's. WHY one row only: as
-    choose_absorbed_quant's."""
+    group: engine.quant.absorbed_key) ran MLA decode's q_nope W_UK faster than `kernel`'s bf16 call at one row
+    (the only rows it takes: GroupScaledKey), from memory, both timed as a decode program runs them (the scaling
+    is a C op there; from Python its torch ops alone took longer than either call); None where the bf16 call won,
+    kv_b_proj is not symmetric W4A16, the math is not bf16, no program runs here or no kernel fits. `flush`: as
+    fastest's."""
     pieces = mla.absorbed_key_quantized()
     if pieces is None or dtype != torch.bfloat16 or program.library() is None:
         return None
@@ -387,11 +387,11 @@ def choose_absorbed_key(
     y, counts = torch.empty(h, lat, dtype=dtype), torch.empty(h, dtype=torch.int64)
     ptr = torch.Tensor.data_ptr
 
-    def int4(k: QuantKernel) -> _ProgramCall:
-        key = GroupScaledKey(k, pieces)  # type: ignore[arg-type]
-        return _ProgramCall(key, lambda b: key.emit(b, ptr(x), ptr(y), 1), y)
-
     bf16 = GroupedLinear(kernel, mla.absorbed_weights()[0])
+
+    def int4(k: QuantKernel) -> _ProgramCall:
+        key = GroupScaledKey(k, pieces, bf16)  # type: ignore[arg-type]
+        return _ProgramCall(key, lambda b: key.emit(b, ptr(counts), ptr(x), ptr(y), 1), y)
 
     def emit_bf16(b: ProgramBuilder) -> None:
         b.fill_rows(h, ptr(counts))
@@ -527,7 +527,7 @@ def absorbed_gemm(
             v = GroupedQuantLinear(quantized, q)  # type: ignore[arg-type]
         pieces = mla.absorbed_key_quantized() if key is not None else None
         if pieces is not None and GroupScaledKey.accepts(key, pieces):  # type: ignore[arg-type]
-            return GroupScaledKey(key, pieces), v  # type: ignore[arg-type]
+            return GroupScaledKey(key, pieces, GroupedLinear(kernel, uk)), v  # type: ignore[arg-type]
         return GroupedLinear(kernel, uk), v
 
     return make

@@ -145,8 +145,8 @@ def _mla(f: Frame, attn: MLAttention, cls: int) -> str | None:
     # q_cat = [q_nope W_UK | q_pe] per head
     b.copy(h, nope * es, ptr(q_buf), q_cols * es, (nope + r) * es, ptr(heads_in), nope * es, 0)
     b.fill_rows(h, ptr(counts))
-    if isinstance(absorbed[0], GroupScaledKey):  # over the checkpoint's int4 key rows
-        absorbed[0].emit(b, ptr(heads_in), ptr(heads_out), f.width)
+    if isinstance(absorbed[0], GroupScaledKey):  # over the checkpoint's int4 key rows at one row
+        absorbed[0].emit(b, ptr(counts), ptr(heads_in), ptr(heads_out), f.width)
     else:
         absorbed[0].emit(b, ptr(counts), ptr(heads_in), ptr(heads_out))
     b.copy(h, lat * es, ptr(heads_out), lat * es, 0, ptr(q_cat), h * row * es, row * es)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.kernels.grouped import GroupedLinear
 from engine.kernels.program import ProgramBuilder
 from engine.quant.grouped import GroupedQuantLinear, QuantKernel
 from engine.quant.weights import Int4Weight, pack_nibbles
@@ -55,16 +56,25 @@ def key_pieces(kv_b: Int4Weight, heads: int, nope: int, v_dim: int) -> KeyPieces
     return KeyPieces(weights, torch.stack(scales).contiguous())
 
 
-class GroupScaledKey:
-    """W_UK per head as one grouped int4 call (KeyPieces): x [heads * rows, nope] heads-major → [heads * rows,
-    latent], as MLAttention's grouped W_UK call takes and gives them."""
+ONE_ROW = 1  # the most rows a step takes the int4 call for; more go through the bf16 grouped call
 
-    def __init__(self, kernel: QuantKernel, pieces: KeyPieces) -> None:
-        self.kernel = kernel
+
+class GroupScaledKey:
+    """W_UK per head as one grouped int4 call (KeyPieces) for a single row, and through `wide` (the bf16 grouped
+    call over the dequantized W_UK) for more: x [heads * rows, nope] heads-major → [heads * rows, latent], as
+    MLAttention's grouped W_UK call takes and gives them.
+
+    WHY one row only: there the int4 call won (48 against 58 µs for DeepSeek-V2-tiny's 16 heads, from memory, as
+    a program runs both on a 2-core Zen 4); at 8, 32 and 128 rows it lost (98 / 236 / 938 against 65 / 164 /
+    623 µs): the scaled query is rows x groups as large as the query, and the products come out by group."""
+
+    def __init__(self, kernel: QuantKernel, pieces: KeyPieces, wide: GroupedLinear) -> None:
+        self.kernel, self.wide = kernel, wide
         self.grouped = GroupedQuantLinear(kernel, pieces.weights)  # type: ignore[arg-type]
         self.scales = pieces.scales
         self.heads, self.groups, self.k = pieces.scales.shape
         self.n = self.groups * self.grouped.n  # latent
+        assert (wide.n, wide.k, len(wide.packed)) == (self.n, self.k, self.heads)
 
     @staticmethod
     def accepts(kernel: QuantKernel, pieces: KeyPieces) -> bool:
@@ -76,13 +86,19 @@ class GroupScaledKey:
         if len(counts) != h or len(set(counts)) != 1 or x.shape != (h * counts[0], k):
             raise ValueError(f"{len(counts)} heads of {counts[:1]} rows for {h} heads, x {tuple(x.shape)}")
         rows = counts[0]
+        if rows > ONE_ROW:
+            return self.wide(x, counts)
         xs = (x.view(h, 1, rows, k).float() * self.scales.view(h, g, 1, k)).to(torch.bfloat16)
         y = self.grouped(xs.view(-1, k), [rows] * (h * g))  # [heads][groups][rows][gs]
         return y.view(h, g, rows, -1).transpose(1, 2).reshape(h * rows, self.n)
 
-    def emit(self, b: ProgramBuilder, x: int, y: int, width: int) -> None:
+    def emit(self, b: ProgramBuilder, counts: int, x: int, y: int, width: int) -> None:
         """This call in a decode program of up to `width` rows: x [heads][rows][nope] and y [heads][rows][latent],
-        bf16 (pointers); the scaled queries, the products by group and their counts in buffers of its own."""
+        bf16 (pointers); `counts`: the heads' rows, for the bf16 call past one row. One row: the scaled queries,
+        the products by group and their counts in buffers of its own."""
+        if width > ONE_ROW:
+            self.wide.emit(b, counts, x, y)
+            return
         h, g, k = self.scales.shape
         counts = b.buffer(h * g, dtype=torch.int64)
         xs = b.buffer(h * g * width, k, dtype=torch.bfloat16)

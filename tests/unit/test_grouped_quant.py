@@ -12,6 +12,7 @@ import torch
 
 from engine.core import EngineCore
 from engine.kernels import bf16mm, i8amx, i8mm, op_choice, w4amx, w4mm, w4vnni
+from engine.kernels.grouped import GroupedLinear
 from engine.layers.activation import ActAndMul
 from engine.layers.moe import MoE
 from engine.quant.absorbed_key import GroupScaledKey, key_pieces
@@ -347,13 +348,15 @@ def test_w_uk_runs_from_the_checkpoints_int4_key_rows_where_that_timed_faster(
     mla = mlas[0]
     pieces = mla.absorbed_key_quantized()
     assert pieces is not None
-    key = mla.absorbed[0] if faster == "int4" else GroupScaledKey(kernel, pieces)
-    h, nope, per, rows = mla.num_heads, mla.nope, mla.nope + mla.v_dim, 3
-    x = torch.randn(rows * h, nope, generator=torch.Generator().manual_seed(5)).bfloat16()
-    got = key(x, [rows] * h).float()
+    wide = GroupedLinear(bf16mm.kernel(), mla.absorbed_weights()[0])
+    key = mla.absorbed[0] if faster == "int4" else GroupScaledKey(kernel, pieces, wide)
+    h, nope, per = mla.num_heads, mla.nope, mla.nope + mla.v_dim
     kv_b = mla.kv_b_proj.kept
     heads = [kv_b.rows(i * per, i * per + nope).float() for i in range(h)]  # [nope, latent] each
-    want = torch.cat([x[i * rows : (i + 1) * rows].float() @ w for i, w in enumerate(heads)])
-    torch.testing.assert_close(got, want, rtol=2e-2, atol=1e-2 * want.abs().max().item())
+    for rows in (1, 3):  # one row through the int4 call, more through the bf16 one (the dequantized rows)
+        x = torch.randn(rows * h, nope, generator=torch.Generator().manual_seed(5)).bfloat16()
+        got = key(x, [rows] * h).float()
+        want = torch.cat([x[i * rows : (i + 1) * rows].float() @ w for i, w in enumerate(heads)])
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=1e-2 * want.abs().max().item())
     with pytest.raises(ValueError):
         key(x, [rows] * (h - 1) + [rows + 1])
