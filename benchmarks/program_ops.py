@@ -6,8 +6,9 @@
 One sequence decodes --tokens tokens --rounds times (greedy, a short random prompt) with every op of the batch-1
 program timed (engine.kernels.program.Program.profile: a clock read per op, ~0.2% of a step). Prints the wall time
 a token, the program's share of it (the rest is the LM head, sampling and the engine's Python), each op kind's
-time a token, and the ops of the first --layers layers in order, each with its time. Run it alone on the machine:
-another process on the cores moves every figure.
+time a token (the mean, and the sum of each op's best run: on a shared VM the means ran 25-35% above the bests,
+which are what the kernel selection's timings compare with), and the first --layers layers' ops in order. Run it
+alone on the machine: another process on the cores moves every figure.
 """
 
 from __future__ import annotations
@@ -50,15 +51,17 @@ def main() -> None:
         llm.generate([prompt], SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True))
         steps += args.tokens - 1  # the first token comes from the prefill
     wall = (time.perf_counter() - start) / steps * 1e6
-    per_op = (ns / steps / 1e3).tolist()  # us a token
+    per_op, best = (ns[0] / steps / 1e3).tolist(), (ns[1] / 1e3).tolist()  # us a token; each op's best, us
     kinds = [NAMES.get(k, str(k)) for k in prog.table[:, 0].tolist()]
     print(f"{path.name}, batch 1, {steps} decode steps: {wall:.0f} us a token (prefill included), program "
           f"{sum(per_op):.0f} us, the rest (LM head, sampling, Python) {wall - sum(per_op):.0f} us")  # fmt: skip
-    totals: dict[str, float] = collections.defaultdict(float)
-    for kind, t in zip(kinds, per_op, strict=True):
-        totals[kind] += t
-    for kind, t in sorted(totals.items(), key=lambda kv: -kv[1]):
-        print(f"  {kind:14s} {t:8.1f} us  ({kinds.count(kind)} ops)")
+    totals: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])
+    for kind, t, b in zip(kinds, per_op, best, strict=True):
+        totals[kind][0] += t
+        totals[kind][1] += b
+    print("  op kind        mean a token   best a token (each op's fastest run, summed)")
+    for kind, (t, b) in sorted(totals.items(), key=lambda kv: -kv[1][0]):
+        print(f"  {kind:14s} {t:8.1f} us    {b:8.1f} us  ({kinds.count(kind)} ops)")
     layers, norms = [], 0
     for i, kind in enumerate(kinds):  # a layer starts at its input norm: every other `norm` op
         if kind == "norm":
@@ -68,7 +71,7 @@ def main() -> None:
             if norms % 2 == 1:
                 layers.append(i)
         if layers:
-            print(f"  layer {len(layers) - 1} op {i:4d} {kind:14s} {per_op[i]:7.1f} us")
+            print(f"  layer {len(layers) - 1} op {i:4d} {kind:14s} {per_op[i]:7.1f} us (best {best[i]:.1f})")
 
 
 if __name__ == "__main__":

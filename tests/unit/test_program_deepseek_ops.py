@@ -136,4 +136,4 @@ def test_the_int4_w_uk_ops_scale_per_latent_group_and_merge_as_torch_does() -> N
         torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)  # the same values, a NaN a NaN
         assert torch.equal(y[: H * rows].view(H, rows, -1), yr.transpose(1, 2).reshape(H, rows, -1))
         if ns is not None:
-            assert ns.shape == (2,) and bool((ns > 0).all())
+            assert ns.shape == (2, 2) and bool((ns > 0).all()) and bool((ns[1] <= ns[0]).all())  # sums, bests
