@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -271,6 +272,21 @@ def test_the_experts_choice_takes_the_amx_kernel_s_grouped_call_where_it_timed_f
         same &= a.argmax(-1) == b.argmax(-1)
 
 
+def _mla_timed(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, scheme: str, choice: str, timer: Callable[[object], float],
+    product: int, want: str,
+) -> Any:  # fmt: skip
+    """The first MLA layer of a bf16 engine on a `scheme` DeepSeek whose op_choice.`choice` (one of MLA's absorbed
+    products: 0 W_UK, 1 W_UV) ran under `timer`, once every layer was checked to take the `want` kind of call."""
+    quantize(build_deepseek("v2-grouped", tmp_path / "src"), tmp_path / "q", scheme, group_size=8)
+    choose = getattr(op_choice, choice)
+    monkeypatch.setattr(op_choice, choice, lambda k, mla, dtype, *_: choose(k, mla, dtype, timer, None))
+    core = make_core(tmp_path / "q", dtype="bfloat16", max_num_seqs=8, gemm_path="bf16mm")
+    mlas = [m for m in core.runner.model.modules() if type(m).__name__ == "MLAttention"]
+    assert mlas and {type(m.absorbed[product]).__name__ for m in mlas} == {want}
+    return mlas[0]
+
+
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("faster", ["quantized", "bf16"])
 def test_w_uv_runs_from_the_checkpoints_quantized_rows_where_that_timed_faster(
@@ -280,22 +296,14 @@ def test_w_uv_runs_from_the_checkpoints_quantized_rows_where_that_timed_faster(
     scales, run along the latent, W_UV's inputs): the one-row call the timer says is faster is the one the layers
     take, and the quantized call gives each head's reference product of those rows."""
     _kernel(scheme)
-    quantize(build_deepseek("v2-grouped", tmp_path / "src"), tmp_path / "q", scheme, group_size=8)
 
     def timer(fn: object) -> float:
         cells = [c.cell_contents for c in (getattr(fn, "__closure__", None) or ())]
         quantized = any(isinstance(c, GroupedQuantLinear) for c in cells)
         return 1e-3 if quantized == (faster == "quantized") else 1.0
 
-    choose = op_choice.choose_absorbed_quant
-    monkeypatch.setattr(
-        op_choice, "choose_absorbed_quant", lambda k, mla, dtype, *_: choose(k, mla, dtype, timer, None)
-    )
-    core = make_core(tmp_path / "q", dtype="bfloat16", max_num_seqs=8, gemm_path="bf16mm")
-    mlas = [m for m in core.runner.model.modules() if type(m).__name__ == "MLAttention"]
-    want_kind = "GroupedQuantLinear" if faster == "quantized" else "GroupedLinear"
-    assert mlas and {type(m.absorbed[1]).__name__ for m in mlas} == {want_kind}
-    mla = mlas[0]
+    want = "GroupedQuantLinear" if faster == "quantized" else "GroupedLinear"
+    mla = _mla_timed(monkeypatch, tmp_path, scheme, "choose_absorbed_quant", timer, 1, want)
     uv = mla.absorbed_quantized()
     assert uv is not None and len(uv) == mla.num_heads and uv[0].shape == (mla.v_dim, mla.kv_lora_rank)
     if faster == "quantized":
@@ -333,19 +341,13 @@ def test_w_uk_runs_from_the_checkpoints_int4_key_rows_where_that_timed_faster(
     group: the one-row call the timer says is faster (each timed as a decode program runs it) is the one the
     layers take, and the int4 call gives each head's product with the dequantized key rows."""
     kernel = _kernel("w4a16")
-    quantize(build_deepseek("v2-grouped", tmp_path / "src"), tmp_path / "q", "w4a16", group_size=8)
 
     def timer(fn: object) -> float:
         int4 = isinstance(getattr(fn, "what", None), GroupScaledKey)
         return 1e-3 if int4 == (faster == "int4") else 1.0
 
-    choose = op_choice.choose_absorbed_key
-    monkeypatch.setattr(op_choice, "choose_absorbed_key", lambda k, mla, dtype, *_: choose(k, mla, dtype, timer, None))
-    core = make_core(tmp_path / "q", dtype="bfloat16", max_num_seqs=8, gemm_path="bf16mm")
-    mlas = [m for m in core.runner.model.modules() if type(m).__name__ == "MLAttention"]
-    want_kind = "GroupScaledKey" if faster == "int4" else "GroupedLinear"
-    assert mlas and {type(m.absorbed[0]).__name__ for m in mlas} == {want_kind}
-    mla = mlas[0]
+    want = "GroupScaledKey" if faster == "int4" else "GroupedLinear"
+    mla = _mla_timed(monkeypatch, tmp_path, "w4a16", "choose_absorbed_key", timer, 0, want)
     pieces = mla.absorbed_key_quantized()
     assert pieces is not None
     wide = GroupedLinear(bf16mm.kernel(), mla.absorbed_weights()[0])
