@@ -1,9 +1,9 @@
-"""MLA decode's W_UK product (q_nope W_UK per head) over kv_b_proj's own 4-bit key rows, a quarter of the bf16
-copy's bytes.
+"""MLA decode's W_UK product (q_nope W_UK per head) over kv_b_proj's own 4-bit key rows, about a third of the bf16
+copy's bytes with their scales.
 
 kv_b_proj's int4 rows run along the latent (its inputs), grouped there: row n of head h holds W_UK[n, l] =
-s[n, g(l)] (q[n, l] - 8) (symmetric). W_UK's product sums over n, where every weight of a latent group g has its own
-scale, so no int4 GEMM's per-(output, input group) scale can carry it; but the scale moves onto the input:
+s[n, g(l)] (q[n, l] - 8) (symmetric). W_UK's product sums over n, and within a latent group the scale changes with
+n, so no int4 GEMM's per-(output, input group) scale can carry it; but the scale moves onto the input:
 
     q_lat[l] = sum_n (x[n] s[n, g]) (q[n, l] - 8)          for l in latent group g
 
@@ -100,11 +100,11 @@ class GroupScaledKey:
             self.wide.emit(b, counts, x, y)
             return
         h, g, k = self.scales.shape
-        counts = b.buffer(h * g, dtype=torch.int64)
+        pieces = b.buffer(h * g, dtype=torch.int64)  # rows per head and group
         xs = b.buffer(h * g * width, k, dtype=torch.bfloat16)
         ys = b.buffer(h * g * width, self.grouped.n, dtype=torch.bfloat16)
-        b.fill_rows(h * g, counts.data_ptr())
+        b.fill_rows(h * g, pieces.data_ptr())
         b.scale_groups(h, g, k, x, self.scales.data_ptr(), xs.data_ptr())
-        self.grouped.emit(b, counts.data_ptr(), xs.data_ptr(), ys.data_ptr())
+        self.grouped.emit(b, pieces.data_ptr(), xs.data_ptr(), ys.data_ptr())
         b.merge_groups(h, g, self.grouped.n * ys.element_size(), ys.data_ptr(), y)
         b.keep += [self.scales]
