@@ -95,9 +95,9 @@ def test_quantized_deepseek_programs_give_the_layers_logits_bit_for_bit(
     checkpoints: dict[str, Path], tmp_path: Path, scheme: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Quantized projections through their kernels' entries (the gated MLPs' fused ones), the routed experts and
-    MLA's W_UV (the checkpoint's quantized value rows of kv_b_proj; with W4A16 W_UK too, over its key rows) through the
-    grouped W4A16 / W8A8 entries
-    (forced, untimed: the first accepting kernel runs): no stop for Python."""
+    MLA's W_UV (the checkpoint's quantized value rows of kv_b_proj; with W4A16 W_UK too, over its key rows, at one
+    row) through the grouped W4A16 / W8A8 entries (forced, untimed: the first accepting kernel runs): no stop for
+    Python."""
     if not QUANT[scheme]:
         pytest.skip(f"this CPU has no {scheme} kernel a program calls (i8mm: AVX512-VNNI; w4mm: AVX512-BF16)")
     from engine.quant.quantize import quantize
