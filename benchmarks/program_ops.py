@@ -36,6 +36,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--layers", type=int, default=2)
     args = ap.parse_args()
+    if args.tokens < 2 or args.rounds < 1 or args.layers < 0:
+        ap.error("--tokens must be at least 2 (one is the prefill's), --rounds at least 1, --layers not negative")
     path = checkpoint(args.shape)
     if args.quantization:
         path = quantized(path, args.quantization, args.group_size, lm_head=args.quantize_lm_head)

@@ -9,6 +9,7 @@ is in question. Timings go into the same on-disk table as the GEMMs' (engine.ker
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Callable
@@ -350,20 +351,22 @@ def choose_absorbed_quant(
 
 
 class _ProgramCall:
-    """A candidate run as a decode program runs it: its ops in one C call, no Python between (`what`: the object
-    whose ops they are)."""
+    """A candidate run as a decode program runs it: its ops in one C call, no Python between. Built at its first
+    call, so a choice the plan cache already holds builds nothing; `what`: the object `build` emitted the ops of."""
 
-    def __init__(self, what: object, emit: Callable[[ProgramBuilder], object], output: torch.Tensor) -> None:
-        lib = program.library()
-        assert lib is not None
-        b = ProgramBuilder()
-        emit(b)
-        self.what, self.program = what, b.build(lib, output)
-        self.step = [0] * program.NUM_STEP_VALUES
-        self.step[program.ROWS.index], self.step[program.THREADS.index] = 1, torch.get_num_threads()
+    def __init__(self, build: Callable[[ProgramBuilder], object], output: torch.Tensor) -> None:
+        self.build, self.output = build, output
+        self.what: object = None
+        self.program: program.Program | None = None
 
     def __call__(self) -> object:
-        return self.program(self.step)
+        if self.program is None:
+            lib = program.library()
+            assert lib is not None
+            b = ProgramBuilder()
+            self.what = self.build(b)
+            self.program = b.build(lib, self.output)
+        return self.program(program.timing_step(1))
 
 
 def choose_absorbed_key(
@@ -387,18 +390,23 @@ def choose_absorbed_key(
     y, counts = torch.empty(h, lat, dtype=dtype), torch.empty(h, dtype=torch.int64)
     ptr = torch.Tensor.data_ptr
 
-    bf16 = GroupedLinear(kernel, mla.absorbed_weights()[0])
+    bf16 = functools.cache(lambda: GroupedLinear(kernel, mla.absorbed_weights()[0]))
 
-    def int4(k: QuantKernel) -> _ProgramCall:
-        key = GroupScaledKey(k, pieces, bf16)  # type: ignore[arg-type]
-        return _ProgramCall(key, lambda b: key.emit(b, ptr(counts), ptr(x), ptr(y), 1), y)
+    def int4(k: QuantKernel) -> Callable[[ProgramBuilder], object]:
+        def build(b: ProgramBuilder) -> object:
+            key = GroupScaledKey(k, pieces, bf16())  # type: ignore[arg-type]
+            key.emit(b, ptr(counts), ptr(x), ptr(y), 1)
+            return key
 
-    def emit_bf16(b: ProgramBuilder) -> None:
+        return build
+
+    def build_bf16(b: ProgramBuilder) -> object:
         b.fill_rows(h, ptr(counts))
-        bf16.emit(b, ptr(counts), ptr(x), ptr(y))
+        bf16().emit(b, ptr(counts), ptr(x), ptr(y))
+        return bf16()
 
-    candidates: dict[str, Callable[[], object]] = {c: int4(k) for c, k in kernels.items()}
-    candidates["bf16"] = _ProgramCall(bf16, emit_bf16, y)
+    candidates: dict[str, Callable[[], object]] = {c: _ProgramCall(int4(k), y) for c, k in kernels.items()}
+    candidates["bf16"] = _ProgramCall(build_bf16, y)
     ours = "+".join(c.removeprefix("grouped ") for c in kernels)
     g = pieces.weights[0].shape[0]
     key = f"op absorbed_uk 1 h{h} n{n} l{lat} w4a16-g{g} {dtype} program {ours} vs bf16"

@@ -53,6 +53,14 @@ Arg = int | Step | None
 Hook = Callable[[int], object]  # Python between two runs of C calls, given the step's rows
 
 
+def timing_step(rows: int, x: int = 0) -> tuple[int, ...]:
+    """The step values for running a program outside a decode step (to time it): `rows` rows of input `x`, torch's
+    threads; no cache, tables or angles."""
+    values = [0] * NUM_STEP_VALUES
+    values[ROWS.index], values[THREADS.index], values[INPUT.index] = rows, torch.get_num_threads(), x
+    return tuple(values)
+
+
 def f32_bits(value: float) -> int:
     return struct.unpack("<I", struct.pack("<f", value))[0]
 

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.kernels.decode_attn import DecodeAttention
-from engine.kernels.grouped import GroupedExperts
+from engine.kernels.grouped import GroupedExperts, GroupedLinear
 from engine.kernels.pointwise import PointwiseKernels, route_config
 from engine.kernels.program import Program, address
 from engine.layers.mla import MLAttention
@@ -83,6 +83,12 @@ def _rope_pairs(attn: MLAttention, dtype: torch.dtype) -> int | None:
     return address(fn) if fn is not None else None
 
 
+def _bf16_call(uk: GroupedLinear | GroupScaledKey) -> GroupedLinear:
+    """W_UK's grouped call over bf16 weights: itself, or the one an int4 W_UK takes past one row (int4 rows are
+    bf16 math too)."""
+    return uk.wide if isinstance(uk, GroupScaledKey) else uk
+
+
 def _mla(f: Frame, attn: MLAttention, cls: int) -> str | None:
     """MLA of norm_out into o_buf; None, or why the layer has no program here."""
     b, dtype, es, ptr = f.b, f.dtype, f.esize, torch.Tensor.data_ptr
@@ -105,8 +111,7 @@ def _mla(f: Frame, attn: MLAttention, cls: int) -> str | None:
     absorbed = attn.absorbed
     parts = {"MLA's input projection": qa, "the query's projection": qb, "the O GEMM": o,
              "MLA's norms": (nq or not q_lora) and nkv, "RoPE on pairs": rope, "latent decode attention": attn_fn,
-             "W_UK / W_UV as grouped calls": absorbed and (isinstance(absorbed[0], GroupScaledKey)
-                                                            or absorbed[0].kernel.dtype == dtype)}  # fmt: skip
+             "W_UK / W_UV as grouped calls": absorbed and _bf16_call(absorbed[0]).kernel.dtype == dtype}  # fmt: skip
     missing = [name for name, p in parts.items() if not p]
     if missing:
         return f"{missing[0]} has no C kernel here (the layer runs it in torch)"
