@@ -201,3 +201,17 @@ int i8avx2_linear_panel(int64_t M, int64_t N, int64_t K, const float *x, const i
     }
     return failed ? -1 : 0;
 }
+
+// The two entry points with i8mm_linear's arguments, the signature a decode program calls (engine/kernels/program.c
+// i8_fn): rows float32 whatever `bf16` says, no column sums (this kernel's products need none).
+int i8avx2_program_linear(int64_t M, int64_t N, int64_t K, const float *x, int bf16, const int8_t *w,
+                          const int32_t *colsum, const float *ws, const float *b, float *y, int nthreads) {
+    (void)bf16, (void)colsum;
+    return i8avx2_linear(M, N, K, x, w, ws, b, y, nthreads);
+}
+
+int i8avx2_program_panel(int64_t M, int64_t N, int64_t K, const float *x, int bf16, const int8_t *w,
+                         const int32_t *colsum, const float *ws, const float *b, float *y, int nthreads) {
+    (void)bf16, (void)colsum;
+    return i8avx2_linear_panel(M, N, K, x, w, ws, b, y, nthreads);
+}

@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels.cbuild import Once, SelfCheckError, build, cpu_flags
+from engine.kernels.gemm import CEntry
+from engine.kernels.program import ProgramBuilder, address
 from engine.quant.weights import Int8Weight
 
 log = logging.getLogger(__name__)
@@ -55,6 +57,11 @@ class I8AVX2:
     def build(cls, flags: tuple[str, ...] = ("-march=native",)) -> I8AVX2:
         return cls(build(SOURCE, flags))
 
+    def c_fn(self, entry: str) -> ctypes._CFuncPtr:
+        """The C function a decode program calls for an entry method (`linear`, `panel`): the same call with
+        i8mm_linear's arguments (the program's signature for W8A8)."""
+        return getattr(self.lib, f"i8avx2_program_{entry}")
+
     @staticmethod
     def pack(q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> PackedInt8Rows:
         """q: int8 [N, K]; scale: float [N]; bias: [N] or None → the kernel's layout."""
@@ -84,6 +91,17 @@ class I8AVX2:
         if rc != 0:
             raise MemoryError("i8avx2: no memory for the quantized rows or a widened panel")
         return y.view(*x.shape[:-1], w.n)
+
+
+def i8avx2_entry(fn: ctypes._CFuncPtr, w: PackedInt8Rows) -> CEntry:
+    """How a decode program calls `fn` (I8AVX2.c_fn) over `w` with float32 rows: N columns out."""
+    bias = w.bias.data_ptr() if w.bias is not None else None
+
+    def emit(builder: ProgramBuilder, k: int, x: int, y: int) -> None:
+        builder.i8mm(address(fn), w.n, w.k, x, w.packed.data_ptr(), None, w.scale.data_ptr(), bias, y, False)
+
+    keep = tuple(t for t in (w.packed, w.scale, w.bias) if t is not None)
+    return CEntry(w.n, torch.float32, emit, keep)
 
 
 def self_check(kernel: I8AVX2) -> None:

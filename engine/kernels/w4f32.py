@@ -5,7 +5,9 @@ Where the engine computes in float32 (no AVX512-BF16 or AMX: AVX2, AVX-512 witho
 portable C), torch's int4 GEMM was the only fast-path candidate, and on a Zen 3 it ran scalar code (5 ms for one
 row of a 4864 x 896 layer). Two entry points over one packed weight: `direct` widens the nibbles in registers,
 one or two rows at a time (decode's small batches); `panel` widens one group of a 32-column block at a time into
-a buffer and runs FMA tiles over every row (batches, prefill). The engine times both, with torch's int4 GEMM and
+a buffer and runs FMA tiles over every row (batches, prefill). Each 32-bit word of the packed weight holds one
+column's 8 consecutive nibbles (Int4Weight's 4 bytes for them, as they lie), so K and the group size are multiples
+of 8. The engine times both, with torch's int4 GEMM and
 the reference, per shape and batch class (engine.quant.paths).
 """
 
@@ -31,8 +33,8 @@ _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 
 @dataclass(slots=True)
 class PackedInt4F32:
-    """A weight in the kernel's layout: nibbles [N/32, K/2, 32] uint8, scales [N/32, K/G, 2, 32] float32 (s,
-    then s * z)."""
+    """A weight in the kernel's layout: words [N/32, K/8, 32] int32 (column j's k = 8o + i at bits 4i of word
+    (o, j)), scales [N/32, K/G, 2, 32] float32 (s, then s * z)."""
 
     nibbles: torch.Tensor
     scales: torch.Tensor
@@ -54,21 +56,28 @@ class W4F32:
     def build(cls, flags: tuple[str, ...] = ("-march=native",)) -> W4F32:
         return cls(build(SOURCE, flags))
 
+    def c_fn(self, entry: str) -> ctypes._CFuncPtr | None:
+        """The C function behind an entry method (`direct`, `panel`), for a decode program (w4mm.w4_entry with
+        float32 rows: w4f32_linear takes w4mm_linear's arguments); None for others."""
+        names = {"direct": "w4f32_linear", "panel": "w4f32_linear_panel"}
+        return getattr(self.lib, names[entry]) if entry in names else None
+
     @staticmethod
     def accepts(n: int, k: int, group_size: int) -> bool:
-        return k % group_size == 0 and group_size % 2 == 0
+        return k % group_size == 0 and group_size % 8 == 0
 
     @staticmethod
     def pack(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int) -> PackedInt4F32:
         """Int4Weight's nibbles [N, K/2] (even k low) and its scale, zero [N, K/G] → the kernel's layout, columns
-        padded to whole blocks with zero weights."""
+        padded to whole blocks with zero weights (the words read little-endian, as x86 and aarch64 do)."""
         n, k = packed.shape[0], packed.shape[1] * 2
         assert W4F32.accepts(n, k, group_size)
         blocks = -(-n // BLOCK)
         pad = blocks * BLOCK - n
-        # Int4Weight's byte (n, p) already holds k = 2p low and 2p + 1 high: only the order changes
-        p = torch.nn.functional.pad(packed.to(torch.uint8), (0, 0, 0, pad))
-        nibbles = p.view(blocks, BLOCK, k // 2).transpose(1, 2).contiguous()  # [block, p, column]
+        # Int4Weight's byte (n, p) already holds k = 2p low and 2p + 1 high, so its bytes 4o .. 4o + 3 read as
+        # one word are k = 8o .. 8o + 7 at bits 0, 4, .. 28: only the order of the words changes
+        p = torch.nn.functional.pad(packed.to(torch.uint8), (0, 0, 0, pad)).contiguous().view(torch.int32)
+        nibbles = p.view(blocks, BLOCK, k // 8).transpose(1, 2).contiguous()  # [block, octet, column]
         s = torch.nn.functional.pad(scale.float(), (0, 0, 0, pad))
         sz = s * torch.nn.functional.pad(zero.float(), (0, 0, 0, pad))
         scales = torch.stack((s, sz), dim=0).view(2, blocks, BLOCK, -1).permute(1, 3, 0, 2).contiguous()
@@ -99,7 +108,8 @@ class W4F32:
 def self_check(kernel: W4F32) -> None:
     """Column tails, several groups, more rows than a tile or a pass, asymmetric zero points, both entry points."""
     g = torch.Generator().manual_seed(0)
-    for m, n, k, gs in ((1, 70, 64, 32), (3, 130, 256, 128), (200, 64, 96, 32), (4, 16, 128, 64), (2, 33, 16, 16)):
+    shapes = ((1, 70, 64, 32), (3, 130, 256, 128), (200, 64, 96, 32), (4, 16, 128, 64), (2, 33, 16, 16), (5, 40, 24, 8))
+    for m, n, k, gs in shapes:
         values = torch.randint(0, 16, (n, k), generator=g)
         scale = torch.rand(n, k // gs, generator=g) * 0.1 + 0.01
         zero = torch.randint(0, 16, (n, k // gs), generator=g)

@@ -26,6 +26,7 @@ from engine.kernels import bf16mm
 from engine.kernels.cbuild import Once, SelfCheckError, build
 from engine.kernels.gemm import CEntry, interleave_halves
 from engine.kernels.program import ProgramBuilder, address
+from engine.kernels.w4f32 import PackedInt4F32
 from engine.quant.weights import Int4Weight, pack_nibbles
 
 log = logging.getLogger(__name__)
@@ -210,18 +211,21 @@ def run_grouped(
     return y
 
 
-def w4_entry(fn: ctypes._CFuncPtr, w: PackedInt4, bias: torch.Tensor | None, cols: int) -> CEntry:
+def w4_entry(
+    fn: ctypes._CFuncPtr, w: PackedInt4 | PackedInt4F32, bias: torch.Tensor | None, cols: int,
+    dtype: torch.dtype = torch.bfloat16,
+) -> CEntry:  # fmt: skip
     """How a decode program calls `fn` (an entry point over this layout, w4mm's or w4amx's, `cols` columns out:
-    N, or N / 2 for a fused one) over `w` with bf16 rows; `bias` bf16 (interleaved like the rows for a fused
-    one)."""
-    b = bias.to(torch.bfloat16).contiguous() if bias is not None else None
+    N, or N / 2 for a fused one; or w4f32's over its own, `dtype` float32) over `w` with rows of `dtype`; `bias`
+    in `dtype` (interleaved like the rows for a fused one)."""
+    b = bias.to(dtype).contiguous() if bias is not None else None
     bp = b.data_ptr() if b is not None else None
 
     def emit(builder: ProgramBuilder, k: int, x: int, y: int) -> None:
         builder.w4mm(address(fn), w.n, w.k, w.group_size, x, w.nibbles.data_ptr(), w.scales.data_ptr(), bp, y)
 
     keep = (w.nibbles, w.scales) if b is None else (w.nibbles, w.scales, b)
-    return CEntry(cols, torch.bfloat16, emit, keep)
+    return CEntry(cols, dtype, emit, keep)
 
 
 class W4MMWide(W4MM):

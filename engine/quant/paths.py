@@ -23,7 +23,7 @@ import torch
 from engine.kernels import i8amx, i8avx2, i8mm, w4amx, w4f32, w4fp16, w4mm, w4vnni
 from engine.kernels.gemm import Act, CEntry, EntryRun, GemmPath, Run, interleave_halves, packed_once, with_act
 from engine.kernels.i8amx import I8AMX
-from engine.kernels.i8avx2 import I8AVX2, PackedInt8Rows
+from engine.kernels.i8avx2 import I8AVX2, PackedInt8Rows, i8avx2_entry
 from engine.kernels.i8mm import I8MM, PackedInt8, i8_entry
 from engine.kernels.w4amx import W4AMX
 from engine.kernels.w4f32 import W4F32, PackedInt4F32
@@ -246,7 +246,8 @@ class I8AVX2Path:
             _PACKED_ROWS, (id(weight.q), id(bias)), weight.q, lambda: I8AVX2.pack(weight.q, weight.scale, bias)
         )
         fn = getattr(self.kernel, self.entry)
-        return with_act(lambda x: fn(x, packed).to(x.dtype), act)
+        entry = i8avx2_entry(self.kernel.c_fn(self.entry), packed)
+        return with_act(EntryRun(lambda x: fn(x, packed).to(x.dtype), entry), act)
 
 
 _PACKED_ROWS: dict[tuple[int, int], PackedInt8Rows] = {}  # as _PACKED_INT8, for i8avx2's layout
@@ -320,14 +321,15 @@ class _Int4KernelPath:
         return with_act(EntryRun(lambda x: fn(x, packed, b).to(x.dtype), self._entry(packed, b, 1)), act)
 
     def _entry(self, packed: object, bias: torch.Tensor | None, per_row: int) -> CEntry | None:
-        """The decode program's call of this entry point (w4mm's, w4amx's, w4fp16's and w4vnni's entries; not w4f32's,
-        whose rows are float32), `per_row` weight rows to an output column (2 for a fused gated MLP)."""
-        if not isinstance(self.kernel, W4MM | W4AMX | W4FP16 | W4VNNI) or not isinstance(packed, PackedInt4):
+        """The decode program's call of this entry point (w4mm's, w4amx's, w4fp16's and w4vnni's entries over bf16
+        rows; w4f32's over float32 rows), `per_row` weight rows to an output column (2 for a fused gated MLP)."""
+        if isinstance(self.kernel, W4F32) and isinstance(packed, PackedInt4F32):
+            fn, dtype = self.kernel.c_fn(self.entry), torch.float32
+        elif isinstance(self.kernel, W4MM | W4AMX | W4FP16 | W4VNNI) and isinstance(packed, PackedInt4):
+            fn, dtype = self.kernel.c_fn(self.entry.replace("-", "_")), torch.bfloat16
+        else:
             return None
-        fn = self.kernel.c_fn(self.entry.replace("-", "_"))
-        if fn is None:
-            return None
-        return w4_entry(fn, packed, bias, packed.n // per_row)
+        return w4_entry(fn, packed, bias, packed.n // per_row, dtype) if fn is not None else None
 
 
 _PACKED: dict[str, dict[int, object]] = {}  # per kernel: weight nibbles' id → its packed copy

@@ -1,6 +1,7 @@
 """Decode steps as one C call (engine.models.llama_program) on Llama, Qwen2 (qkv bias) and Mistral models from
 bf16 checkpoints: the same logits, bit for bit, as the layers compute with the same kernels, at every batch class
-a step has, in bf16 math (bf16mm / amxmm) and in float32 math (wbf16, every CPU), W8A8 (i8mm) and W4A16 (w4mm),
+a step has, in bf16 math (bf16mm / amxmm) and in float32 math (wbf16, every CPU), W8A8 (i8mm; i8avx2 in float32)
+and W4A16 (w4mm; w4f32 in float32),
 with the gated MLP's fused GEMM or with its GEMM and then the layers' own act in torch; greedy tokens
 transformers' (float32) choices.
 
@@ -17,7 +18,7 @@ import torch
 
 import engine.kernels.bind
 import engine.model_runner
-from engine.kernels import amxmm, bf16mm, i8mm, w4fp16, w4vnni
+from engine.kernels import amxmm, bf16mm, i8avx2, i8mm, w4fp16, w4vnni
 from engine.kernels.bind import gemm_paths
 from engine.kernels.gemm import FusedSiluPath
 from engine.models.decode_program import TRIALS
@@ -122,6 +123,34 @@ def test_quantized_programs_give_the_layers_logits_bit_for_bit(
     assert "<=8" in _programs_run(core)
     programs = [c.program for c in core.runner.model.programs._choices.values() if c.program is not None]
     assert all(p.python_calls == (0 if fused else len(core.runner.model.model.layers)) for p in programs)
+
+
+@pytest.mark.parametrize(("scheme", "kernel"), [("w8a8", "i8avx2"), ("w8a8", "i8avx2-panel"), ("w4a16", "w4f32")])
+def test_float32_quantized_programs_give_the_layers_logits_bit_for_bit(
+    bf16_dir: Path, tmp_path: Path, scheme: str, kernel: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Float32 math (the AVX2 CPUs'): W8A8 through i8avx2's entries, W4A16 through w4f32's (direct and panel), each
+    a C call of the program over float32 rows; the gated MLP's act in torch between two C calls (these kernels
+    have no fused SiLU)."""
+    from engine.quant.quantize import quantize
+
+    if scheme == "w8a8" and not i8avx2.supported():
+        pytest.skip("i8avx2 needs AVX2")
+
+    def ours(dtype: torch.dtype) -> list:
+        return [p for p in quant_paths(dtype) if p.name.startswith(kernel)]
+
+    monkeypatch.setattr(engine.kernels.bind, "quant_paths", ours)
+    quantize(bf16_dir, tmp_path / "q", scheme, group_size=16)
+    prompts = mixed_prompts(6)
+    core = make_core(tmp_path / "q", dtype="float32", gemm_path="wbf16", decode_program="program")
+    got = step_logits(core, prompts, 10)
+    layers = make_core(tmp_path / "q", dtype="float32", gemm_path="wbf16", decode_program="layers")
+    want = step_logits(layers, prompts, 10)
+    assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert "<=8" in _programs_run(core)
+    programs = [c.program for c in core.runner.model.programs._choices.values() if c.program is not None]
+    assert all(p.python_calls == len(core.runner.model.model.layers) for p in programs)  # the acts only
 
 
 @pytest.mark.parametrize("entry", ["fp16", "vnni"])

@@ -30,16 +30,16 @@ def test_the_packed_layout_holds_each_nibble_and_scale_where_the_kernel_reads_it
     w = int4_weight(40, 64, 32, symmetric=False)
     p = W4F32.pack(w.packed, w.scale, w.zero, 32)
     blocks = 2  # 40 columns: one whole block of 32 and a padded one
-    nib = p.nibbles.view(blocks, 64 // 2, 32)
+    words = p.nibbles.view(blocks, 64 // 8, 32)
     v = w.values()
-    for col, k in ((0, 0), (1, 1), (17, 2), (31, 63), (32, 62), (39, 61)):
-        byte = int(nib[col // 32, k // 2, col % 32])
-        assert (byte >> 4 if k % 2 else byte & 15) == int(v[col, k])
+    for col, k in ((0, 0), (1, 1), (17, 2), (31, 63), (32, 62), (39, 61), (5, 7), (6, 56)):
+        word = int(words[col // 32, k // 8, col % 32]) & 0xFFFFFFFF
+        assert (word >> 4 * (k % 8)) & 15 == int(v[col, k])
     sc = p.scales.view(blocks, 2, 2, 32)  # [block, group, (s, s * z), column]
     assert sc[1, 1, 0, 5] == w.scale[37, 1]
     assert torch.isclose(sc[0, 0, 1, 3], w.scale[3, 0] * w.zero[3, 0].float())
     # the 24 padding columns: zero nibbles and zero scales, so they add nothing
-    assert sc[1, :, :, 8:].abs().sum() == 0 and nib[1, :, 8:].sum() == 0
+    assert sc[1, :, :, 8:].abs().sum() == 0 and words[1, :, 8:].abs().sum() == 0
 
 
 @pytest.mark.parametrize("entry", ["direct", "panel"])
