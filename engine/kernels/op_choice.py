@@ -526,8 +526,8 @@ def absorbed_gemm(
     given and they fit."""
 
     def make(mla: MLAttention) -> tuple[GroupedLinear | GroupScaledKey, GroupedLinear | GroupedQuantLinear] | None:
-        uk, uv = mla.absorbed_weights()
-        if not (GroupedLinear.accepts(kernel, uk) and GroupedLinear.accepts(kernel, uv)):
+        uk, uv = (_bf16_exact(w) for w in mla.absorbed_weights())
+        if uk is None or uv is None or not (GroupedLinear.accepts(kernel, uk) and GroupedLinear.accepts(kernel, uv)):
             return None
         q = mla.absorbed_quantized() if quantized is not None else None
         v: GroupedLinear | GroupedQuantLinear = GroupedLinear(kernel, uv)
@@ -541,25 +541,39 @@ def absorbed_gemm(
     return make
 
 
+def _bf16_exact(weights: list[torch.Tensor]) -> list[torch.Tensor] | None:
+    """The weights in bf16 where each holds only bf16 values, else None. WHY: in float32 math kv_b_proj stays
+    float32 (its decode reads the plain weight), yet a bf16 checkpoint's values convert back exactly, so the grouped
+    kernels over bf16 weights (wbf16's, float32 rows) compute the same products as bmm over the float32 copy."""
+    if all(w.dtype == torch.bfloat16 for w in weights):
+        return weights
+    bf16 = [w.to(torch.bfloat16) for w in weights]
+    return bf16 if all(torch.equal(b.to(w.dtype), w) for b, w in zip(bf16, weights, strict=True)) else None
+
+
 def choose_absorbed_gemm(
     kernels: dict[str, GroupedKernel], mla: MLAttention, dtype: torch.dtype, timer: Timer | None,
     cache: PlanCache | None, flush: Callable[[], None] | None = None,
 ) -> GroupedKernel | None:  # fmt: skip
     """The grouped kernel whose two calls (one per product) ran MLA decode's per-head products (q_nope W_UK,
     o W_UV) for ROWS rows faster than the other kernels and than torch.bmm over the weights laid out for it (what
-    MLAttention runs without a kernel); None where bmm won or no kernel fits. `flush`: as fastest's."""
+    MLAttention runs without a kernel); None where bmm won or no kernel fits. In float32 math the kernels take
+    bf16 weights (a bf16 checkpoint's, exactly: absorbed_gemm) and float32 rows. `flush`: as fastest's."""
     h, n, v, lat = mla.num_heads, mla.nope, mla.v_dim, mla.kv_lora_rank
     g = torch.Generator().manual_seed(0)
-    w3 = torch.randn(h, n + v, lat, generator=g).to(dtype)
+    w3 = torch.randn(h, n + v, lat, generator=g).to(torch.bfloat16)
     uk, uv = per_head_absorbed(w3, n)
     fits = {
         name: k
         for name, k in kernels.items()
-        if k.dtype == dtype == torch.bfloat16 and GroupedLinear.accepts(k, uk) and GroupedLinear.accepts(k, uv)
+        if k.dtype == dtype
+        and dtype in (torch.bfloat16, torch.float32)
+        and GroupedLinear.accepts(k, uk)
+        and GroupedLinear.accepts(k, uv)
     }
     if not fits:
         return None
-    bmm_uk, bmm_uv = bmm_absorbed(w3, n)
+    bmm_uk, bmm_uv = bmm_absorbed(w3.to(dtype), n)
     q, o, heads = (
         torch.randn(ROWS, h, n, generator=g).to(dtype),
         torch.randn(ROWS, h, lat, generator=g).to(dtype),

@@ -1,0 +1,53 @@
+"""DeepSeek-V2 decode steps as one C call in float32 math (what the AVX2 CPUs run; every CPU can): wbf16's GEMMs
+and grouped calls over the bf16 checkpoint's weights, float32 rows, MLA's per-head W_UK / W_UV among the grouped
+calls (kv_b_proj stays float32 in this math, and its values convert back to bf16 exactly:
+engine.kernels.op_choice._bf16_exact). The same logits, bit for bit, as the layers compute with the same kernels,
+at every batch class a step has."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.kernels.grouped import GroupedLinear
+from tests.parity.conftest import make_core, mixed_prompts, step_logits
+from tests.parity.test_deepseek_program import _programs, _save
+
+# DeepSeek-V2's latent width (512 + 64): the float32 latent decode kernel is written for it alone
+LATENT: dict[str, object] = {"kv_lora_rank": 512, "qk_rope_head_dim": 64}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _save(tmp_path_factory.mktemp("deepseek-program-f32") / "q-lora", **LATENT)
+
+
+def test_a_float32_deepseek_step_gives_the_layers_logits_bit_for_bit(checkpoint: Path) -> None:
+    ran: dict[str, int] = {}
+    for prompts in (mixed_prompts(6), {"solo": mixed_prompts(2)["r1"]}):
+        core = make_core(checkpoint, dtype="float32", gemm_path="wbf16", decode_program="program")
+        got = step_logits(core, prompts, 10)
+        layers = make_core(checkpoint, dtype="float32", gemm_path="wbf16", decode_program="layers")
+        want = step_logits(layers, prompts, 10)
+        assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        ran |= _programs(core)
+    assert "<=8" in ran and "1" in ran and set(ran.values()) == {0}, ran  # no stop for Python: all in C
+    mlas = [m for m in core.runner.model.modules() if type(m).__name__ == "MLAttention"]
+    assert mlas and all(isinstance(m.absorbed[0], GroupedLinear) for m in mlas)
+    assert all(isinstance(m.absorbed[1], GroupedLinear) and m.absorbed[1].kernel.dtype == torch.float32 for m in mlas)
+
+
+def test_a_float32_checkpoint_keeps_bmm(tmp_path: Path) -> None:
+    """kv_b_proj holding values bf16 cannot hold (the same shapes as above, saved in float32): no grouped call over
+    rounded weights, the layers' bmm stays."""
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    from tests.parity.test_deepseek_bf16 import CONFIG
+
+    torch.manual_seed(7)
+    DeepseekV2ForCausalLM(DeepseekV2Config(**(CONFIG | LATENT))).save_pretrained(tmp_path)  # float32 weights
+    core = make_core(tmp_path, dtype="float32", gemm_path="wbf16")
+    mlas = [m for m in core.runner.model.modules() if type(m).__name__ == "MLAttention"]
+    assert mlas and all(m.absorbed is None for m in mlas)
