@@ -21,7 +21,8 @@
 // exactly (4 significant bits), and the row's x[k] is scaled by 16^-i beforehand (exact: a power of two), so
 // each product is x * q as the reference rounds it. The top nibble (i = 7) is shifted down instead (bit 31 is
 // the sign the conversion reads). Per 8 weights: AND, convert, FMA; the byte layout before (a zero-extending
-// load of 8 bytes per 16 weights, AND / shift, two conversions) ran 1.2x slower on one Zen 3 core in cache.
+// load of 8 bytes per 16 weights, AND / shift, two conversions) ran up to 1.25x slower on one Zen 3 core with the
+// weight in cache (2026-12-06; from memory at two threads the two were within that VM's noise through Python).
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -32,8 +33,8 @@
 #define MR 6   // rows per panel tile
 #define MC 96  // rows per panel pass: their partial sums [MC][NB] stay in L1/L2 while the groups go by
 #ifndef PF_BYTES
-#define PF_BYTES 4096  // the direct tiles ask for the words this far ahead (past a block: the next one's; 4096
-                       // streamed ~1.1x faster than 2048 on a Zen 3 at two threads, 2026-12-06)
+#define PF_BYTES 4096  // the direct tiles ask for the words this far ahead (past a block: the next one's; on a
+                       // Zen 3 at two threads 4096 streamed 17-22 GB/s, 2048 13-17, 2026-12-06)
 #endif
 
 static __thread thread_buffer sums_buf, scaled_buf, group_buf;
@@ -53,8 +54,8 @@ static void group_sums(int64_t M, int64_t K, int64_t G, const float *x, float *x
 }
 
 // x's rows with x[k] scaled by 16^-(k % 8) where k % 8 < 7 (the direct tiles' widened nibbles are q * 16^(k % 8)).
-// A value the scaling would leave subnormal is flushed to zero: its products are below any float32 sum's last
-// bit, and subnormal operands cost some CPUs a microcode assist per FMA.
+// A value the scaling would leave subnormal (|x| below ~2^-102) is flushed to zero: such a product is lost beside
+// any term of ordinary size, and subnormal operands cost some CPUs a microcode assist per FMA.
 static void scale_rows(int64_t M, int64_t K, const float *x, float *xq) {
     static const float f[8] = {1.f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f, 0x1p-24f, 1.f};
     for (int64_t m = 0; m < M; m++)
@@ -231,29 +232,36 @@ static void store_row(const float *o, const float *b, float *yr, int64_t nn) {
     for (int64_t j = 0; j < nn; j++) yr[j] = o[j] + (b ? b[j] : 0.0f);
 }
 
+#define RC 64  // rows a pass of the direct entry: their scaled copies [RC][K] (a prefill's rows at once would keep
+                // a buffer of M x K floats in the calling thread)
+
 // Returns 0, or -1 where the rows' group sums or scaled copies could not be had (y untouched).
 int w4f32_linear(int64_t M, int64_t N, int64_t K, int64_t G, const float *x, const uint32_t *wq, const float *sc,
                  const float *b, float *y, int nthreads) {
     const int64_t nblocks = (N + NB - 1) / NB, groups = K / G;
     if (M <= 0) return 0;
-    float *xs = floats(&sums_buf, M * groups), *xq = floats(&scaled_buf, M * K);
+    float *xs = floats(&sums_buf, M * groups), *xq = floats(&scaled_buf, (M < RC ? M : RC) * K);
     if (!xs || !xq) return -1;
     group_sums(M, K, G, x, xs, nthreads);
-    scale_rows(M, K, x, xq);
+    for (int64_t c0 = 0; c0 < M; c0 += RC) {
+        const int64_t mc = M - c0 < RC ? M - c0 : RC;
+        scale_rows(mc, K, x + c0 * K, xq);
 #pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int64_t nb = 0; nb < nblocks; nb++) {
-        const int64_t n0 = nb * NB, nn = N - n0 < NB ? N - n0 : NB;
-        const uint32_t *wb = wq + nb * (K / 8) * NB;
-        const float *sb = sc + nb * groups * 2 * NB;
-        float out[2 * NB];
-        for (int64_t r0 = 0; r0 < M; r0 += 2) {
-            if (M - r0 == 1) {
-                dtile1(K, G, xq + r0 * K, wb, sb, xs + r0 * groups, out);
-            } else {
-                dtile2(K, G, xq + r0 * K, wb, sb, xs + r0 * groups, out);
-                store_row(out + NB, b ? b + n0 : NULL, y + (r0 + 1) * N + n0, nn);
+        for (int64_t nb = 0; nb < nblocks; nb++) {
+            const int64_t n0 = nb * NB, nn = N - n0 < NB ? N - n0 : NB;
+            const uint32_t *wb = wq + nb * (K / 8) * NB;
+            const float *sb = sc + nb * groups * 2 * NB;
+            float out[2 * NB];
+            for (int64_t r0 = 0; r0 < mc; r0 += 2) {
+                const int64_t m = c0 + r0;  // the row in x and y
+                if (mc - r0 == 1) {
+                    dtile1(K, G, xq + r0 * K, wb, sb, xs + m * groups, out);
+                } else {
+                    dtile2(K, G, xq + r0 * K, wb, sb, xs + m * groups, out);
+                    store_row(out + NB, b ? b + n0 : NULL, y + (m + 1) * N + n0, nn);
+                }
+                store_row(out, b ? b + n0 : NULL, y + m * N + n0, nn);
             }
-            store_row(out, b ? b + n0 : NULL, y + r0 * N + n0, nn);
         }
     }
     return 0;

@@ -52,7 +52,8 @@ def test_both_entry_points_equal_the_reference(
     w = int4_weight(n, k, g, symmetric)
     bias = torch.randn(n, generator=torch.Generator().manual_seed(1))
     packed = W4F32.pack(w.packed, w.scale, w.zero, g)
-    for rows in (1, 2, 3, 4, 7, 33, 200):  # tiles of 1-2 (direct) and 6 (panel), and more than 96 (one pass)
+    # tiles of 1-2 rows (direct) and 6 (panel); more than 64 rows (a direct pass) and 96 (a panel pass)
+    for rows in (1, 2, 3, 4, 7, 33, 65, 200):
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
         want = w.reference(x, bias)
         got = getattr(kernel, entry)(x, packed, bias)
