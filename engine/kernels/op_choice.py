@@ -26,10 +26,12 @@ from engine.kernels import (
     decode_attn_latent,
     decode_attn_latent_dp,
     i8amx,
+    i8avx2,
     i8mm,
     prefill_attn_amx,
     program,
     w4amx,
+    w4f32,
     w4mm,
     w4vnni,
     wbf16,
@@ -54,7 +56,8 @@ from engine.quant.weights import Int4Weight
 from engine.sampler import inverse_cdf
 
 ROWS = 32  # a decode batch: where these ops' per-call overhead matters
-DECODE_QUANT_PATHS = ("w4mm", "w4mm-vnni", "w4mm-amx", "i8mm", "i8mm-amx")  # quantized experts' plans at decode's rows
+# quantized experts' plans at decode's rows (bf16 math; float32 math: w4f32, i8avx2)
+DECODE_QUANT_PATHS = ("w4mm", "w4mm-vnni", "w4mm-amx", "i8mm", "i8mm-amx", "w4f32", "i8avx2")
 CONTEXT = 256  # decode attention's tokens of context per sequence
 BLOCK = 16
 PREFILL_LENGTHS = (32, 128, 512, 2048)  # prompt chunks timed both ways for prefill in place
@@ -249,19 +252,21 @@ def choose_quant_experts(
     flush: Callable[[], None] | None = None,
 ) -> QuantExpertsFactory | None:  # fmt: skip
     """The grouped call over quantized experts (engine.quant.grouped.GroupedQuantExperts: w4mm's for W4A16, i8mm's
-    for W8A8, and on AMX CPUs also w4amx's or i8amx's; each kernel's builds with and without software prefetch),
-    where it beat a call per expert and projection on `moe`'s own first experts, ROWS tokens routed at random to its
-    top-k; None where that lost, the math is not bf16, the kernel is missing here or the experts do not fit it. The
+    for W8A8, and on AMX CPUs also w4amx's or i8amx's; each kernel's builds with and without software prefetch; in
+    float32 math w4f32's or i8avx2's), where it beat a call per expert and projection on `moe`'s own first experts,
+    ROWS tokens routed at random to its top-k; None where that lost, the math is neither bf16 nor float32, the
+    kernel is missing here or the experts do not fit it. The
     grouped kernels are timed again at one token, whose fastest the grouped call runs for a single token's rows.
     What it returns makes the grouped call for a layer's experts (None where they do not fit). `flush`: as
     fastest's."""
     experts = moe.local_experts()
-    if dtype != torch.bfloat16 or not experts or not all(hasattr(e.gate_up_proj, "gemm_weight") for e in experts):
+    quantized = all(hasattr(e.gate_up_proj, "gemm_weight") for e in experts)
+    if dtype not in (torch.bfloat16, torch.float32) or not experts or not quantized:
         return None
     e = min(len(experts), PROBE_EXPERTS)
     gate_up = [x.gate_up_proj.gemm_weight() for x in experts[:e]]  # type: ignore[operator]
     down = [x.down_proj.gemm_weight() for x in experts[:e]]  # type: ignore[operator]
-    builds = _quant_grouped_builds(gate_up[0])
+    builds = _quant_grouped_builds(gate_up[0], dtype)
     kernels = {c: k for c, k in builds.items() if GroupedQuantExperts.accepts(k, gate_up, down)}
     if not kernels:
         return None
@@ -305,10 +310,16 @@ def choose_quant_experts(
     return make
 
 
-def _quant_grouped_builds(weight: object) -> dict[str, QuantKernel]:
-    """The grouped quantized kernels built for this CPU for `weight`'s scheme, by name ("grouped w4mm", ...):
-    w4mm's (or i8mm's) builds with and without software prefetch (and w4mm's wide tiles), on AVX512-VNNI CPUs
-    w4vnni's and on AMX CPUs w4amx's (or i8amx's), all over the same packed copy."""
+def _quant_grouped_builds(weight: object, dtype: torch.dtype) -> dict[str, QuantKernel]:
+    """The grouped quantized kernels built for this CPU for `weight`'s scheme and the math's `dtype`, by name
+    ("grouped w4mm", ...): in bf16 math w4mm's (or i8mm's) builds with and without software prefetch (and w4mm's
+    wide tiles), on AVX512-VNNI CPUs w4vnni's and on AMX CPUs w4amx's (or i8amx's), all over the same packed copy;
+    in float32 math w4f32's (or i8avx2's, with and without its prefetch)."""
+    if dtype == torch.float32:
+        if isinstance(weight, Int4Weight):
+            return {name: k for name, k in (("grouped w4f32", w4f32.kernel()),) if k is not None}
+        plain = (("grouped i8avx2", i8avx2.kernel()), ("grouped i8avx2-noprefetch", i8avx2.kernel_without_prefetch()))
+        return {name: k for name, k in plain if k is not None}
     modules = (w4mm, w4vnni, w4amx) if isinstance(weight, Int4Weight) else (i8mm, i8amx)
     builds: dict[str, QuantKernel | None] = {}
     for module in modules:
@@ -333,7 +344,7 @@ def choose_absorbed_quant(
     uv = mla.absorbed_quantized()
     if uv is None or dtype != torch.bfloat16:
         return None
-    kernels = {c: k for c, k in _quant_grouped_builds(uv[0]).items() if GroupedQuantLinear.accepts(k, uv)}
+    kernels = {c: k for c, k in _quant_grouped_builds(uv[0], dtype).items() if GroupedQuantLinear.accepts(k, uv)}
     if not kernels:
         return None
     h, lat = mla.num_heads, mla.kv_lora_rank
@@ -382,7 +393,8 @@ def choose_absorbed_key(
     pieces = mla.absorbed_key_quantized()
     if pieces is None or dtype != torch.bfloat16 or program.library() is None:
         return None
-    kernels = {c: k for c, k in _quant_grouped_builds(pieces.weights[0]).items() if GroupScaledKey.accepts(k, pieces)}
+    builds = _quant_grouped_builds(pieces.weights[0], dtype)
+    kernels = {c: k for c, k in builds.items() if GroupScaledKey.accepts(k, pieces)}
     if not kernels or timer is None:  # untimed: the first that fits (fastest's forced configuration)
         return next(iter(kernels.values()), None)
     h, n, lat = mla.num_heads, mla.nope, mla.kv_lora_rank

@@ -23,10 +23,13 @@
 // the sign the conversion reads). Per 8 weights: AND, convert, FMA; the byte layout before (a zero-extending
 // load of 8 bytes per 16 weights, AND / shift, two conversions) ran up to 1.25x slower on one Zen 3 core with the
 // weight in cache (2026-12-06; from memory at two threads the two were within that VM's noise through Python).
+#include <math.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "grouped_tasks.h"
 #include "thread_buffer.h"
 
 #define NB 32  // columns per packed block
@@ -232,13 +235,51 @@ static void store_row(const float *o, const float *b, float *yr, int64_t nn) {
     for (int64_t j = 0; j < nn; j++) yr[j] = o[j] + (b ? b[j] : 0.0f);
 }
 
+// A fused gated MLP's 32 outputs from its unit's two blocks (the gate's sums og, the up's ou, each block's bias or
+// NULL): silu(g) * u in float32, SiLU as g / (1 + exp(-g)) (wbf16_linear_silu_mul's, the float32 torch code's
+// formula).
+static void store_silu_mul(const float *og, const float *ou, const float *bg, const float *bu, float *yr) {
+    for (int j = 0; j < NB; j++) {
+        const float g = og[j] + (bg ? bg[j] : 0.0f), u = ou[j] + (bu ? bu[j] : 0.0f);
+        yr[j] = g / (1.0f + expf(-g)) * u;
+    }
+}
+
+// Rows r and r + 1 (or r alone) of y from their sums out[h] (h: the unit's blocks, one or the gate's and the up's):
+// `unit` counts blocks, or block pairs with silu_mul (y then N / 2 wide).
+static void store_unit(float (*out)[2 * NB], int rows, int64_t unit, int64_t N, const float *b, float *y, int64_t m,
+                       const int silu_mul) {
+    for (int r = 0; r < rows; r++) {
+        if (silu_mul) {
+            const float *bg = b ? b + 2 * unit * NB : NULL, *bu = b ? b + (2 * unit + 1) * NB : NULL;
+            store_silu_mul(out[0] + r * NB, out[1] + r * NB, bg, bu, y + (m + r) * (N / 2) + unit * NB);
+        } else {
+            const int64_t n0 = unit * NB;
+            store_row(out[0] + r * NB, b ? b + n0 : NULL, y + (m + r) * N + n0, N - n0 < NB ? N - n0 : NB);
+        }
+    }
+}
+
+// One or two rows (scaled, K apart) of the block at column block nb → out [rows][NB].
+static void dtile_rows(int rows, int64_t K, int64_t G, const float *xq, const uint32_t *wq, const float *sc,
+                       const float *xs, int64_t nb, float *out) {
+    const uint32_t *wb = wq + nb * (K / 8) * NB;
+    const float *sb = sc + nb * (K / G) * 2 * NB;
+    if (rows == 2)
+        dtile2(K, G, xq, wb, sb, xs, out);
+    else
+        dtile1(K, G, xq, wb, sb, xs, out);
+}
+
 #define RC 64  // rows a pass of the direct entry: their scaled copies [RC][K] (a prefill's rows at once would keep
                 // a buffer of M x K floats in the calling thread)
 
-// Returns 0, or -1 where the rows' group sums or scaled copies could not be had (y untouched).
-int w4f32_linear(int64_t M, int64_t N, int64_t K, int64_t G, const float *x, const uint32_t *wq, const float *sc,
-                 const float *b, float *y, int nthreads) {
-    const int64_t nblocks = (N + NB - 1) / NB, groups = K / G;
+// The direct entry's work: silu_mul, a gated MLP's [gate; up] weight with its rows interleaved in blocks of 32
+// (engine.kernels.gemm.interleave_halves; N % 64 == 0), so that blocks 2u and 2u + 1 are unit u's gate and up
+// columns 32u ..: y [M][N / 2] = silu(gate) * up. Returns 0, or -1 as w4f32_linear.
+static int direct(int64_t M, int64_t N, int64_t K, int64_t G, const float *x, const uint32_t *wq, const float *sc,
+                  const float *b, float *y, int nthreads, const int silu_mul) {
+    const int64_t nblocks = (N + NB - 1) / NB, groups = K / G, per = silu_mul ? 2 : 1, units = nblocks / per;
     if (M <= 0) return 0;
     float *xs = floats(&sums_buf, M * groups), *xq = floats(&scaled_buf, (M < RC ? M : RC) * K);
     if (!xs || !xq) return -1;
@@ -247,30 +288,71 @@ int w4f32_linear(int64_t M, int64_t N, int64_t K, int64_t G, const float *x, con
         const int64_t mc = M - c0 < RC ? M - c0 : RC;
         scale_rows(mc, K, x + c0 * K, xq);
 #pragma omp parallel for schedule(static) num_threads(nthreads)
-        for (int64_t nb = 0; nb < nblocks; nb++) {
-            const int64_t n0 = nb * NB, nn = N - n0 < NB ? N - n0 : NB;
-            const uint32_t *wb = wq + nb * (K / 8) * NB;
-            const float *sb = sc + nb * groups * 2 * NB;
-            float out[2 * NB];
+        for (int64_t u = 0; u < units; u++) {
+            float out[2][2 * NB];
             for (int64_t r0 = 0; r0 < mc; r0 += 2) {
+                const int rows = mc - r0 == 1 ? 1 : 2;
                 const int64_t m = c0 + r0;  // the row in x and y
-                if (mc - r0 == 1) {
-                    dtile1(K, G, xq + r0 * K, wb, sb, xs + m * groups, out);
-                } else {
-                    dtile2(K, G, xq + r0 * K, wb, sb, xs + m * groups, out);
-                    store_row(out + NB, b ? b + n0 : NULL, y + (m + 1) * N + n0, nn);
-                }
-                store_row(out, b ? b + n0 : NULL, y + m * N + n0, nn);
+                for (int64_t h = 0; h < per; h++)
+                    dtile_rows(rows, K, G, xq + r0 * K, wq, sc, xs + m * groups, u * per + h, out[h]);
+                store_unit(out, rows, u, N, b, y, m, silu_mul);
             }
         }
     }
     return 0;
 }
 
-// Returns 0, or -1 where a buffer could not be had (y is then incomplete).
-int w4f32_linear_panel(int64_t M, int64_t N, int64_t K, int64_t G, const float *x, const uint32_t *wq,
-                       const float *sc, const float *b, float *y, int nthreads) {
-    const int64_t nblocks = (N + NB - 1) / NB, groups = K / G;
+// Returns 0, or -1 where the rows' group sums or scaled copies could not be had (y untouched).
+int w4f32_linear(int64_t M, int64_t N, int64_t K, int64_t G, const float *x, const uint32_t *wq, const float *sc,
+                 const float *b, float *y, int nthreads) {
+    return direct(M, N, K, G, x, wq, sc, b, y, nthreads, 0);
+}
+
+// The same over a gated MLP's interleaved [gate; up] weight (N % 64 == 0, b interleaved likewise): y [M][N / 2] =
+// silu(gate) * up. WHY: unfused, a decode program stopped for Python at every gated MLP to run the act in torch
+// between two C calls (one stop a layer on AVX2 CPUs), and the [M][2I] projection went to memory and back.
+int w4f32_linear_silu_mul(int64_t M, int64_t N, int64_t K, int64_t G, const float *x, const uint32_t *wq,
+                          const float *sc, const float *b, float *y, int nthreads) {
+    return direct(M, N, K, G, x, wq, sc, b, y, nthreads, 1);
+}
+
+// mc rows of x (row stride K, from row 0) through column block nb, one group at a time widened into wg: the rows'
+// totals into out [mc][NB] (xs: their group sums, [mc][K / G]).
+static void panel_rows(int64_t mc, int64_t K, int64_t G, const float *x, const uint32_t *wq, const float *sc,
+                       const float *xs, int64_t nb, float *wg, float *out) {
+    const int64_t groups = K / G;
+    const uint32_t *wb = wq + nb * (K / 8) * NB;
+    const float *sb = sc + nb * groups * 2 * NB;
+    float acc[MR * NB];
+    memset(out, 0, sizeof(float) * (size_t)(mc * NB));
+    for (int64_t g = 0; g < groups; g++) {
+        widen_group(G, wb + g * (G / 8) * NB, wg);
+        for (int64_t r = 0; r < mc; r += MR) {
+            const int mr = mc - r < MR ? (int)(mc - r) : MR;
+            gtile_any(mr, K, G, x + r * K + g * G, wg, acc);
+            close_group(mr, acc, sb + g * 2 * NB, sb + g * 2 * NB + NB, xs + r * groups + g, groups, out + r * NB);
+        }
+    }
+}
+
+// mc rows' totals of unit u's blocks (out[h]: [MC][NB]) into y, as store_unit.
+static void store_panel(float (*out)[MC * NB], int64_t mc, int64_t u, int64_t N, const float *b, float *y, int64_t m0,
+                        const int silu_mul) {
+    for (int64_t r = 0; r < mc; r++) {
+        if (silu_mul) {
+            const float *bg = b ? b + 2 * u * NB : NULL, *bu = b ? b + (2 * u + 1) * NB : NULL;
+            store_silu_mul(out[0] + r * NB, out[1] + r * NB, bg, bu, y + (m0 + r) * (N / 2) + u * NB);
+        } else {
+            const int64_t n0 = u * NB;
+            store_row(out[0] + r * NB, b ? b + n0 : NULL, y + (m0 + r) * N + n0, N - n0 < NB ? N - n0 : NB);
+        }
+    }
+}
+
+// The panel entry's work (silu_mul as direct's). Returns 0, or -1 where a buffer could not be had.
+static int panel(int64_t M, int64_t N, int64_t K, int64_t G, const float *x, const uint32_t *wq, const float *sc,
+                 const float *b, float *y, int nthreads, const int silu_mul) {
+    const int64_t nblocks = (N + NB - 1) / NB, groups = K / G, per = silu_mul ? 2 : 1, units = nblocks / per;
     if (M <= 0) return 0;
     float *xs = floats(&sums_buf, M * groups);
     if (!xs) return -1;
@@ -280,28 +362,100 @@ int w4f32_linear_panel(int64_t M, int64_t N, int64_t K, int64_t G, const float *
     {
         float *wg = grow_aligned(&group_buf, sizeof(float) * (size_t)(G * NB));
         failed = wg == NULL;
-        float out[MC * NB], acc[MR * NB];
+        float out[2][MC * NB];
 #pragma omp for schedule(static)
-        for (int64_t nb = 0; nb < nblocks; nb++) {
+        for (int64_t u = 0; u < units; u++) {
             if (!wg) continue;
-            const int64_t n0 = nb * NB, nn = N - n0 < NB ? N - n0 : NB;
-            const uint32_t *wb = wq + nb * (K / 8) * NB;
-            const float *sb = sc + nb * groups * 2 * NB;
             for (int64_t m0 = 0; m0 < M; m0 += MC) {
                 const int64_t mc = M - m0 < MC ? M - m0 : MC;
-                memset(out, 0, sizeof(float) * (size_t)(mc * NB));
-                for (int64_t g = 0; g < groups; g++) {
-                    widen_group(G, wb + g * (G / 8) * NB, wg);
-                    for (int64_t r = 0; r < mc; r += MR) {
-                        const int mr = mc - r < MR ? (int)(mc - r) : MR;
-                        gtile_any(mr, K, G, x + (m0 + r) * K + g * G, wg, acc);
-                        close_group(mr, acc, sb + g * 2 * NB, sb + g * 2 * NB + NB, xs + (m0 + r) * groups + g,
-                                    groups, out + r * NB);
-                    }
-                }
-                for (int64_t r = 0; r < mc; r++) store_row(out + r * NB, b ? b + n0 : NULL, y + (m0 + r) * N + n0, nn);
+                for (int64_t h = 0; h < per; h++)
+                    panel_rows(mc, K, G, x + m0 * K, wq, sc, xs + m0 * groups, u * per + h, wg, out[h]);
+                store_panel(out, mc, u, N, b, y, m0, silu_mul);
             }
         }
     }
     return failed ? -1 : 0;
+}
+
+// Returns 0, or -1 where a buffer could not be had (y is then incomplete).
+int w4f32_linear_panel(int64_t M, int64_t N, int64_t K, int64_t G, const float *x, const uint32_t *wq,
+                       const float *sc, const float *b, float *y, int nthreads) {
+    return panel(M, N, K, G, x, wq, sc, b, y, nthreads, 0);
+}
+
+// The panel entry over a gated MLP's interleaved [gate; up] weight, as w4f32_linear_silu_mul.
+int w4f32_linear_panel_silu_mul(int64_t M, int64_t N, int64_t K, int64_t G, const float *x, const uint32_t *wq,
+                                const float *sc, const float *b, float *y, int nthreads) {
+    return panel(M, N, K, G, x, wq, sc, b, y, nthreads, 1);
+}
+
+#define DIRECT_ROWS 2  // a grouped call's layer with at most this many rows runs the direct tiles, one with more the
+                       // panel's (decode gives a MoE layer's experts one row each at batch 1, a few at batch 32)
+
+typedef struct {
+    const int64_t *counts, *first, *layer;
+    int64_t N, K, G;
+    const float *x, *xs;
+    const uint32_t *const *wq;
+    const float *const *sc;
+    float *y;
+    int silu_mul;
+    _Atomic int *failed;
+} w4fgroup_t;
+
+static __thread thread_buffer task_scaled_buf;
+
+// One task of w4f32_grouped: a layer's rows (piece p) through one unit (a column block, or with silu_mul a block
+// pair): a layer of at most DIRECT_ROWS rows by the direct tiles over its rows scaled here, else by panels.
+static void w4fgroup_task(const void *ctx, int64_t p, int64_t u, int64_t end) {
+    (void)end;
+    const w4fgroup_t *g = ctx;
+    const int64_t e = g->layer[p], K = g->K, G = g->G, groups = K / G, per = g->silu_mul ? 2 : 1;
+    const int64_t r0 = g->first[p], rows = g->counts[e];
+    const uint32_t *wq = g->wq[e];
+    const float *sc = g->sc[e];
+    if (rows <= DIRECT_ROWS) {
+        float *xq = floats(&task_scaled_buf, DIRECT_ROWS * K), out[2][2 * NB];
+        if (!xq) {
+            *g->failed = 1;
+            return;
+        }
+        scale_rows(rows, K, g->x + r0 * K, xq);
+        for (int64_t h = 0; h < per; h++) dtile_rows((int)rows, K, G, xq, wq, sc, g->xs + r0 * groups, u * per + h, out[h]);
+        store_unit(out, (int)rows, u, g->N, NULL, g->y, r0, g->silu_mul);
+        return;
+    }
+    float *wg = grow_aligned(&group_buf, sizeof(float) * (size_t)(G * NB));
+    if (!wg) {
+        *g->failed = 1;
+        return;
+    }
+    float out[2][MC * NB];
+    for (int64_t m0 = r0; m0 < r0 + rows; m0 += MC) {
+        const int64_t mc = r0 + rows - m0 < MC ? r0 + rows - m0 : MC;
+        for (int64_t h = 0; h < per; h++)
+            panel_rows(mc, K, G, g->x + m0 * K, wq, sc, g->xs + m0 * groups, u * per + h, wg, out[h]);
+        store_panel(out, mc, u, g->N, NULL, g->y, m0, g->silu_mul);
+    }
+}
+
+// E W4A16 linear layers of one shape (no bias) in one call, float32 rows in and out (w4mm_grouped's arguments):
+// layer e takes counts[e] consecutive rows of x and its packed weight (words wq[e], scales sc[e]); y gets its rows
+// in the same order, N wide, or N / 2 with silu_mul (the weights' rows interleaved as w4f32_linear_silu_mul's).
+// The same bits as the linear entries over each layer's rows. WHY: a MoE layer's float32 W4A16 experts ran a call
+// each (a Python round trip and a parallel region per expert and projection), which also kept DeepSeek's decode
+// steps out of decode programs on CPUs without bf16. Returns 0, or -1 without memory (y then incomplete).
+int w4f32_grouped(int64_t E, const int64_t *counts, int64_t N, int64_t K, int64_t G, const float *x,
+                  const uint32_t *const *wq, const float *const *sc, float *y, int nthreads, int silu_mul) {
+    const int64_t nblocks = (N + NB - 1) / NB, groups = K / G;
+    int64_t first[E > 0 ? E : 1], layer[E > 0 ? E : 1], M;  // each layer with rows: its first row, its index
+    const int64_t P = grouped_pieces(E, counts, first, layer, &M);
+    if (M <= 0) return 0;
+    float *xs = floats(&sums_buf, M * groups);
+    if (!xs) return -1;
+    group_sums(M, K, G, x, xs, nthreads);
+    _Atomic int failed = 0;
+    const w4fgroup_t g = {counts, first, layer, N, K, G, x, xs, wq, sc, y, silu_mul, &failed};
+    grouped_tasks(P, silu_mul ? nblocks / 2 : nblocks, nthreads, 2, w4fgroup_task, &g);
+    return atomic_load(&failed) ? -1 : 0;
 }

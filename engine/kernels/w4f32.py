@@ -27,6 +27,13 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("w4f32.c")
 BLOCK = 32  # output columns per packed block (NB in w4f32.c)
+# entry method → its C function (the fused gated-MLP entries take the same arguments, N / 2 columns out)
+ENTRIES = {
+    "direct": "w4f32_linear",
+    "panel": "w4f32_linear_panel",
+    "silu-mul": "w4f32_linear_silu_mul",
+    "panel-silu-mul": "w4f32_linear_panel_silu_mul",
+}
 
 _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 
@@ -46,21 +53,27 @@ class PackedInt4F32:
 class W4F32:
     """The compiled kernel: pack an int4 weight once, then run float32 linear layers over it."""
 
+    dtype = torch.float32  # the rows it takes and gives (its grouped call's, engine.quant.grouped)
+
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib = lib
-        for f in (lib.w4f32_linear, lib.w4f32_linear_panel):
+        for f in (lib.w4f32_linear, lib.w4f32_linear_panel, lib.w4f32_linear_silu_mul, lib.w4f32_linear_panel_silu_mul):
             f.argtypes = [_i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _int]
             f.restype = _int
+        lib.w4f32_grouped.argtypes = [_i64, _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _int, _int]
+        lib.w4f32_grouped.restype = _int
 
     @classmethod
     def build(cls, flags: tuple[str, ...] = ("-march=native",)) -> W4F32:
-        return cls(build(SOURCE, flags))
+        # no multiply-add contracted by the compiler: its choice differed between inlined copies of one helper, and
+        # the grouped call must give the bits of the linear entries (the vector FMAs are written out)
+        return cls(build(SOURCE, (*flags, "-ffp-contract=off")))
 
     def c_fn(self, entry: str) -> ctypes._CFuncPtr | None:
-        """The C function behind an entry method (`direct`, `panel`), for a decode program (w4mm.w4_entry with
-        float32 rows: w4f32_linear takes w4mm_linear's arguments); None for others."""
-        names = {"direct": "w4f32_linear", "panel": "w4f32_linear_panel"}
-        return getattr(self.lib, names[entry]) if entry in names else None
+        """The C function behind an entry method (`direct`, `panel`, and their fused gated-MLP forms `silu-mul`,
+        `panel-silu-mul`), for a decode program (w4mm.w4_entry with float32 rows: w4f32_linear takes w4mm_linear's
+        arguments); None for others."""
+        return getattr(self.lib, ENTRIES[entry]) if entry in ENTRIES else None
 
     @staticmethod
     def accepts(n: int, k: int, group_size: int) -> bool:
@@ -91,10 +104,44 @@ class W4F32:
         """The same, each group widened once into a buffer for all the rows."""
         return self._run(self.lib.w4f32_linear_panel, x, w, bias)
 
+    def silu_mul(self, x: torch.Tensor, w: PackedInt4F32, bias: torch.Tensor | None) -> torch.Tensor:
+        """A gated MLP's [gate; up] projection whose rows (and bias) were interleaved in blocks of 32
+        (engine.kernels.gemm.interleave_halves; N a multiple of 64) → silu(gate) * up, [..., N / 2] float32."""
+        return self._run(self.lib.w4f32_linear_silu_mul, x, w, bias, w.n // 2)
+
+    def panel_silu_mul(self, x: torch.Tensor, w: PackedInt4F32, bias: torch.Tensor | None) -> torch.Tensor:
+        """silu_mul through the panel entry."""
+        return self._run(self.lib.w4f32_linear_panel_silu_mul, x, w, bias, w.n // 2)
+
+    def grouped_entry(self) -> ctypes._CFuncPtr:
+        """`grouped`'s C entry point, which a decode program calls itself (w4mm_grouped's arguments, float32 rows)."""
+        return self.lib.w4f32_grouped
+
+    def grouped(
+        self, x: torch.Tensor, counts: ctypes.Array, shape: tuple[int, int, int], nibbles: ctypes.Array,
+        scales: ctypes.Array, silu_mul: bool,
+    ) -> torch.Tensor:  # fmt: skip
+        """W4MM.grouped's call over this layout with float32 rows: layer e's counts[e] consecutive rows of x
+        [rows, K] through packed weight e → [rows, N], or [rows, N / 2] = silu(gate) * up for gated MLPs' interleaved
+        [gate; up] weights. The C side trusts its arguments: engine.quant.grouped checks them."""
+        n, k, g = shape
+        x2 = x.float().contiguous()
+        y = torch.empty(x2.shape[0], n // 2 if silu_mul else n, dtype=torch.float32)
+        rc = self.lib.w4f32_grouped(
+            len(counts), counts, n, k, g, x2.data_ptr(), nibbles, scales, y.data_ptr(), torch.get_num_threads(),
+            int(silu_mul),
+        )  # fmt: skip
+        if rc != 0:
+            raise MemoryError("w4f32: no memory for the kernel's buffers")
+        return y
+
     @staticmethod
-    def _run(fn: ctypes._CFuncPtr, x: torch.Tensor, w: PackedInt4F32, bias: torch.Tensor | None) -> torch.Tensor:
+    def _run(
+        fn: ctypes._CFuncPtr, x: torch.Tensor, w: PackedInt4F32, bias: torch.Tensor | None, cols: int | None = None
+    ) -> torch.Tensor:
+        cols = w.n if cols is None else cols
         x2 = x.reshape(-1, w.k).float().contiguous()
-        y = torch.empty(x2.shape[0], w.n, dtype=torch.float32)
+        y = torch.empty(x2.shape[0], cols, dtype=torch.float32)
         b = bias.float().contiguous() if bias is not None else None  # held until the call returns
         rc = fn(
             x2.shape[0], w.n, w.k, w.group_size, x2.data_ptr(), w.nibbles.data_ptr(), w.scales.data_ptr(),
@@ -102,7 +149,7 @@ class W4F32:
         )  # fmt: skip
         if rc != 0:
             raise MemoryError("w4f32: no memory for the kernel's buffers")
-        return y.view(*x.shape[:-1], w.n)
+        return y.view(*x.shape[:-1], cols)
 
 
 def self_check(kernel: W4F32) -> None:
@@ -120,6 +167,27 @@ def self_check(kernel: W4F32) -> None:
         for name, fn in (("direct", kernel.direct), ("panel", kernel.panel)):
             got = fn(x, packed, bias)
             if not torch.allclose(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item()):
+                err = (got - want).abs().max().item()
+                raise SelfCheckError(f"w4f32 {name} self-check failed at {m}x{n}x{k} g{gs}: max error {err:.3g}")
+    check_silu_mul(kernel)
+
+
+def check_silu_mul(kernel: W4F32) -> None:
+    """The fused gated-MLP entries against the plain direct entry over the same interleaved weight, then SiLU x up
+    in float32 torch: the same sums, so they may differ only by the two libraries' exp."""
+    g = torch.Generator().manual_seed(1)
+    for m, n, k, gs in ((1, 128, 64, 32), (3, 64, 256, 128), (200, 192, 96, 32)):
+        weight = Int4Weight(pack_nibbles(torch.randint(0, 16, (n, k), generator=g)),
+                            torch.rand(n, k // gs, generator=g) * 0.1 + 0.01,
+                            torch.randint(0, 16, (n, k // gs), generator=g), gs)  # fmt: skip
+        x, bias = torch.randn(m, k, generator=g), torch.randn(n, generator=g)
+        packed = W4F32.pack(weight.packed, weight.scale, weight.zero, gs)
+        y = kernel.direct(x, packed, bias).view(m, n // 64, 2, 32)
+        gate, up = y[:, :, 0].reshape(m, -1), y[:, :, 1].reshape(m, -1)
+        want = gate / (1 + torch.exp(-gate)) * up
+        for name, fn in (("silu-mul", kernel.silu_mul), ("panel-silu-mul", kernel.panel_silu_mul)):
+            got = fn(x, packed, bias)
+            if not torch.allclose(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item()):
                 err = (got - want).abs().max().item()
                 raise SelfCheckError(f"w4f32 {name} self-check failed at {m}x{n}x{k} g{gs}: max error {err:.3g}")
 

@@ -38,7 +38,7 @@ from engine.layers.mlp import GatedMLP
 from engine.layers.moe import MoE
 from engine.models.program_parts import Frame, Gemm, Hooked, emit, gated_mlp, norm_entry, part, start
 from engine.quant.absorbed_key import GroupScaledKey
-from engine.quant.grouped import GroupedQuantExperts
+from engine.quant.grouped import GroupedQuantExperts, rows_dtype
 
 if TYPE_CHECKING:
     from engine.models.deepseek_v2 import DeepseekV2ForCausalLM
@@ -185,7 +185,7 @@ def _moe(f: Frame, moe: MoE, cls: int) -> str | None:
         return "the routed experts run one call each"
     experts, pairs = gate.weight.shape[0], f.width * k
     up, down = (grouped.gate_up, grouped.down) if isinstance(grouped, GroupedExperts) else grouped.projections(pairs)
-    if (up.kernel.dtype if isinstance(grouped, GroupedExperts) else torch.bfloat16) != dtype:
+    if (up.kernel.dtype if isinstance(grouped, GroupedExperts) else rows_dtype(up.kernel)) != dtype:
         return "the routed experts' grouped kernel takes rows of another dtype"
     weights, ids = f.buffer("route_w", k, dtype=torch.float32), f.buffer("route_ids", k, dtype=torch.int64)
     order = f.buffer("order", 1, dtype=torch.int64, rows=pairs)

@@ -1,6 +1,7 @@
 """A MoE layer's quantized routed experts in two kernel calls a step (the grouped entry points of
-engine.kernels.w4mm, or w4amx on AMX CPUs, for W4A16 and engine.kernels.i8mm, or i8amx on AMX CPUs, for W8A8):
-every expert's gate/up projection with the fused SiLU, then every expert's down projection; bf16 rows in and out.
+engine.kernels.w4mm, or w4amx on AMX CPUs, for W4A16 and engine.kernels.i8mm, or i8amx on AMX CPUs, for W8A8; in
+float32 math w4f32's and i8avx2's): every expert's gate/up projection with the fused SiLU, then every expert's down
+projection; rows in and out in the kernel's type (bf16, or float32 for w4f32 and i8avx2).
 
 The bf16 experts have had this since engine.kernels.grouped; quantized ones ran a GEMM plan per expert and
 projection, a Python round trip and a parallel region each (~25 us on a 2-core Zen 4), two per active expert
@@ -16,15 +17,32 @@ import torch
 
 from engine.kernels.grouped import check_groups
 from engine.kernels.i8amx import I8AMX
+from engine.kernels.i8avx2 import I8AVX2
 from engine.kernels.i8mm import I8MM
 from engine.kernels.program import OP_GROUPED_I8, OP_GROUPED_W4, ProgramBuilder, address
 from engine.kernels.w4amx import W4AMX
+from engine.kernels.w4f32 import W4F32
 from engine.kernels.w4mm import W4MM
 from engine.kernels.w4vnni import W4VNNI
-from engine.quant.paths import W4MMPath, interleaved
+from engine.quant.paths import W4F32Path, W4MMPath, interleaved
 from engine.quant.weights import Int4Weight, Int8Weight, QuantWeight
 
-QuantKernel = W4MM | W4AMX | W4VNNI | I8MM | I8AMX  # w4mm's packed layout serves the W4 kernels, i8mm's both W8
+# w4mm's packed layout serves the bf16 W4 kernels, i8mm's both bf16 W8 ones; w4f32 and i8avx2 (float32 rows) have
+# layouts of their own
+QuantKernel = W4MM | W4AMX | W4VNNI | I8MM | I8AMX | W4F32 | I8AVX2
+W4_KERNELS = (W4MM, W4AMX, W4VNNI, W4F32)
+
+
+def rows_dtype(kernel: QuantKernel) -> torch.dtype:
+    """The type of the rows a kernel's grouped call takes and gives."""
+    return torch.float32 if isinstance(kernel, W4F32 | I8AVX2) else torch.bfloat16
+
+
+def _layout(kernel: QuantKernel) -> type:
+    """The kernels that share one packed copy of a weight: one class stands for its family."""
+    if isinstance(kernel, W4F32 | I8AVX2):
+        return type(kernel)
+    return W4MM if isinstance(kernel, W4MM | W4AMX | W4VNNI) else I8MM
 
 
 def _pointers(tensors: list[torch.Tensor]) -> ctypes.Array:
@@ -38,19 +56,25 @@ class GroupedQuantLinear:
         self, kernel: QuantKernel, weights: list[QuantWeight], silu_mul: bool = False,
         like: GroupedQuantLinear | None = None,
     ) -> None:  # fmt: skip
-        """like: the same weights for another kernel of the scheme, whose packed copies this one shares (the W4A16
-        kernels share w4mm's layout, the W8A8 ones i8mm's)."""
+        """like: the same weights for another kernel of the scheme, whose packed copies this one shares (the bf16
+        W4A16 kernels share w4mm's layout, the bf16 W8A8 ones i8mm's)."""
         self.kernel, self.silu_mul = kernel, silu_mul
         self.n, self.k = weights[0].shape
         if like is not None:
-            assert isinstance(kernel, W4MM | W4AMX | W4VNNI) == isinstance(like.kernel, W4MM | W4AMX | W4VNNI)
+            assert _layout(kernel) is _layout(like.kernel)
             self.packed, self.shape, self.pointers = like.packed, like.shape, like.pointers
             return
         ws = [interleaved(w) if silu_mul else w for w in weights]
-        if isinstance(kernel, W4MM | W4AMX | W4VNNI):  # one packed layout for all three
-            self.packed: list[object] = [W4MMPath.pack(w) for w in ws]  # type: ignore[arg-type]
+        if isinstance(kernel, W4_KERNELS):
+            pack = W4F32Path.pack if isinstance(kernel, W4F32) else W4MMPath.pack
+            self.packed: list[object] = [pack(w) for w in ws]  # type: ignore[arg-type]
             self.shape: tuple[int, ...] = (self.n, self.k, weights[0].group_size)  # type: ignore[union-attr]
             self.pointers = tuple(_pointers([getattr(p, f) for p in self.packed]) for f in ("nibbles", "scales"))
+        elif isinstance(kernel, I8AVX2):  # its rows need no column sums: a null pointer for each
+            self.packed = [I8AVX2.pack(w.q, w.scale) for w in ws]  # type: ignore[union-attr]
+            self.shape = (self.n, self.k)
+            packed, scales = (_pointers([getattr(p, f) for p in self.packed]) for f in ("packed", "scale"))
+            self.pointers = (packed, (ctypes.c_void_p * len(ws))(), scales)
         else:
             self.packed = [I8MM.pack(w.q, w.scale) for w in ws]  # type: ignore[union-attr]
             self.shape = (self.n, self.k)
@@ -63,7 +87,7 @@ class GroupedQuantLinear:
         silu_mul)."""
         if not weights or (silu_mul and weights[0].shape[0] % 64):  # type: ignore[attr-defined]
             return False
-        if isinstance(kernel, W4MM | W4AMX | W4VNNI):
+        if isinstance(kernel, W4_KERNELS):
             if not all(isinstance(w, Int4Weight) for w in weights):
                 return False
             (n, k), g = weights[0].shape, weights[0].group_size  # type: ignore[attr-defined]
@@ -72,14 +96,16 @@ class GroupedQuantLinear:
         shape = weights[0].shape  # type: ignore[attr-defined]
         if isinstance(kernel, I8AMX) and not I8AMX.accepts(shape[1]):
             return False
-        return kernel.has_grouped and all(isinstance(w, Int8Weight) and w.shape == shape for w in weights)
+        grouped = isinstance(kernel, I8AVX2) or kernel.has_grouped
+        return grouped and all(isinstance(w, Int8Weight) and w.shape == shape for w in weights)
 
     def __call__(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """x [rows, K], group-major (counts[g] rows for group g, in order) → [rows, N] (N / 2 with silu_mul), bf16."""
+        """x [rows, K], group-major (counts[g] rows for group g, in order) → [rows, N] (N / 2 with silu_mul), in
+        the kernel's row type (rows_dtype)."""
         check_groups(counts, len(self.packed), x, self.k)
-        x = x.to(torch.bfloat16).contiguous()
+        x = x.to(rows_dtype(self.kernel)).contiguous()
         c = (ctypes.c_int64 * len(counts))(*counts)
-        if isinstance(self.kernel, W4MM | W4AMX | W4VNNI):
+        if isinstance(self.kernel, W4_KERNELS):
             return self.kernel.grouped(x, c, self.shape, *self.pointers, self.silu_mul)  # type: ignore[arg-type]
         return self.kernel.grouped(x, c, self.shape, self.pointers, self.silu_mul)  # type: ignore[arg-type]
 
@@ -89,11 +115,11 @@ class GroupedQuantLinear:
         return self.n // 2 if self.silu_mul else self.n
 
     def emit(self, b: ProgramBuilder, counts: int, x: int, y: int) -> None:
-        """This call as a decode program makes it (engine.kernels.program): counts[g] bf16 rows of x (pointers)
-        for group g."""
+        """This call as a decode program makes it (engine.kernels.program): counts[g] rows of x (pointers) for
+        group g, in the kernel's row type."""
         fn = address(self.kernel.grouped_entry())
         pointers = [ctypes.addressof(p) for p in self.pointers]
-        w4 = isinstance(self.kernel, W4MM | W4AMX | W4VNNI)
+        w4 = isinstance(self.kernel, W4_KERNELS)
         kind, group = (OP_GROUPED_W4, self.shape[2]) if w4 else (OP_GROUPED_I8, 0)
         b.grouped(kind, fn, len(self.packed), counts, self.n, self.k, x, pointers, y, self.silu_mul, group)
         b.keep += [*self.packed, *self.pointers]

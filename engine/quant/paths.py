@@ -253,6 +253,35 @@ class I8AVX2Path:
 _PACKED_ROWS: dict[tuple[int, int], PackedInt8Rows] = {}  # as _PACKED_INT8, for i8avx2's layout
 
 
+class I8AVX2SiluPath:
+    """A gated MLP's [gate; up] projection through i8avx2's fused entry points (`linear` or `panel`, each with
+    silu(gate) * up in float32 out of its epilogue): no [T, 2I] projection in memory and no stop of a decode
+    program for the act. Only for SiLU MLPs, whose act it replaces; its packed copy has the rows interleaved (a
+    layout of its own)."""
+
+    layout = "i8avx2-silu"
+
+    def __init__(self, kernel: I8AVX2, name: str = "i8avx2-silu-mul", entry: str = "linear") -> None:
+        self.kernel, self.name, self.entry, self.available = kernel, name, f"{entry}_silu_mul", True
+
+    def accepts(self, weight: object, act: Act | None) -> bool:
+        silu = getattr(act, "is_silu_and_mul", False)
+        return silu and isinstance(weight, Int8Weight) and weight.shape[0] % 64 == 0
+
+    def prepare(self, weight: Int8Weight, bias: torch.Tensor | None, act: Act | None) -> Run:  # type: ignore[override]
+        def pack() -> PackedInt8Rows:
+            w = interleaved(weight)
+            return I8AVX2.pack(w.q, w.scale, interleave_halves(bias) if bias is not None else None)
+
+        packed = packed_once(_PACKED_ROWS_SILU, (id(weight.q), id(bias)), weight.q, pack)
+        fn = getattr(self.kernel, self.entry)
+        entry = i8avx2_entry(self.kernel.c_fn(self.entry), packed, silu=True)
+        return EntryRun(lambda x: fn(x, packed).to(x.dtype), entry)
+
+
+_PACKED_ROWS_SILU: dict[tuple[int, int], PackedInt8Rows] = {}  # i8avx2-silu's interleaved copies
+
+
 class Int4PackPath:
     """torch's CPU int4 GEMM (_weight_int4pack_mm_for_cpu): w = (q - 8) · scale + zero per group, so our zero
     point z becomes the float offset (8 - z) · scale."""
@@ -469,9 +498,41 @@ class W4F32Path(_Int4KernelPath):
         return W4F32.pack(weight.packed, weight.scale, weight.zero, weight.group_size)
 
 
+class W4F32SiluPath(W4F32Path):
+    """A gated MLP's [gate; up] projection through w4f32's fused entry points (`silu-mul`: direct; `panel-silu-mul`):
+    silu(gate) * up in float32 out of the epilogue, so a decode program needs no stop for the act and the [T, 2I]
+    projection never goes to memory. Only for SiLU MLPs, whose act it replaces; its packed copy has the rows
+    interleaved (a layout of its own)."""
+
+    copy = "w4f32-silu"
+
+    def accepts(self, weight: object, act: Act | None) -> bool:
+        silu = getattr(act, "is_silu_and_mul", False)
+        return silu and isinstance(weight, Int4Weight) and weight.shape[0] % 64 == 0 and self.fits(weight)
+
+    def prepare(self, weight: Int4Weight, bias: torch.Tensor | None, act: Act | None) -> Run:  # type: ignore[override]
+        packed = packed_once(self._packed, id(weight.packed), weight.packed, lambda: self.pack(interleaved(weight)))
+        fn = getattr(self.kernel, self.entry.replace("-", "_"))
+        b = interleave_halves(bias.float()) if bias is not None else None
+        return EntryRun(lambda x: fn(x, packed, b).to(x.dtype), self._entry(packed, b, 2))
+
+
+W4F32_SILU_ENTRIES = ("silu-mul", "panel-silu-mul")
+
+
 def quant_paths(dtype: torch.dtype) -> list[GemmPath]:
     """The quantized candidates on this machine: the fast ones that work here, then the reference."""
-    Fast = _W8A8Path | Int4PackPath | W4MMPath | W4F32Path | I8MMPath | I8MMSiluPath | I8AVX2Path | Int4DensePath
+    Fast = (
+        _W8A8Path
+        | Int4PackPath
+        | W4MMPath
+        | W4F32Path
+        | I8MMPath
+        | I8MMSiluPath
+        | I8AVX2Path
+        | I8AVX2SiluPath
+        | Int4DensePath
+    )
     fast: list[Fast] = [
         OneDNNInt8Path(),
         IntMMPath(),
@@ -517,8 +578,11 @@ def quant_paths(dtype: torch.dtype) -> list[GemmPath]:
             fast.append(W4VNNISiluPath(plain4v, "vnni-silu-mul", "-noprefetch"))
     if dtype == torch.float32 and (k8a := i8avx2.kernel()) is not None:
         fast += [I8AVX2Path(k8a), I8AVX2Path(k8a, "i8avx2-panel", "panel")]
+        fast += [I8AVX2SiluPath(k8a), I8AVX2SiluPath(k8a, "i8avx2-panel-silu-mul", "panel")]
         if (plain8 := i8avx2.kernel_without_prefetch()) is not None:  # its prefetch distance was set on one CPU
             fast.append(I8AVX2Path(plain8, "i8avx2-noprefetch"))
+            fast.append(I8AVX2SiluPath(plain8, "i8avx2-silu-mul-noprefetch"))
     if dtype == torch.float32 and (k4f := w4f32.kernel()) is not None:
         fast += [W4F32Path(k4f, "direct"), W4F32Path(k4f, "panel")]
+        fast += [W4F32SiluPath(k4f, entry) for entry in W4F32_SILU_ENTRIES]
     return [*(p for p in fast if p.available), QuantReferencePath()]  # type: ignore[list-item]

@@ -125,20 +125,25 @@ def test_quantized_programs_give_the_layers_logits_bit_for_bit(
     assert all(p.python_calls == (0 if fused else len(core.runner.model.model.layers)) for p in programs)
 
 
-@pytest.mark.parametrize(("scheme", "kernel"), [("w8a8", "i8avx2"), ("w8a8", "i8avx2-panel"), ("w4a16", "w4f32")])
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
+@pytest.mark.parametrize(
+    ("scheme", "kernel"),
+    [("w8a8", "i8avx2"), ("w8a8", "i8avx2-panel"), ("w4a16", "w4f32"), ("w4a16", "w4f32-panel")],
+)
 def test_float32_quantized_programs_give_the_layers_logits_bit_for_bit(
-    bf16_dir: Path, tmp_path: Path, scheme: str, kernel: str, monkeypatch: pytest.MonkeyPatch
+    bf16_dir: Path, tmp_path: Path, scheme: str, kernel: str, fused: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Float32 math (the AVX2 CPUs'): W8A8 through i8avx2's entries, W4A16 through w4f32's (direct and panel), each
-    a C call of the program over float32 rows; the gated MLP's act in torch between two C calls (these kernels
-    have no fused SiLU)."""
+    a C call of the program over float32 rows; the gated MLP through the kernel's fused SiLU entry (no stop), or
+    through the plain one and then the torch act between two C calls (one stop a layer)."""
     from engine.quant.quantize import quantize
 
     if scheme == "w8a8" and not i8avx2.supported():
         pytest.skip("i8avx2 needs AVX2")
 
     def ours(dtype: torch.dtype) -> list:
-        return [p for p in quant_paths(dtype) if p.name.startswith(kernel)]
+        mine = [p for p in quant_paths(dtype) if p.name.startswith(kernel)]
+        return [p for p in mine if ("silu" in p.name) == fused] + [p for p in mine if ("silu" in p.name) != fused]
 
     monkeypatch.setattr(engine.kernels.bind, "quant_paths", ours)
     quantize(bf16_dir, tmp_path / "q", scheme, group_size=16)
@@ -150,7 +155,7 @@ def test_float32_quantized_programs_give_the_layers_logits_bit_for_bit(
     assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     assert "<=8" in _programs_run(core)
     programs = [c.program for c in core.runner.model.programs._choices.values() if c.program is not None]
-    assert all(p.python_calls == len(core.runner.model.model.layers) for p in programs)  # the acts only
+    assert programs and all(p.python_calls == (0 if fused else len(core.runner.model.model.layers)) for p in programs)
 
 
 @pytest.mark.parametrize("entry", ["fp16", "vnni"])

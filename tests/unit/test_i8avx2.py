@@ -1,15 +1,20 @@
 """The AVX2 W8A8 kernel (engine.kernels.i8avx2), compiled here with gcc: its activations are quantized exactly as
 compressed-tensors defines it, its int32 sums are exact at the int8 extremes (-128 x -128 included), and its
 answer equals the reference
-(engine.quant.weights.Int8Weight) within float rounding. Needs AVX2 (every x86 CPU these tests have run on)."""
+(engine.quant.weights.Int8Weight) within float rounding; its fused gated-MLP entries and its grouped (MoE) entry
+give the bits of its linear entry. Needs AVX2 (every x86 CPU these tests have run on)."""
 
 from __future__ import annotations
+
+import ctypes
 
 import pytest
 import torch
 
 from engine.kernels import i8avx2
-from engine.kernels.i8avx2 import I8AVX2
+from engine.kernels.gemm import interleave_halves
+from engine.kernels.i8avx2 import I8AVX2, PackedInt8Rows
+from engine.kernels.program import address
 from engine.kernels.select import GemmSelector, _matches_reference
 from engine.quant.paths import I8AVX2Path, quant_paths
 from engine.quant.weights import Int4Weight
@@ -129,3 +134,111 @@ def test_each_batch_class_runs_the_entry_that_won_it(kernel: I8AVX2) -> None:
     runs = [I8AVX2Path(kernel, name, entry).prepare(w, None, None) for name, entry in (("a", "linear"), ("b", "panel"))]
     x = torch.randn(4, 128)
     assert torch.equal(runs[0](x), runs[1](x))
+
+
+FUSED = ("linear_silu_mul", "panel_silu_mul")  # the two entries with silu(gate) * up in the epilogue
+
+
+def silu_mul(y: torch.Tensor) -> torch.Tensor:
+    """[gate | up] (the halves as `linear` gives them, not interleaved) → silu(gate) * up, written as the kernel
+    writes it."""
+    g, u = y.chunk(2, dim=-1)
+    return g / (1 + torch.exp(-g)) * u
+
+
+def fused_weight(n: int, k: int, bias: bool = True, seed: int = 0) -> tuple[PackedInt8Rows, PackedInt8Rows]:
+    """A gated MLP's [gate; up] weight (N = 2I rows) packed as it is and interleaved for the fused entries."""
+    w = int8_weight(n, k, seed)
+    b = torch.randn(n, generator=torch.Generator().manual_seed(seed + 1)) if bias else None
+    i = interleave_halves
+    return I8AVX2.pack(w.q, w.scale, b), I8AVX2.pack(i(w.q), i(w.scale), i(b) if b is not None else None)
+
+
+@pytest.mark.parametrize("entry", FUSED)
+@pytest.mark.parametrize(("n", "k"), [(128, 256), (256, 96), (64, 4864), (192, 33)])
+def test_the_fused_entries_equal_linear_then_silu_mul(kernel: I8AVX2, entry: str, n: int, k: int) -> None:
+    plain, fused = fused_weight(n, k)
+    for rows in (1, 2, 5, 33, 97, 200):  # the row chunks and the panel's tiles and passes, with their tails
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+        want, got = silu_mul(kernel.linear(x, plain)), getattr(kernel, entry)(x, fused)
+        assert got.shape == (rows, n // 2) and (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+def test_both_fused_entries_give_the_same_bits(kernel: I8AVX2) -> None:
+    """As the unfused pair: which one a batch class takes changes no answer."""
+    _, fused = fused_weight(256, 1100)
+    for rows in (1, 7, 100):
+        x = torch.randn(rows, 1100)
+        assert torch.equal(kernel.linear_silu_mul(x, fused), kernel.panel_silu_mul(x, fused))
+
+
+@pytest.mark.parametrize("entry", FUSED)
+def test_fused_entries_take_any_leading_shape_and_no_rows(kernel: I8AVX2, entry: str) -> None:
+    _, fused = fused_weight(64, 40, bias=False)
+    x = torch.randn(2, 3, 40)
+    got = getattr(kernel, entry)(x, fused)
+    assert got.shape == (2, 3, 32) and torch.equal(got.reshape(6, 32), getattr(kernel, entry)(x.reshape(6, 40), fused))
+    assert getattr(kernel, entry)(torch.empty(0, 40), fused).shape == (0, 32)
+
+
+def test_the_program_signatures_are_the_entries(kernel: I8AVX2) -> None:
+    """What a decode program calls (program.c's i8_fn and i8_silu_fn) gives the methods' bits, colsum ignored."""
+    i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    i8_fn = ctypes.CFUNCTYPE(c_int, i64, i64, i64, ptr, c_int, ptr, ptr, ptr, ptr, ptr, c_int)
+    i8_silu_fn = ctypes.CFUNCTYPE(c_int, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, c_int)
+    plain, fused = fused_weight(128, 96)
+    x = torch.randn(3, 96)
+    for entry in ("linear", "panel", "linear_silu_mul", "panel_silu_mul"):
+        silu = entry.endswith("silu_mul")
+        w, y = (fused, torch.empty(3, 64)) if silu else (plain, torch.empty(3, 128))
+        assert w.bias is not None
+        args = (w.packed.data_ptr(), None, w.scale.data_ptr(), w.bias.data_ptr(), y.data_ptr(), 2)  # no colsum
+        fn = kernel.c_fn(entry)
+        rc = (
+            i8_silu_fn(address(fn))(3, w.n, w.k, x.data_ptr(), *args)
+            if silu
+            else i8_fn(address(fn))(3, w.n, w.k, x.data_ptr(), 0, *args)
+        )
+        assert rc == 0 and torch.equal(y, getattr(kernel, entry)(x, w)), entry
+
+
+def grouped_weights(packed: list[PackedInt8Rows]) -> tuple[ctypes.Array, ctypes.Array, ctypes.Array]:
+    """I8MM.grouped's pointer arrays: packed weights, column sums (none here: NULLs), scales."""
+    arr = ctypes.c_void_p * len(packed)
+    return arr(*[p.packed.data_ptr() for p in packed]), arr(), arr(*[p.scale.data_ptr() for p in packed])
+
+
+# experts without rows; few rows (the per-row tiles) and 16 or more (the panel), beyond one pass of 96
+COUNTS = ([3, 0, 1, 33, 2], [0, 100, 16, 15, 1])
+
+
+@pytest.mark.parametrize("counts", COUNTS)
+@pytest.mark.parametrize(("n", "k"), [(130, 96), (64, 4864), (256, 33)])
+def test_grouped_gives_each_experts_linear_bits(kernel: I8AVX2, counts: list[int], n: int, k: int) -> None:
+    experts = [int8_weight(n, k, seed=e) for e in range(len(counts))]
+    packed = [I8AVX2.pack(w.q, w.scale) for w in experts]
+    x = torch.randn(sum(counts), k, generator=torch.Generator().manual_seed(3))
+    got = kernel.grouped(x, (ctypes.c_int64 * len(counts))(*counts), (n, k), grouped_weights(packed), False)
+    want = torch.cat([kernel.linear(rows, p) for rows, p in zip(x.split(counts), packed, strict=True)])
+    assert got.shape == (sum(counts), n) and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("counts", COUNTS)
+@pytest.mark.parametrize(("n", "k"), [(128, 96), (192, 1100)])
+def test_grouped_with_silu_mul_gives_each_experts_fused_bits(kernel: I8AVX2, counts: list[int], n: int, k: int) -> None:
+    packed = [fused_weight(n, k, bias=False, seed=e)[1] for e in range(len(counts))]
+    x = torch.randn(sum(counts), k, generator=torch.Generator().manual_seed(4))
+    got = kernel.grouped(x, (ctypes.c_int64 * len(counts))(*counts), (n, k), grouped_weights(packed), True)
+    want = torch.cat([kernel.linear_silu_mul(rows, p) for rows, p in zip(x.split(counts), packed, strict=True)])
+    assert got.shape == (sum(counts), n // 2) and torch.equal(got, want)
+    ptrs, _, scales = grouped_weights(packed)  # no column-sum array at all (the kernel needs none)
+    assert torch.equal(
+        kernel.grouped(x, (ctypes.c_int64 * len(counts))(*counts), (n, k), (ptrs, None, scales), True), want
+    )
+
+
+@pytest.mark.parametrize("silu", [False, True])
+def test_grouped_without_rows_gives_an_empty_result(kernel: I8AVX2, silu: bool) -> None:
+    packed = [fused_weight(64, 96, bias=False, seed=e)[1] for e in range(3)]
+    got = kernel.grouped(torch.empty(0, 96), (ctypes.c_int64 * 3)(0, 0, 0), (64, 96), grouped_weights(packed), silu)
+    assert got.shape == (0, 32 if silu else 64)

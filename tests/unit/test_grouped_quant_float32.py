@@ -1,0 +1,115 @@
+"""engine.quant.grouped in float32 math (the AVX2 CPUs', and any CPU without bf16 arithmetic): a MoE layer's
+quantized experts in two calls of w4f32's grouped entry (W4A16) or i8avx2's (W8A8), float32 rows in and out, give
+the bits of that kernel's call per expert and projection, and a quantized DeepSeek in float32 math takes them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.kernels import i8avx2, op_choice, w4f32
+from engine.layers.moe import MoE
+from engine.quant.grouped import GroupedQuantExperts, GroupedQuantLinear, rows_dtype
+from engine.quant.paths import I8AVX2Path, I8AVX2SiluPath, W4F32Path, W4F32SiluPath
+from engine.quant.quantize import quantize
+from tests.int4_kernels import int4_weight
+from tests.int8_kernels import int8_weight
+from tests.parity.conftest import make_core, mixed_prompts, step_logits
+from tests.parity.test_deepseek import build_deepseek
+
+HIDDEN, INNER, GROUP = 128, 64, 32
+SCHEMES = ["w4a16", "w8a8"]
+
+
+def _kernel(scheme: str) -> w4f32.W4F32 | i8avx2.I8AVX2:
+    kernel = w4f32.kernel() if scheme == "w4a16" else i8avx2.kernel()
+    if kernel is None:
+        pytest.skip(f"no float32 {scheme} kernel on this CPU (i8avx2 needs AVX2)")
+    return kernel
+
+
+def _experts(scheme: str, e: int) -> tuple[list, list]:
+    def weight(n: int, k: int, seed: int):  # type: ignore[no-untyped-def]
+        return int4_weight(n, k, GROUP, False, seed) if scheme == "w4a16" else int8_weight(n, k, seed)
+
+    return [weight(2 * INNER, HIDDEN, 10 + i) for i in range(e)], [weight(HIDDEN, INNER, 50 + i) for i in range(e)]
+
+
+def _per_expert(scheme: str, kernel: object, rows: int) -> tuple:
+    """The fused gate/up path and the down path whose C code the grouped call runs for an expert of `rows` rows:
+    w4f32's direct tiles up to two rows and its panels past that; i8avx2's `linear` entries."""
+    if scheme == "w8a8":
+        return I8AVX2SiluPath(kernel, "i8avx2-silu-mul", "linear"), I8AVX2Path(kernel)  # type: ignore[arg-type]
+    direct = rows <= 2
+    silu = W4F32SiluPath(kernel, "silu-mul" if direct else "panel-silu-mul")  # type: ignore[arg-type]
+    return silu, W4F32Path(kernel, "direct" if direct else "panel")  # type: ignore[arg-type]
+
+
+# experts of one and two rows (direct tiles), three and more (panels, one past a 6-row tile, one past a 96-row
+# pass), none at all between them
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("counts", [[1, 0, 2, 1], [0, 5, 0, 40, 1, 0], [3, 7], [0, 0, 0], [97, 2]])
+def test_grouped_experts_give_the_bits_of_the_kernel_s_call_per_expert(scheme: str, counts: list[int]) -> None:
+    from engine.layers.activation import ActAndMul
+
+    kernel = _kernel(scheme)
+    gate_up, down = _experts(scheme, len(counts))
+    x = torch.randn(sum(counts), HIDDEN, generator=torch.Generator().manual_seed(3))
+    got = GroupedQuantExperts(kernel, gate_up, down)(x, counts)  # type: ignore[arg-type]
+    assert got.shape == (sum(counts), HIDDEN) and got.dtype == torch.float32 == rows_dtype(kernel)  # type: ignore[arg-type]
+    start = 0
+    for e, n in enumerate(counts):
+        up, dn = _per_expert(scheme, kernel, n)
+        h = up.prepare(gate_up[e], None, ActAndMul("silu"))(x[start : start + n])
+        want = dn.prepare(down[e], None, None)(h)
+        assert torch.equal(got[start : start + n], want), f"expert {e} of {n} rows"
+        start += n
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_the_grouped_call_equals_the_dequantized_reference(scheme: str) -> None:
+    """Independent of the kernels' own entries: down(silu(gate) * up) by each expert's dequantized weights."""
+    kernel, counts = _kernel(scheme), [2, 0, 9, 1]
+    gate_up, down = _experts(scheme, len(counts))
+    x = torch.randn(sum(counts), HIDDEN, generator=torch.Generator().manual_seed(4))
+    got, start = GroupedQuantExperts(kernel, gate_up, down)(x, counts), 0  # type: ignore[arg-type]
+    scale = got.abs().max().item()
+    for e, n in enumerate(counts):
+        if n == 0:  # the reference cannot shape an empty int8 input
+            continue
+        gate, up = gate_up[e].reference(x[start : start + n], None).chunk(2, dim=-1)
+        want = down[e].reference(torch.nn.functional.silu(gate) * up, None)
+        torch.testing.assert_close(got[start : start + n], want, rtol=2e-2, atol=2e-2 * scale)
+        start += n
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_only_experts_of_the_kernel_s_scheme_and_shapes_fit(scheme: str) -> None:
+    kernel = _kernel(scheme)
+    gate_up, down = _experts(scheme, 2)
+    assert GroupedQuantExperts.accepts(kernel, gate_up, down)  # type: ignore[arg-type]
+    assert not GroupedQuantExperts.accepts(kernel, *_experts("w8a8" if scheme == "w4a16" else "w4a16", 2))  # type: ignore[arg-type]
+    assert not GroupedQuantLinear.accepts(kernel, [_experts(scheme, 1)[0][0]] * 2 + [down[0]])  # type: ignore[arg-type]
+    odd = int4_weight(96, HIDDEN, GROUP, False) if scheme == "w4a16" else int8_weight(96, HIDDEN)
+    assert not GroupedQuantLinear.accepts(kernel, [odd], silu_mul=True)  # type: ignore[arg-type]  # 96 % 64
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_a_quantized_deepseek_in_float32_runs_its_experts_grouped_and_answers_as_with_a_call_per_expert(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, scheme: str
+) -> None:
+    _kernel(scheme)
+    quantize(build_deepseek("v2-grouped", tmp_path / "src"), tmp_path / "q", scheme, group_size=8)
+    cfg = dict(dtype="float32", max_num_seqs=8, gemm_path="wbf16")
+    grouped = make_core(tmp_path / "q", **cfg)  # untimed: the grouped call is taken
+    moes = [m for m in grouped.runner.model.modules() if isinstance(m, MoE)]
+    assert moes and all(isinstance(m.grouped, GroupedQuantExperts) for m in moes)
+    assert all(isinstance(m.grouped.gate_up.kernel, w4f32.W4F32 | i8avx2.I8AVX2) for m in moes)  # type: ignore[union-attr]
+    monkeypatch.setattr(op_choice, "choose_quant_experts", lambda *_: None)
+    each = make_core(tmp_path / "q", **cfg)
+    assert all(m.grouped is None for m in each.runner.model.modules() if isinstance(m, MoE))
+    prompts = mixed_prompts(4)
+    for a, b in zip(step_logits(grouped, prompts, 3), step_logits(each, prompts, 3), strict=True):
+        assert (a.float() - b.float()).abs().max() <= 1e-3 * b.float().abs().max()
