@@ -12,6 +12,8 @@
 //   group's end y += s * sum - s * z * (sum x). Decode.
 // - w4f32_linear_panel: one group of a 32-column block at a time widened into a float buffer, then 6-row x
 //   16-column FMA tiles over every row (the widening shared by all the rows). Batches and prefill.
+// Each has a fused gated-MLP twin (w4f32_linear_silu_mul, w4f32_linear_panel_silu_mul: silu(gate) * up in the
+// epilogue), and w4f32_grouped runs a MoE layer's experts in one call. Built with -ffp-contract=off (w4f32.py).
 //
 // Packed layout (w4f32.py packs): words [N/32][K/8][32] uint32: word j of k octet o holds column j's k = 8o + i
 // at bits 4i, i = 0..7 (Int4Weight's bytes for those 8 k's, read as one little-endian word). Scales
@@ -245,17 +247,17 @@ static void store_silu_mul(const float *og, const float *ou, const float *bg, co
     }
 }
 
-// Rows r and r + 1 (or r alone) of y from their sums out[h] (h: the unit's blocks, one or the gate's and the up's):
+// Rows m .. m + rows of y from their sums, row r at o0 + r * NB (and the up block's at o1 + r * NB with silu_mul):
 // `unit` counts blocks, or block pairs with silu_mul (y then N / 2 wide).
-static void store_unit(float (*out)[2 * NB], int rows, int64_t unit, int64_t N, const float *b, float *y, int64_t m,
-                       const int silu_mul) {
-    for (int r = 0; r < rows; r++) {
+static void store_unit(const float *o0, const float *o1, int64_t rows, int64_t unit, int64_t N, const float *b,
+                       float *y, int64_t m, const int silu_mul) {
+    for (int64_t r = 0; r < rows; r++) {
         if (silu_mul) {
             const float *bg = b ? b + 2 * unit * NB : NULL, *bu = b ? b + (2 * unit + 1) * NB : NULL;
-            store_silu_mul(out[0] + r * NB, out[1] + r * NB, bg, bu, y + (m + r) * (N / 2) + unit * NB);
+            store_silu_mul(o0 + r * NB, o1 + r * NB, bg, bu, y + (m + r) * (N / 2) + unit * NB);
         } else {
             const int64_t n0 = unit * NB;
-            store_row(out[0] + r * NB, b ? b + n0 : NULL, y + (m + r) * N + n0, N - n0 < NB ? N - n0 : NB);
+            store_row(o0 + r * NB, b ? b + n0 : NULL, y + (m + r) * N + n0, N - n0 < NB ? N - n0 : NB);
         }
     }
 }
@@ -295,7 +297,7 @@ static int direct(int64_t M, int64_t N, int64_t K, int64_t G, const float *x, co
                 const int64_t m = c0 + r0;  // the row in x and y
                 for (int64_t h = 0; h < per; h++)
                     dtile_rows(rows, K, G, xq + r0 * K, wq, sc, xs + m * groups, u * per + h, out[h]);
-                store_unit(out, rows, u, N, b, y, m, silu_mul);
+                store_unit(out[0], out[1], rows, u, N, b, y, m, silu_mul);
             }
         }
     }
@@ -335,20 +337,6 @@ static void panel_rows(int64_t mc, int64_t K, int64_t G, const float *x, const u
     }
 }
 
-// mc rows' totals of unit u's blocks (out[h]: [MC][NB]) into y, as store_unit.
-static void store_panel(float (*out)[MC * NB], int64_t mc, int64_t u, int64_t N, const float *b, float *y, int64_t m0,
-                        const int silu_mul) {
-    for (int64_t r = 0; r < mc; r++) {
-        if (silu_mul) {
-            const float *bg = b ? b + 2 * u * NB : NULL, *bu = b ? b + (2 * u + 1) * NB : NULL;
-            store_silu_mul(out[0] + r * NB, out[1] + r * NB, bg, bu, y + (m0 + r) * (N / 2) + u * NB);
-        } else {
-            const int64_t n0 = u * NB;
-            store_row(out[0] + r * NB, b ? b + n0 : NULL, y + (m0 + r) * N + n0, N - n0 < NB ? N - n0 : NB);
-        }
-    }
-}
-
 // The panel entry's work (silu_mul as direct's). Returns 0, or -1 where a buffer could not be had.
 static int panel(int64_t M, int64_t N, int64_t K, int64_t G, const float *x, const uint32_t *wq, const float *sc,
                  const float *b, float *y, int nthreads, const int silu_mul) {
@@ -370,7 +358,7 @@ static int panel(int64_t M, int64_t N, int64_t K, int64_t G, const float *x, con
                 const int64_t mc = M - m0 < MC ? M - m0 : MC;
                 for (int64_t h = 0; h < per; h++)
                     panel_rows(mc, K, G, x + m0 * K, wq, sc, xs + m0 * groups, u * per + h, wg, out[h]);
-                store_panel(out, mc, u, N, b, y, m0, silu_mul);
+                store_unit(out[0], out[1], mc, u, N, b, y, m0, silu_mul);
             }
         }
     }
@@ -422,7 +410,7 @@ static void w4fgroup_task(const void *ctx, int64_t p, int64_t u, int64_t end) {
         }
         scale_rows(rows, K, g->x + r0 * K, xq);
         for (int64_t h = 0; h < per; h++) dtile_rows((int)rows, K, G, xq, wq, sc, g->xs + r0 * groups, u * per + h, out[h]);
-        store_unit(out, (int)rows, u, g->N, NULL, g->y, r0, g->silu_mul);
+        store_unit(out[0], out[1], rows, u, g->N, NULL, g->y, r0, g->silu_mul);
         return;
     }
     float *wg = grow_aligned(&group_buf, sizeof(float) * (size_t)(G * NB));
@@ -435,7 +423,7 @@ static void w4fgroup_task(const void *ctx, int64_t p, int64_t u, int64_t end) {
         const int64_t mc = r0 + rows - m0 < MC ? r0 + rows - m0 : MC;
         for (int64_t h = 0; h < per; h++)
             panel_rows(mc, K, G, g->x + m0 * K, wq, sc, g->xs + m0 * groups, u * per + h, wg, out[h]);
-        store_panel(out, mc, u, g->N, NULL, g->y, m0, g->silu_mul);
+        store_unit(out[0], out[1], mc, u, g->N, NULL, g->y, m0, g->silu_mul);
     }
 }
 
