@@ -255,10 +255,9 @@ def choose_quant_experts(
     for W8A8, and on AMX CPUs also w4amx's or i8amx's; each kernel's builds with and without software prefetch; in
     float32 math w4f32's or i8avx2's), where it beat a call per expert and projection on `moe`'s own first experts,
     ROWS tokens routed at random to its top-k; None where that lost, the math is neither bf16 nor float32, the
-    kernel is missing here or the experts do not fit it. The
-    grouped kernels are timed again at one token, whose fastest the grouped call runs for a single token's rows.
-    What it returns makes the grouped call for a layer's experts (None where they do not fit). `flush`: as
-    fastest's."""
+    kernel is missing here or the experts do not fit it. The grouped kernels are timed again at one token, whose
+    fastest the grouped call runs for a single token's rows. What it returns makes the grouped call for a layer's
+    experts (None where they do not fit). `flush`: as fastest's."""
     experts = moe.local_experts()
     quantized = all(hasattr(e.gate_up_proj, "gemm_weight") for e in experts)
     if dtype not in (torch.bfloat16, torch.float32) or not experts or not quantized:
