@@ -84,7 +84,7 @@ def assert_the_path_checks_and_shares_w4mms_copy(path: Any, name: str) -> None:
     runs = [path.prepare(w, None, None), W4MMPath(k4, "direct").prepare(w, None, None)]
     cells = [packed_copies(r, PackedInt4) for r in runs]
     assert cells[0] and cells[0] == cells[1]
-    entry = path._entry(W4MMPath.pack(w), None, 1)
+    entry = path._entry(path.kernel, W4MMPath.pack(w), None, 1)
     assert entry is not None and entry.cols == 96 and entry.dtype == torch.bfloat16  # a decode program calls it
 
 

@@ -326,6 +326,8 @@ def _quant_grouped_builds(weight: object, dtype: torch.dtype) -> dict[str, Quant
         builds |= {f"grouped {name}": module.kernel(), f"grouped {name}-noprefetch": module.kernel_without_prefetch()}
     if isinstance(weight, Int4Weight):
         builds["grouped w4mm-wide"] = w4mm.wide_kernel()  # w4mm's wide tiles, for MoE layers' larger batches
+        # each build for the weight's scales: the compact layout's where they are bf16 values (the same bits)
+        builds = {name: k.for_scales(weight.scale) if k is not None else None for name, k in builds.items()}  # type: ignore[union-attr,misc]
     return {name: k for name, k in builds.items() if k is not None}
 
 

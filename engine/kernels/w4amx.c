@@ -87,14 +87,11 @@ static void tile_rows(int mr, int64_t K, int64_t ksteps, const uint16_t *x, cons
 }
 
 // out[r] (64 floats a row) += s * c[r] - s * (128 + z) * xs[r * groups], for mr rows of sums c ([32][64]); sc:
-// the group's [2][64].
+// the group's (SC_GROUP floats).
 static void scale_into(int mr, const float *restrict c, const float *restrict sc, const float *restrict xs,
                        int64_t groups, float *restrict out) {
     __m512 s[4], sz[4];  // loaded once for all the rows
-    for (int v = 0; v < 4; v++) {
-        s[v] = _mm512_loadu_ps(sc + 16 * v);
-        sz[v] = _mm512_loadu_ps(sc + 64 + 16 * v);
-    }
+    for (int v = 0; v < 4; v++) group_scales(sc, v, &s[v], &sz[v]);
     for (int r = 0; r < mr; r++) {
         const __m512 sum = _mm512_set1_ps(xs[r * groups]);
         for (int v = 0; v < 4; v++) {
@@ -128,7 +125,7 @@ static void block_by_group(int64_t M, int64_t N, int64_t K, int64_t G, const uin
                     *configured = mr;
                 }
                 tile_rows(mr, K, G / 32, x + (m0 + r) * K + g * G, wg, c);
-                scale_into(mr, c, sb + g * 128, xs + (m0 + r) * groups + g, groups, out + r * NB);
+                scale_into(mr, c, sb + g * SC_GROUP, xs + (m0 + r) * groups + g, groups, out + r * NB);
             }
         }
         for (int64_t r = 0; r < mc; r++) store_out(out + r * NB, bias, y, row0 + m0 + r, N, n0, nn, silu_mul);
@@ -159,7 +156,7 @@ static int by_group(int64_t M, int64_t N, int64_t K, int64_t G, const uint16_t *
             if (!wg) continue;
             const int64_t n0 = nb * NB, nn = N - n0 < NB ? N - n0 : NB;
             load_bias(b, n0, nn, bias);
-            block_by_group(M, N, K, G, x, xs, wq + nb * K * 32, sc + nb * groups * 128, bias, y, 0, n0, nn, wg,
+            block_by_group(M, N, K, G, x, xs, wq + nb * K * 32, sc + nb * groups * SC_GROUP, bias, y, 0, n0, nn, wg,
                            &configured, silu_mul);
         }
         if (configured != -1) _tile_release();
@@ -182,7 +179,7 @@ static void w4group_task(const void *ctx, int64_t p, int64_t nb, int64_t end) {
     const int64_t nn = N - n0 < NB ? N - n0 : NB;
     int configured = -1;
     block_by_group(g->counts[e], N, K, G, g->x + r0 * K, g->xs + r0 * groups, g->wq[e] + nb * K * 32,
-                   g->sc[e] + nb * groups * 128, zeros, g->y, r0, n0, nn, wg, &configured, g->silu_mul);
+                   g->sc[e] + nb * groups * SC_GROUP, zeros, g->y, r0, n0, nn, wg, &configured, g->silu_mul);
     if (configured != -1) _tile_release();
 }
 
@@ -214,7 +211,7 @@ static int dequantized(int64_t M, int64_t N, int64_t K, int64_t G, const uint16_
             if (!wb) continue;
             const int64_t n0 = nb * NB, nn = N - n0 < NB ? N - n0 : NB;
             load_bias(b, n0, nn, bias);
-            dequantize_block(K, G, wq + nb * K * 32, sc + nb * groups * 128, wb, 1);
+            dequantize_block(K, G, wq + nb * K * 32, sc + nb * groups * SC_GROUP, wb, 1);
             for (int64_t m0 = 0; m0 < M; m0 += 32) {
                 const int mr = M - m0 < 32 ? (int)(M - m0) : 32;
                 if (configured != mr) {

@@ -15,8 +15,16 @@ from pathlib import Path
 import torch
 
 from engine.kernels import amxmm
-from engine.kernels.cbuild import BuildError, Once, build
-from engine.kernels.w4mm import W4MM, PackedInt4, check_int4_kernel, check_int4_silu_mul, run_grouped
+from engine.kernels.cbuild import BuildError, build
+from engine.kernels.w4mm import (
+    W4MM,
+    Builds,
+    PackedInt4,
+    PackedLayoutKernel,
+    check_int4_kernel,
+    check_int4_silu_mul,
+    run_grouped,
+)
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +34,7 @@ KB = 32  # K and the group size are whole 32-input tile steps
 _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 
 
-class W4AMX:
+class W4AMX(PackedLayoutKernel):
     """The compiled kernel: bf16 linear layers over a weight W4MM.pack made."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
@@ -57,20 +65,20 @@ class W4AMX:
 
     def amx(self, x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., K] → x W^T + b, [..., N] bf16; a group at a time widened exactly, its tile sums scaled."""
-        return W4MM.run(self.lib.w4amx_linear, x, w, bias, "w4amx")
+        return self.run(self.lib.w4amx_linear, x, w, bias)
 
     def amx_dequant(self, x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None) -> torch.Tensor:
         """The same, each 64-column block dequantized to bf16 whole and summed over all of K in the tiles."""
-        return W4MM.run(self.lib.w4amx_linear_dequant, x, w, bias, "w4amx")
+        return self.run(self.lib.w4amx_linear_dequant, x, w, bias)
 
     def amx_silu_mul(self, x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None) -> torch.Tensor:
         """`amx` over a gated MLP's [gate; up] weight packed with its rows interleaved in blocks of 32
         (interleave_halves; N % 64 == 0) → silu(gate) * up, [..., N / 2], w4mm's fused epilogue."""
-        return W4MM.run(self.lib.w4amx_linear_silu_mul, x, w, bias, "w4amx", w.n // 2)
+        return self.run(self.lib.w4amx_linear_silu_mul, x, w, bias, w.n // 2)
 
     def amx_dequant_silu_mul(self, x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None) -> torch.Tensor:
         """`amx-dequant` over such a weight, the same fused output."""
-        return W4MM.run(self.lib.w4amx_linear_dequant_silu_mul, x, w, bias, "w4amx", w.n // 2)
+        return self.run(self.lib.w4amx_linear_dequant_silu_mul, x, w, bias, w.n // 2)
 
     def grouped_entry(self) -> object:
         """`grouped`'s C entry point, which a decode program calls itself (engine.kernels.program)."""
@@ -87,22 +95,27 @@ class W4AMX:
 def self_check(kernel: W4AMX) -> None:
     """Row tails under 16, 16-32 and past a 32-row step and a pass of rows, column tails, several groups."""
     entries = {"amx": kernel.amx, "amx-dequant": kernel.amx_dequant}
-    check_int4_kernel("w4amx", entries, ((1, 70, 64, 32), (17, 130, 256, 128), (200, 64, 96, 32), (40, 16, 128, 64)))
+    check_int4_kernel(
+        "w4amx",
+        entries,
+        ((1, 70, 64, 32), (17, 130, 256, 128), (200, 64, 96, 32), (40, 16, 128, 64)),
+        compact=kernel.compact,
+    )
     fused = {"amx-silu-mul": kernel.amx_silu_mul, "amx-dequant-silu-mul": kernel.amx_dequant_silu_mul}
-    check_int4_silu_mul("w4amx", fused, ((1, 128, 64, 32), (17, 256, 256, 128), (40, 64, 96, 32)))
+    check_int4_silu_mul(
+        "w4amx", fused, ((1, 128, 64, 32), (17, 256, 256, 128), (40, 64, 96, 32)), compact=kernel.compact
+    )
 
 
-_once = Once(W4AMX.build, log, "W4A16 layers will not run on AMX tiles (w4mm still can)", check=self_check)
-_once_plain = Once(
-    lambda: W4AMX.build(("-DPF_BYTES=0",)), log, "w4amx is not timed without software prefetch", check=self_check
-)
+_builds = Builds(W4AMX.build, "W4A16 layers will not run on AMX tiles (w4mm still can)", self_check)
 
 
-def kernel() -> W4AMX | None:
-    """The process-wide kernel; None without AMX, or (logged once) where it can't be built."""
-    return _once() if amxmm.supported() else None
+def kernel(compact: bool = False) -> W4AMX | None:
+    """The process-wide kernel (`compact`: its build for the compact scales, w4mm_common.h); None without
+    AMX, or (logged once) where it can't be built."""
+    return _builds.get(True, compact) if amxmm.supported() else None
 
 
-def kernel_without_prefetch() -> W4AMX | None:
+def kernel_without_prefetch(compact: bool = False) -> W4AMX | None:
     """The kernel built with no software prefetch of the nibbles (PF_BYTES=0), as kernel() otherwise."""
-    return _once_plain() if amxmm.supported() else None
+    return _builds.get(False, compact) if amxmm.supported() else None

@@ -98,7 +98,7 @@ static inline __attribute__((always_inline)) void htile(const int mr, int64_t K,
     for (int r = 0; r < mr; r++)
         for (int c = 0; c < 4; c++) tot[r][c] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
-        const float *s = sc + g * 128, *sz = s + 64;
+        const float *sg = sc + g * SC_GROUP;
         for (int64_t k0 = g * G / 4; k0 < (g + 1) * G / 4; k0 += SPAN) {
             for (int r = 0; r < mr; r++)
                 for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_ph();
@@ -120,18 +120,18 @@ static inline __attribute__((always_inline)) void htile(const int mr, int64_t K,
                     }
                 }
             }
-            for (int r = 0; r < mr; r++)
-                for (int c = 0; c < 4; c++)
-                    tot[r][c] = _mm512_fmadd_ps(widen_sums(acc[r][c]), _mm512_loadu_ps(s + 16 * c), tot[r][c]);
+            for (int c = 0; c < 4; c++) {
+                __m512 s, sz;
+                group_scales(sg, c, &s, &sz);
+                for (int r = 0; r < mr; r++) tot[r][c] = _mm512_fmadd_ps(widen_sums(acc[r][c]), s, tot[r][c]);
+            }
         }
         // sz = s * (128 + z) (w4mm's layout): s * (z - 8) = sz - 136 * s
-        for (int r = 0; r < mr; r++) {
-            const __m512 sum = _mm512_set1_ps(xs[r * groups + g]);
-            for (int c = 0; c < 4; c++) {
-                const __m512 s8 = _mm512_fnmadd_ps(_mm512_set1_ps(136.f), _mm512_loadu_ps(s + 16 * c),
-                                                   _mm512_loadu_ps(sz + 16 * c));
-                tot[r][c] = _mm512_fnmadd_ps(sum, s8, tot[r][c]);
-            }
+        for (int c = 0; c < 4; c++) {
+            __m512 s, sz;
+            group_scales(sg, c, &s, &sz);
+            const __m512 s8 = _mm512_fnmadd_ps(_mm512_set1_ps(136.f), s, sz);
+            for (int r = 0; r < mr; r++) tot[r][c] = _mm512_fnmadd_ps(_mm512_set1_ps(xs[r * groups + g]), s8, tot[r][c]);
         }
     }
     for (int r = 0; r < mr; r++)

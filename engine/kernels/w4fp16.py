@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from engine.kernels.cbuild import Once, build, cpu_flags
-from engine.kernels.w4mm import W4MM, PackedInt4, check_int4_kernel, check_int4_silu_mul
+from engine.kernels.cbuild import build, cpu_flags
+from engine.kernels.w4mm import W4MM, Builds, PackedInt4, PackedLayoutKernel, check_int4_kernel, check_int4_silu_mul
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +25,7 @@ SPAN = 32  # the group size is whole 32-input fp16 spans
 _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 
 
-class W4FP16:
+class W4FP16(PackedLayoutKernel):
     """The compiled kernel: bf16 linear layers over a weight W4MM.pack made."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
@@ -49,21 +49,28 @@ class W4FP16:
 
     def fp16(self, x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., K] → x W^T + b, [..., N] bf16."""
-        return W4MM.run(self.lib.w4fp16_linear, x, w, bias, "w4fp16")
+        return self.run(self.lib.w4fp16_linear, x, w, bias)
 
     def fp16_silu_mul(self, x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None) -> torch.Tensor:
         """`fp16` over a gated MLP's [gate; up] weight packed with its rows interleaved in blocks of 32
         (interleave_halves; N % 64 == 0) → silu(gate) * up, [..., N / 2]."""
-        return W4MM.run(self.lib.w4fp16_linear_silu_mul, x, w, bias, "w4fp16", w.n // 2)
+        return self.run(self.lib.w4fp16_linear_silu_mul, x, w, bias, w.n // 2)
 
 
 def self_check(kernel: W4FP16) -> None:
     """Row tails of a 3-row tile, column tails, several groups, rows of very large and very small values (each
     row's power-of-two scale)."""
-    check_int4_kernel("w4fp16", {"fp16": kernel.fp16}, ((1, 70, 64, 32), (7, 130, 256, 128), (5, 16, 128, 64)))
-    check_int4_silu_mul("w4fp16", {"fp16-silu-mul": kernel.fp16_silu_mul}, ((1, 128, 64, 32), (4, 256, 256, 128)))
+    check_int4_kernel(
+        "w4fp16", {"fp16": kernel.fp16}, ((1, 70, 64, 32), (7, 130, 256, 128), (5, 16, 128, 64)), compact=kernel.compact
+    )
+    check_int4_silu_mul(
+        "w4fp16",
+        {"fp16-silu-mul": kernel.fp16_silu_mul},
+        ((1, 128, 64, 32), (4, 256, 256, 128)),
+        compact=kernel.compact,
+    )
     for magnitude in (3e4, 1e-4):  # bf16's range, not fp16's: the scale keeps both exact enough
-        check_int4_kernel("w4fp16", {"fp16": kernel.fp16}, ((2, 64, 128, 32),), magnitude)
+        check_int4_kernel("w4fp16", {"fp16": kernel.fp16}, ((2, 64, 128, 32),), magnitude, compact=kernel.compact)
 
 
 def supported() -> bool:
@@ -72,18 +79,15 @@ def supported() -> bool:
     return "avx512_fp16" in cpu_flags()
 
 
-_once = Once(W4FP16.build, log, "W4A16 layers will not use fp16 products (w4mm still runs them)", check=self_check)
-# without software prefetch of the nibbles (PF_BYTES, w4mm_common.h's distance, set on one CPU): timed beside it
-_once_plain = Once(
-    lambda: W4FP16.build(("-DPF_BYTES=0",)), log, "w4fp16 is not timed without software prefetch", check=self_check
-)
+_builds = Builds(W4FP16.build, "W4A16 layers will not use fp16 products (w4mm still runs them)", self_check)
 
 
-def kernel() -> W4FP16 | None:
-    """The process-wide kernel; None without AVX512-FP16, or (logged once) where it can't be built."""
-    return _once() if supported() else None
+def kernel(compact: bool = False) -> W4FP16 | None:
+    """The process-wide kernel (`compact`: its build for the compact scales, w4mm_common.h); None without
+    AVX512-FP16, or (logged once) where it can't be built."""
+    return _builds.get(True, compact) if supported() else None
 
 
-def kernel_without_prefetch() -> W4FP16 | None:
-    """The kernel built with no software prefetch (PF_BYTES=0), as kernel() otherwise."""
-    return _once_plain() if supported() else None
+def kernel_without_prefetch(compact: bool = False) -> W4FP16 | None:
+    """The kernel built with no software prefetch of the nibbles (PF_BYTES=0), as kernel() otherwise."""
+    return _builds.get(False, compact) if supported() else None

@@ -15,8 +15,8 @@
 // Packed layout (w4mm.py packs): nibbles [N/64][K/4][4][32] bytes: for each 64-column block, each 4 k and each
 // 16 columns, byte i holds column i/2's k = 4kq + i%2 in its low nibble and k = 4kq + 2 + i%2 in its high one,
 // so one 32-byte load widens to two VDPBF16PS operands of 16 columns x 2 k (bf16mm's pair layout). Scales
-// [N/64][K/G][2][64] float: s, then s * (128 + z), of the block's columns for each group. K and G are multiples
-// of 4.
+// [N/64][K/G][2][64] float: s, then s * (128 + z), of the block's columns for each group; built with -DSCALE16,
+// bf16 s and bytes 128 + z (w4mm_common.h). K and G are multiples of 4.
 #ifndef __AVX512BF16__
 #error "this kernel needs AVX512-BF16 (-march=native on a CPU without it: torch's int4 GEMM is used instead)"
 #endif
@@ -64,12 +64,13 @@ static inline __attribute__((always_inline)) void qtile(const int mr, const int 
                 }
             }
         }
-        const float *s = sc + g * 128 + 16 * c0, *sz = s + 64;
+        __m512 s[4], sz[4];
+        for (int c = 0; c < nc; c++) group_scales(sc + g * SC_GROUP, c0 + c, &s[c], &sz[c]);
         for (int r = 0; r < mr; r++) {
             const __m512 sum = _mm512_set1_ps(xs[r * groups + g]);
             for (int c = 0; c < nc; c++) {
-                tot[r][c] = _mm512_fmadd_ps(acc[r][c], _mm512_loadu_ps(s + 16 * c), tot[r][c]);
-                tot[r][c] = _mm512_fnmadd_ps(sum, _mm512_loadu_ps(sz + 16 * c), tot[r][c]);
+                tot[r][c] = _mm512_fmadd_ps(acc[r][c], s[c], tot[r][c]);
+                tot[r][c] = _mm512_fnmadd_ps(sum, sz[c], tot[r][c]);
             }
         }
     }
@@ -107,13 +108,14 @@ static inline __attribute__((always_inline)) void wtile(const int mr, const int 
                 for (int c = 0; c < 2; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], p1, b[c]);
             }
         }
-        const float *s = sc + g * 128 + 16 * c0, *sz = s + 64;
+        __m512 s[2], sz[2];
+        for (int c = 0; c < 2; c++) group_scales(sc + g * SC_GROUP, c0 + c, &s[c], &sz[c]);
         for (int r = 0; r < mr; r++) {
             const __m512 sum = _mm512_set1_ps(xs[r * groups + g]);
             for (int c = 0; c < 2; c++) {
                 float *o = out + r * NB + 16 * (c0 + c);
-                const __m512 v = _mm512_fmadd_ps(acc[r][c], _mm512_loadu_ps(s + 16 * c), _mm512_loadu_ps(o));
-                _mm512_storeu_ps(o, _mm512_fnmadd_ps(sum, _mm512_loadu_ps(sz + 16 * c), v));
+                const __m512 v = _mm512_fmadd_ps(acc[r][c], s[c], _mm512_loadu_ps(o));
+                _mm512_storeu_ps(o, _mm512_fnmadd_ps(sum, sz[c], v));
             }
         }
     }
@@ -239,7 +241,7 @@ static inline __attribute__((always_inline)) void group_task(const void *ctx, in
         const int64_t left = g->first[p] + g->counts[e] - r0;
         mr = wide ? wide_rows(left) : tile_rows(left);
         const uint8_t *wq = g->wq[e] + nb * K * 32;
-        const float *sc = g->sc[e] + nb * groups * 128;
+        const float *sc = g->sc[e] + nb * groups * SC_GROUP;
         if (wide)
             wtile_any((int)mr, K, G, g->x + r0 * K, wq, sc, g->xs + r0 * groups, out);
         else
@@ -308,12 +310,14 @@ static inline __attribute__((always_inline)) void gtile(const int mr, int64_t ld
         for (int r = 0; r < mr; r++) memcpy(&p[r], x + r * ldx + 2 * kp, 4);
         step(mr, acc, wg + kp * 2 * NB, p);
     }
+    __m512 s[4], sz[4];
+    for (int c = 0; c < 4; c++) group_scales(sc, c, &s[c], &sz[c]);
     for (int r = 0; r < mr; r++) {
         const __m512 sum = _mm512_set1_ps(xs[r * groups]);
         for (int c = 0; c < 4; c++) {
             __m512 o = _mm512_loadu_ps(out + r * NB + 16 * c);
-            o = _mm512_fmadd_ps(acc[r][c], _mm512_loadu_ps(sc + 16 * c), o);
-            o = _mm512_fnmadd_ps(sum, _mm512_loadu_ps(sc + 64 + 16 * c), o);
+            o = _mm512_fmadd_ps(acc[r][c], s[c], o);
+            o = _mm512_fnmadd_ps(sum, sz[c], o);
             _mm512_storeu_ps(out + r * NB + 16 * c, o);
         }
     }
@@ -352,7 +356,7 @@ int w4mm_linear_panel(int64_t M, int64_t N, int64_t K, int64_t G, const uint16_t
             float bias[NB];
             load_bias(b, n0, nn, bias);
             const uint8_t *wb = wq + nb * K * 32;
-            const float *sb = sc + nb * groups * 128;
+            const float *sb = sc + nb * groups * SC_GROUP;
             // rows a pass at most MC, so they stay in L2 while the block's groups go past them
             for (int64_t m0 = 0; m0 < M; m0 += MC) {
                 const int64_t mc = M - m0 < MC ? M - m0 : MC;
@@ -361,7 +365,7 @@ int w4mm_linear_panel(int64_t M, int64_t N, int64_t K, int64_t G, const uint16_t
                     widen_group(G, wb + g * G * 32, wg);
                     for (int64_t r = 0; r < mc; r += MR) {
                         const int mr = mc - r < MR ? (int)(mc - r) : MR;
-                        gtile_any(mr, K, G, x + (m0 + r) * K + g * G, wg, sb + g * 128, xs + (m0 + r) * groups + g,
+                        gtile_any(mr, K, G, x + (m0 + r) * K + g * G, wg, sb + g * SC_GROUP, xs + (m0 + r) * groups + g,
                                   groups, out + r * NB);
                     }
                 }
@@ -391,7 +395,7 @@ static int by_block(int64_t M, int64_t N, int64_t K, int64_t G, const uint16_t *
 #pragma omp for schedule(static)
         for (int64_t nb = 0; nb < nblocks; nb++) {
             if (!wb) continue;
-            dequantize_block(K, G, wq + nb * K * 32, sc + nb * groups * 128, wb, 0);  // bf16mm's layout
+            dequantize_block(K, G, wq + nb * K * 32, sc + nb * groups * SC_GROUP, wb, 0);  // bf16mm's layout
             // nblocks = nb + 1: the buffer holds this block only, so block() asks for no next one
             for (int64_t m0 = 0; m0 < M; m0 += MC)
                 block(m0, M - m0 < MC ? M : m0 + MC, nb, nb + 1, N, K, x, wb, b, y, silu_mul);

@@ -18,6 +18,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Generic, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -43,16 +44,105 @@ _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 @dataclass(slots=True)
 class PackedInt4:
     """A weight in the kernel's layout: nibbles [N/64, K/4, 4, 32] uint8, scales [N/64, K/G, 2, 64] float32 (s,
-    then s * (128 + z))."""
+    then s * (128 + z)), or `compact`: [N/64, K/G, 192] bytes (64 bf16 s, then 64 bytes 128 + z), which only the
+    kernels built with -DSCALE16 read (w4mm_common.h)."""
 
     nibbles: torch.Tensor
     scales: torch.Tensor
     n: int
     k: int
     group_size: int
+    compact: bool = False
 
 
-class W4MM:
+def compact_scales(scale: torch.Tensor) -> bool:
+    """Whether `scale` holds bf16 values only (what a bf16 checkpoint stores): the compact layout carries them
+    exactly."""
+    return bool(torch.equal(scale.float().to(torch.bfloat16).float(), scale.float()))
+
+
+class PackedLayoutKernel:
+    """What a kernel over w4mm's packed layout (w4mm's, w4vnni's, w4amx's, w4fp16's) knows of its build: whether it
+    reads the compact scales (built with -DSCALE16: w4mm_common.h), and its compact twin (the same build with
+    -DSCALE16, set by Builds)."""
+
+    compact = False
+    twin: Callable[[], PackedLayoutKernel | None] | None = None
+
+    def for_scales(self, scale: torch.Tensor) -> PackedLayoutKernel:
+        """This build, or its compact twin where `scale` holds bf16 values and the twin builds and checks here: the
+        same bits from fewer bytes (the scales 37.5% of theirs)."""
+        if self.compact or self.twin is None or not compact_scales(scale):
+            return self
+        return self.twin() or self
+
+    def check_layout(self, w: PackedInt4) -> None:
+        """ValueError unless `w` was packed in the layout this build reads (the other's scales are another size:
+        the kernel would read past them)."""
+        if w.compact != self.compact:
+            raise ValueError(f"{type(self).__name__}: packed with {'compact' if w.compact else 'float'} scales")
+
+    def run(
+        self, fn: ctypes._CFuncPtr, x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None,
+        out_cols: int | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """Calls one of this build's entry points: fn(M, N, K, G, x, nibbles, scales, b, y, threads) → 0, or -1
+        without memory for its buffers. `out_cols`: y's width (default N)."""
+        self.check_layout(w)
+        x2 = x.reshape(-1, w.k).to(torch.bfloat16).contiguous()
+        out_cols = w.n if out_cols is None else out_cols
+        y = torch.empty(x2.shape[0], out_cols, dtype=torch.bfloat16)
+        b = bias.to(torch.bfloat16).contiguous() if bias is not None else None  # held until the call returns
+        rc = fn(
+            x2.shape[0], w.n, w.k, w.group_size, x2.data_ptr(), w.nibbles.data_ptr(), w.scales.data_ptr(),
+            b.data_ptr() if b is not None else None, y.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        if rc != 0:
+            raise MemoryError(f"{type(self).__name__.lower()}: no memory for the kernel's buffers")
+        return y.view(*x.shape[:-1], out_cols)
+
+
+def is_compact(kernel: object) -> bool:
+    """Whether `kernel` is a build for the compact scales (PackedLayoutKernel; any other kernel is not)."""
+    return isinstance(kernel, PackedLayoutKernel) and kernel.compact
+
+
+KT = TypeVar("KT", bound=PackedLayoutKernel)
+
+
+class Builds(Generic[KT]):
+    """A kernel over w4mm's layout in its four builds, each built and self-checked on first use: with software
+    prefetch (PF_BYTES, w4mm_common.h) and without (PF_BYTES=0), each for the float scales and the compact ones
+    (-DSCALE16). The engine times the first two; the scales' layout follows the weight (PackedLayoutKernel)."""
+
+    def __init__(
+        self, make: Callable[[tuple[str, ...]], KT], consequence: str, check: Callable[[KT], None],
+    ) -> None:  # fmt: skip
+        """make(extra flags) → the kernel; consequence: what a failed default build means (logged once)."""
+        self._once: dict[tuple[bool, bool], Once[KT]] = {}
+        for prefetch in (True, False):
+            for compact in (False, True):
+                extra = (() if prefetch else ("-DPF_BYTES=0",)) + (("-DSCALE16",) if compact else ())
+                what = consequence if prefetch and not compact else (
+                    "W4A16 weights with bf16 scales keep the float scales' layout (more bytes)" if compact
+                    else "this W4A16 kernel is not timed without software prefetch"
+                )  # fmt: skip
+                self._once[prefetch, compact] = Once(
+                    functools.partial(self._make, make, extra, prefetch, compact), log, what, check=check
+                )
+
+    def _make(self, make: Callable[[tuple[str, ...]], KT], extra: tuple[str, ...], prefetch: bool, compact: bool) -> KT:
+        kernel = make(extra)
+        kernel.compact = compact
+        if not compact:
+            kernel.twin = lambda: self.get(prefetch, True)
+        return kernel
+
+    def get(self, prefetch: bool = True, compact: bool = False) -> KT | None:
+        return self._once[prefetch, compact]()
+
+
+class W4MM(PackedLayoutKernel):
     """The compiled kernel: pack an int4 weight once, then run bf16 linear layers over it."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
@@ -86,9 +176,12 @@ class W4MM:
         return k % group_size == 0 and group_size % 4 == 0
 
     @staticmethod
-    def pack(values: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int) -> PackedInt4:
+    def pack(
+        values: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int, compact: bool = False
+    ) -> PackedInt4:
         """values: unsigned 4-bit [N, K] (any int dtype); scale, zero: [N, K/G] → the kernel's layout, columns
-        padded to whole blocks with zero weights."""
+        padded to whole blocks with zero weights; `compact`: the scales as bf16 and 128 + z as bytes (the scales
+        must be bf16 values: compact_scales) for the builds with -DSCALE16."""
         n, k = values.shape
         assert W4MM.accepts(n, k, group_size)
         blocks = -(-n // BLOCK)
@@ -99,40 +192,47 @@ class W4MM:
         byte = v[..., 0, :] | (v[..., 1, :] << 4)  # [block, c, j, kq, kk]
         nibbles = byte.permute(0, 3, 1, 2, 4).contiguous()  # [block, kq, c, j, kk]: byte i = j * 2 + kk
         s = torch.nn.functional.pad(scale.float(), (0, 0, 0, pad))
+        if compact:
+            assert compact_scales(scale)
+            z = torch.nn.functional.pad(zero.to(torch.uint8) + 128, (0, 0, 0, pad), value=128)
+            s16 = s.to(torch.bfloat16).view(torch.uint8).view(blocks, BLOCK, -1, 2).permute(0, 2, 1, 3)
+            zb = z.view(blocks, BLOCK, -1).permute(0, 2, 1)  # [block, group, column]
+            groups = torch.cat((s16.reshape(blocks, -1, 2 * BLOCK), zb), dim=2)  # [block, group, 192 bytes]
+            return PackedInt4(nibbles.view(-1), groups.contiguous().view(-1), n, k, group_size, True)
         sz = s * (torch.nn.functional.pad(zero.float(), (0, 0, 0, pad)) + 128)  # the kernel sums x * (128 + q)
         scales = torch.stack((s, sz), dim=0).view(2, blocks, BLOCK, -1).permute(1, 3, 0, 2).contiguous()
         return PackedInt4(nibbles.view(-1), scales.view(-1), n, k, group_size)
 
     def direct(self, x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., K] → x W^T + b, [..., N] bf16, the nibbles widened in registers."""
-        return self.run(self.lib.w4mm_linear, x, w, bias, "w4mm")
+        return self.run(self.lib.w4mm_linear, x, w, bias)
 
     def wide(self, x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None) -> torch.Tensor:
         """`direct`'s sums (the same bits) in tiles of 6-8 rows x 32 columns, the group totals in memory (fewer
         rows through direct's tiles): for batches of 6 rows and more."""
-        return self.run(self.lib.w4mm_linear_wide, x, w, bias, "w4mm")
+        return self.run(self.lib.w4mm_linear_wide, x, w, bias)
 
     def panel(self, x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None) -> torch.Tensor:
         """The same, each group widened once into a buffer for all the rows and run through bf16mm's tiles."""
-        return self.run(self.lib.w4mm_linear_panel, x, w, bias, "w4mm")
+        return self.run(self.lib.w4mm_linear_panel, x, w, bias)
 
     def block(self, x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None) -> torch.Tensor:
         """The same, each 64-column block dequantized to bf16 once (w rounded to bf16) for all the rows and all of
         K, through bf16mm's tiles."""
-        return self.run(self.lib.w4mm_linear_block, x, w, bias, "w4mm")
+        return self.run(self.lib.w4mm_linear_block, x, w, bias)
 
     def silu_mul(self, x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None) -> torch.Tensor:
         """`direct` over a gated MLP's [gate; up] weight packed with its rows interleaved in blocks of 32
         (interleave_halves; N % 64 == 0) → silu(gate) * up, [..., N / 2], rounded as the unfused bf16 code."""
-        return self.run(self.lib.w4mm_linear_silu_mul, x, w, bias, "w4mm", w.n // 2)
+        return self.run(self.lib.w4mm_linear_silu_mul, x, w, bias, w.n // 2)
 
     def wide_silu_mul(self, x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None) -> torch.Tensor:
         """`wide` over such a weight, the same fused output."""
-        return self.run(self.lib.w4mm_linear_wide_silu_mul, x, w, bias, "w4mm", w.n // 2)
+        return self.run(self.lib.w4mm_linear_wide_silu_mul, x, w, bias, w.n // 2)
 
     def block_silu_mul(self, x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None) -> torch.Tensor:
         """`block` over such a weight, the same fused output."""
-        return self.run(self.lib.w4mm_linear_block_silu_mul, x, w, bias, "w4mm", w.n // 2)
+        return self.run(self.lib.w4mm_linear_block_silu_mul, x, w, bias, w.n // 2)
 
     def grouped_entry(self) -> ctypes._CFuncPtr:
         """`grouped`'s C entry point, which a decode program calls itself (engine.kernels.program)."""
@@ -174,25 +274,6 @@ class W4MM:
             out[..., n0 : n0 + r] = y
         assert out is not None
         return out
-
-    @staticmethod
-    def run(
-        fn: ctypes._CFuncPtr, x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None, name: str,
-        out_cols: int | None = None,
-    ) -> torch.Tensor:  # fmt: skip
-        """Calls an entry point over this layout (w4mm's, w4amx's): fn(M, N, K, G, x, nibbles, scales, b, y,
-        threads) → 0, or -1 without memory for its buffers. `out_cols`: y's width (default N)."""
-        x2 = x.reshape(-1, w.k).to(torch.bfloat16).contiguous()
-        out_cols = w.n if out_cols is None else out_cols
-        y = torch.empty(x2.shape[0], out_cols, dtype=torch.bfloat16)
-        b = bias.to(torch.bfloat16).contiguous() if bias is not None else None  # held until the call returns
-        rc = fn(
-            x2.shape[0], w.n, w.k, w.group_size, x2.data_ptr(), w.nibbles.data_ptr(), w.scales.data_ptr(),
-            b.data_ptr() if b is not None else None, y.data_ptr(), torch.get_num_threads(),
-        )  # fmt: skip
-        if rc != 0:
-            raise MemoryError(f"{name}: no memory for the kernel's buffers")
-        return y.view(*x.shape[:-1], out_cols)
 
 
 def run_grouped(
@@ -238,28 +319,30 @@ class W4MMWide(W4MM):
 
 
 def _random_case(
-    g: torch.Generator, m: int, n: int, k: int, gs: int
+    g: torch.Generator, m: int, n: int, k: int, gs: int, compact: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A self-check's int4 weight (values, scales, asymmetric zero points), bf16 rows x [m, k] and bf16 bias."""
+    """A self-check's int4 weight (values, scales, asymmetric zero points), bf16 rows x [m, k] and bf16 bias;
+    `compact`: scales of bf16 values (the compact layout's)."""
     values = torch.randint(0, 16, (n, k), generator=g)
     scale = torch.rand(n, k // gs, generator=g) * 0.1 + 0.01
+    scale = scale.bfloat16().float() if compact else scale
     zero = torch.randint(0, 16, (n, k // gs), generator=g)
     return values, scale, zero, torch.randn(m, k, generator=g).bfloat16(), torch.randn(n, generator=g).bfloat16()
 
 
 def check_int4_kernel(
     name: str, entries: dict[str, Callable[..., torch.Tensor]], shapes: tuple[tuple[int, int, int, int], ...],
-    magnitude: float = 1.0,
+    magnitude: float = 1.0, compact: bool = False,
 ) -> None:  # fmt: skip
     """Each entry point over w4mm's layout (entry(x, packed, bias)) against the reference at (M, N, K, G) shapes,
-    asymmetric zero points and a bias, rows of x about `magnitude` in size; raises SelfCheckError naming the first
-    that differs."""
+    asymmetric zero points and a bias, rows of x about `magnitude` in size, the scales packed `compact` or not;
+    raises SelfCheckError naming the first that differs."""
     g = torch.Generator().manual_seed(0)
     for m, n, k, gs in shapes:
-        values, scale, zero, x, bias = _random_case(g, m, n, k, gs)
+        values, scale, zero, x, bias = _random_case(g, m, n, k, gs, compact)
         x = (x.float() * magnitude).bfloat16()
         want = Int4Weight(pack_nibbles(values), scale, zero, gs).reference(x, bias.float())
-        packed = W4MM.pack(values, scale, zero, gs)
+        packed = W4MM.pack(values, scale, zero, gs, compact)
         for entry, fn in entries.items():
             got = fn(x, packed, bias).float()
             if not torch.allclose(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item()):
@@ -268,17 +351,18 @@ def check_int4_kernel(
 
 
 def check_int4_silu_mul(
-    name: str, entries: dict[str, Callable[..., torch.Tensor]], shapes: tuple[tuple[int, int, int, int], ...]
+    name: str, entries: dict[str, Callable[..., torch.Tensor]], shapes: tuple[tuple[int, int, int, int], ...],
+    compact: bool = False,
 ) -> None:  # fmt: skip
     """Fused silu(gate) * up entry points (entry(x, packed, bias), the weight's [gate; up] rows interleaved in
     blocks of 32 before packing) against the unfused bf16 code over the reference projection, at (M, 2I, K, G)."""
     g = torch.Generator().manual_seed(1)
     for m, n, k, gs in shapes:
-        values, scale, zero, x, bias = _random_case(g, m, n, k, gs)
+        values, scale, zero, x, bias = _random_case(g, m, n, k, gs, compact)
         gate, up = Int4Weight(pack_nibbles(values), scale, zero, gs).reference(x, bias.float()).bfloat16().chunk(2, -1)
         want = (F.silu(gate) * up).float()
         i = interleave_halves
-        packed = W4MM.pack(i(values), i(scale), i(zero), gs)
+        packed = W4MM.pack(i(values), i(scale), i(zero), gs, compact)
         for entry, fn in entries.items():
             got = fn(x, packed, i(bias)).float()
             if got.shape != want.shape or not torch.allclose(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item()):
@@ -288,38 +372,43 @@ def check_int4_silu_mul(
 def self_check(kernel: W4MM) -> None:
     """Column tails, several groups, more rows than a tile, asymmetric zero points, through every entry point."""
     entries = {"direct": kernel.direct, "wide": kernel.wide, "panel": kernel.panel, "block": kernel.block}
-    check_int4_kernel("w4mm", entries, ((1, 70, 64, 32), (7, 130, 256, 128), (200, 64, 96, 32), (4, 16, 128, 64)))
+    shapes = ((1, 70, 64, 32), (7, 130, 256, 128), (200, 64, 96, 32), (4, 16, 128, 64))
+    check_int4_kernel("w4mm", entries, shapes, compact=kernel.compact)
     fused = {
         "silu-mul": kernel.silu_mul,
         "wide-silu-mul": kernel.wide_silu_mul,
         "block-silu-mul": kernel.block_silu_mul,
     }
-    check_int4_silu_mul("w4mm", fused, ((1, 128, 64, 32), (7, 256, 256, 128), (200, 64, 96, 32)))
+    shapes = ((1, 128, 64, 32), (7, 256, 256, 128), (200, 64, 96, 32))
+    check_int4_silu_mul("w4mm", fused, shapes, compact=kernel.compact)
 
 
-_once = Once(W4MM.build, log, "W4A16 layers will use torch's int4 GEMM (slower)", check=self_check)
-# the same kernel without its software prefetch of the nibbles ahead (PF_BYTES, set on one CPU): timed beside it
-_once_plain = Once(
-    lambda: W4MM.build(("-march=native", "-DPF_BYTES=0")),
-    log,
-    "W4A16 layers are not timed without software prefetch",
-    check=self_check,
+_builds = Builds(
+    lambda extra: W4MM.build(("-march=native", *extra)), "W4A16 layers will use torch's int4 GEMM (slower)", self_check
 )
 
 
-def kernel() -> W4MM | None:
-    """The process-wide kernel; None without AVX512-BF16, or (logged once) where it can't be built."""
-    return _once() if bf16mm.supported() else None
+def kernel(compact: bool = False) -> W4MM | None:
+    """The process-wide kernel (`compact`: its build for the compact scales); None without AVX512-BF16, or (logged
+    once) where it can't be built."""
+    return _builds.get(True, compact) if bf16mm.supported() else None
 
 
-def kernel_without_prefetch() -> W4MM | None:
-    """The kernel built with no software prefetch (PF_BYTES=0), as kernel() otherwise."""
-    return _once_plain() if bf16mm.supported() else None
+def kernel_without_prefetch(compact: bool = False) -> W4MM | None:
+    """The kernel built with no software prefetch (PF_BYTES=0), as kernel() otherwise: its prefetch distance was
+    set on one CPU, so the engine times both."""
+    return _builds.get(False, compact) if bf16mm.supported() else None
 
 
 @functools.cache
-def wide_kernel() -> W4MMWide | None:
-    """kernel()'s library as W4MMWide (its grouped call through the wide tiles), as kernel() otherwise; one for the
-    process, as kernel() is."""
-    k = kernel()
-    return W4MMWide(k.lib) if k is not None else None
+def wide_kernel(compact: bool = False) -> W4MMWide | None:
+    """kernel(compact)'s library as W4MMWide (its grouped call through the wide tiles), as kernel() otherwise; one
+    for the process, as kernel() is."""
+    k = kernel(compact)
+    if k is None:
+        return None
+    wide = W4MMWide(k.lib)
+    wide.compact = compact
+    if not compact:
+        wide.twin = lambda: wide_kernel(True)
+    return wide

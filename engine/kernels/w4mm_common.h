@@ -25,6 +25,31 @@
 #define PF_BYTES 2048
 #endif
 
+// The scales' layout, one of two (w4mm.py packs both). By default [N/64][K/G][2][64] float: each group's s, then
+// s * (128 + z), for a block's 64 columns. Built with -DSCALE16, for weights whose scales are bf16 values (what a
+// bf16 checkpoint stores): [N/64][K/G] of 192 bytes, the 64 columns' s as bf16, then their 128 + z as bytes, and
+// s * (128 + z) made in the kernel (8 significant bits times at most 8: exact in float, the same value as the
+// default layout's). WHY: the default layout's 512 bytes a group are 12.5% of the int4 bytes at groups of 128 and
+// 50% at 32, all streamed from memory at batch 1; this one is 37.5% of them. SC_GROUP: floats a group.
+#ifdef SCALE16
+#define SC_GROUP 48
+#else
+#define SC_GROUP 128
+#endif
+
+// 16 columns' s and s * (128 + z) (chunk c of the block's 64) from a group's scales sg, in either layout.
+static inline __attribute__((always_inline)) void group_scales(const float *sg, int c, __m512 *s, __m512 *sz) {
+#ifdef SCALE16
+    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)sg + 16 * c));
+    const __m128i zb = _mm_loadu_si128((const __m128i *)((const uint8_t *)sg + 128 + 16 * c));
+    *s = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    *sz = _mm512_mul_ps(*s, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(zb)));
+#else
+    *s = _mm512_loadu_ps(sg + 16 * c);
+    *sz = _mm512_loadu_ps(sg + 64 + 16 * c);
+#endif
+}
+
 // The 128 bytes of 4 k x 64 columns at wk + PF_BYTES.
 static inline __attribute__((always_inline)) void prefetch_nibbles(const uint8_t *wk) {
     if (PF_BYTES > 0) {
@@ -53,7 +78,7 @@ static inline __attribute__((always_inline)) __m512i dequantize_pairs(__m512bh v
     return _mm512_permutexvar_epi16(pairs, (__m512i)w);
 }
 
-// A 64-column block's nibbles wq (K/4 steps of 128 bytes) and scales sc ([K/G][2][64]: s, then s * (128 + z)) →
+// A 64-column block's nibbles wq (K/4 steps of 128 bytes) and scales sc (K/G groups of SC_GROUP floats) →
 // its bf16 weights w = (q - z) * s, rounded once, in wb: bf16mm's pair layout [K/2][64][2] (w4mm.c), or with
 // amx_tiles AMX tiles [K/32][4][16][32], a 16 x 32 tile of k pairs for each 32-k step and 16 columns (w4amx.c).
 // Each caller passes a constant, so each gets its own loop.
@@ -63,10 +88,7 @@ static inline __attribute__((always_inline)) void dequantize_block(int64_t K, in
     const __m512i pairs = pair_order();
     for (int64_t g = 0; g < K / G; g++) {
         __m512 s[4], sz[4];
-        for (int c = 0; c < 4; c++) {
-            s[c] = _mm512_loadu_ps(sc + g * 128 + 16 * c);
-            sz[c] = _mm512_loadu_ps(sc + g * 128 + 64 + 16 * c);
-        }
+        for (int c = 0; c < 4; c++) group_scales(sc + g * SC_GROUP, c, &s[c], &sz[c]);
         for (int64_t kq = g * G / 4; kq < (g + 1) * G / 4; kq++) {
             prefetch_nibbles(wq + kq * 128);
             for (int c = 0; c < 4; c++) {
@@ -170,7 +192,7 @@ static void w4_direct_blocks(int64_t M, int64_t N, int64_t K, int64_t G, const u
         load_bias(b, n0, nn, bias);
         for (int64_t r0 = 0, mr; r0 < M; r0 += mr) {
             mr = rows(M - r0);
-            tile(ctx, r0, (int)mr, wq + nb * K * 32, sc + nb * groups * 128, out);
+            tile(ctx, r0, (int)mr, wq + nb * K * 32, sc + nb * groups * SC_GROUP, out);
             for (int r = 0; r < mr; r++) store_out(out + r * NB, bias, y, r0 + r, N, n0, nn, silu_mul);
         }
     }

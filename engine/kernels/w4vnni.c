@@ -126,12 +126,13 @@ static inline __attribute__((always_inline)) void vtile(const int mr, const int 
                 }
             }
         }
-        const float *s = sc + g * 128, *sz = s + 64;  // s, s * (128 + z) (w4mm's layout): s * z = sz - 128 s
-        for (int v = 0; v < nv; v++) {
+        for (int v = 0; v < nv; v++) {  // s, s * (128 + z) (w4mm's layout): s * z = sz - 128 s
             const int h = (v0 + v) / 2, t = (v0 + v) % 2;
-            const __m512 s0 = _mm512_loadu_ps(s + 32 * h), s1 = _mm512_loadu_ps(s + 32 * h + 16);
-            const __m512 z0 = _mm512_fnmadd_ps(_mm512_set1_ps(128.f), s0, _mm512_loadu_ps(sz + 32 * h));
-            const __m512 z1 = _mm512_fnmadd_ps(_mm512_set1_ps(128.f), s1, _mm512_loadu_ps(sz + 32 * h + 16));
+            __m512 s0, s1, sz0, sz1;
+            group_scales(sc + g * SC_GROUP, 2 * h, &s0, &sz0);
+            group_scales(sc + g * SC_GROUP, 2 * h + 1, &s1, &sz1);
+            const __m512 z0 = _mm512_fnmadd_ps(_mm512_set1_ps(128.f), s0, sz0);
+            const __m512 z1 = _mm512_fnmadd_ps(_mm512_set1_ps(128.f), s1, sz1);
             const __m512 sv = gather_half(s0, s1, t), zv = gather_half(z0, z1, t);
             for (int r = 0; r < mr; r++) {
                 const __m512i I = _mm512_add_epi32(_mm512_slli_epi32(ah[r][v], 7), al[r][v]);
@@ -237,7 +238,7 @@ static void vgroup_task(const void *ctx, int64_t p, int64_t nb, int64_t end) {
     for (int64_t r0 = g->first[p], mr; r0 < g->first[p] + g->counts[e]; r0 += mr) {
         mr = tile_rows(g->first[p] + g->counts[e] - r0);
         vtile_any((int)mr, K, G, v->M, v->xq + 4 * r0, v->d + r0 * groups, v->xs + r0 * groups,
-                  g->wq[e] + nb * K * 32, g->sc[e] + nb * groups * 128, out);
+                  g->wq[e] + nb * K * 32, g->sc[e] + nb * groups * SC_GROUP, out);
         for (int r = 0; r < mr; r++) {
             if (!g->silu_mul) store_row(out + r * NB, zeros, g->y + (r0 + r) * width + n0, nn);
             else store_silu_mul_block(out + r * NB, g->y + (r0 + r) * width + n0 / 2);  // N % 64 == 0

@@ -16,8 +16,16 @@ from pathlib import Path
 
 import torch
 
-from engine.kernels.cbuild import Once, build, cpu_flags
-from engine.kernels.w4mm import W4MM, PackedInt4, check_int4_kernel, check_int4_silu_mul, run_grouped
+from engine.kernels.cbuild import build, cpu_flags
+from engine.kernels.w4mm import (
+    W4MM,
+    Builds,
+    PackedInt4,
+    PackedLayoutKernel,
+    check_int4_kernel,
+    check_int4_silu_mul,
+    run_grouped,
+)
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +35,7 @@ SPAN, MAX_GROUP = 16, 8192  # groups of whole 16-input vectors; past 8,192 input
 _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 
 
-class W4VNNI:
+class W4VNNI(PackedLayoutKernel):
     """The compiled kernel: bf16 linear layers over a weight W4MM.pack made."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
@@ -53,12 +61,12 @@ class W4VNNI:
 
     def vnni(self, x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., K] → x W^T + b, [..., N] bf16."""
-        return W4MM.run(self.lib.w4vnni_linear, x, w, bias, "w4vnni")
+        return self.run(self.lib.w4vnni_linear, x, w, bias)
 
     def vnni_silu_mul(self, x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None) -> torch.Tensor:
         """`vnni` over a gated MLP's [gate; up] weight packed with its rows interleaved in blocks of 32
         (interleave_halves; N % 64 == 0) → silu(gate) * up, [..., N / 2]."""
-        return W4MM.run(self.lib.w4vnni_linear_silu_mul, x, w, bias, "w4vnni", w.n // 2)
+        return self.run(self.lib.w4vnni_linear_silu_mul, x, w, bias, w.n // 2)
 
     def grouped_entry(self) -> object:
         """`grouped`'s C entry point, which a decode program calls itself (engine.kernels.program)."""
@@ -75,10 +83,17 @@ class W4VNNI:
 def self_check(kernel: W4VNNI) -> None:
     """Row tails of a 4-row tile, column tails, several groups, rows of very large and very small values (each
     group's power-of-two scale)."""
-    check_int4_kernel("w4vnni", {"vnni": kernel.vnni}, ((1, 70, 64, 32), (7, 130, 256, 128), (5, 16, 128, 64)))
-    check_int4_silu_mul("w4vnni", {"vnni-silu-mul": kernel.vnni_silu_mul}, ((1, 128, 64, 32), (4, 256, 256, 128)))
+    check_int4_kernel(
+        "w4vnni", {"vnni": kernel.vnni}, ((1, 70, 64, 32), (7, 130, 256, 128), (5, 16, 128, 64)), compact=kernel.compact
+    )
+    check_int4_silu_mul(
+        "w4vnni",
+        {"vnni-silu-mul": kernel.vnni_silu_mul},
+        ((1, 128, 64, 32), (4, 256, 256, 128)),
+        compact=kernel.compact,
+    )
     for magnitude in (3e4, 1e-30, 1e30):  # each group's power-of-two scale keeps bf16's whole range
-        check_int4_kernel("w4vnni", {"vnni": kernel.vnni}, ((2, 64, 128, 32),), magnitude)
+        check_int4_kernel("w4vnni", {"vnni": kernel.vnni}, ((2, 64, 128, 32),), magnitude, compact=kernel.compact)
 
 
 def supported() -> bool:
@@ -87,18 +102,15 @@ def supported() -> bool:
     return {"avx512_vnni", "avx512_bf16"} <= cpu_flags()
 
 
-_once = Once(W4VNNI.build, log, "W4A16 layers will not use int8 dot products (w4mm still runs them)", check=self_check)
-# without software prefetch of the nibbles (PF_BYTES, w4mm_common.h's distance, set on one CPU): timed beside it
-_once_plain = Once(
-    lambda: W4VNNI.build(("-DPF_BYTES=0",)), log, "w4vnni is not timed without software prefetch", check=self_check
-)
+_builds = Builds(W4VNNI.build, "W4A16 layers will not use int8 dot products (w4mm still runs them)", self_check)
 
 
-def kernel() -> W4VNNI | None:
-    """The process-wide kernel; None without AVX512-VNNI and AVX512-BF16, or (logged once) where it can't be built."""
-    return _once() if supported() else None
+def kernel(compact: bool = False) -> W4VNNI | None:
+    """The process-wide kernel (`compact`: its build for the compact scales, w4mm_common.h); None without
+    AVX512-VNNI and AVX512-BF16, or (logged once) where it can't be built."""
+    return _builds.get(True, compact) if supported() else None
 
 
-def kernel_without_prefetch() -> W4VNNI | None:
-    """The kernel built with no software prefetch (PF_BYTES=0), as kernel() otherwise."""
-    return _once_plain() if supported() else None
+def kernel_without_prefetch(compact: bool = False) -> W4VNNI | None:
+    """The kernel built with no software prefetch of the nibbles (PF_BYTES=0), as kernel() otherwise."""
+    return _builds.get(False, compact) if supported() else None

@@ -22,7 +22,7 @@ from engine.kernels.i8mm import I8MM
 from engine.kernels.program import OP_GROUPED_I8, OP_GROUPED_W4, ProgramBuilder, address
 from engine.kernels.w4amx import W4AMX
 from engine.kernels.w4f32 import W4F32
-from engine.kernels.w4mm import W4MM
+from engine.kernels.w4mm import W4MM, compact_scales, is_compact
 from engine.kernels.w4vnni import W4VNNI
 from engine.quant.paths import W4F32Path, W4MMPath, interleaved
 from engine.quant.weights import Int4Weight, Int8Weight, QuantWeight
@@ -61,13 +61,13 @@ class GroupedQuantLinear:
         self.kernel, self.silu_mul = kernel, silu_mul
         self.n, self.k = weights[0].shape
         if like is not None:
-            assert _layout(kernel) is _layout(like.kernel)
+            assert _layout(kernel) is _layout(like.kernel) and is_compact(kernel) == is_compact(like.kernel)
             self.packed, self.shape, self.pointers = like.packed, like.shape, like.pointers
             return
         ws = [interleaved(w) if silu_mul else w for w in weights]
         if isinstance(kernel, W4_KERNELS):
             pack = W4F32Path.pack if isinstance(kernel, W4F32) else W4MMPath.pack
-            self.packed: list[object] = [pack(w) for w in ws]  # type: ignore[arg-type]
+            self.packed: list[object] = [pack(w, is_compact(kernel)) for w in ws]  # type: ignore[arg-type]
             self.shape: tuple[int, ...] = (self.n, self.k, weights[0].group_size)  # type: ignore[union-attr]
             self.pointers = tuple(_pointers([getattr(p, f) for p in self.packed]) for f in ("nibbles", "scales"))
         elif isinstance(kernel, I8AVX2):  # its rows need no column sums: a null pointer for each
@@ -92,7 +92,9 @@ class GroupedQuantLinear:
                 return False
             (n, k), g = weights[0].shape, weights[0].group_size  # type: ignore[attr-defined]
             same = all(w.shape == (n, k) and w.group_size == g for w in weights)  # type: ignore[attr-defined]
-            return same and kernel.accepts(n, k, g)
+            # a compact-scales build only over scales of bf16 values (what the kernel choices give it: for_scales)
+            exact = not is_compact(kernel) or all(compact_scales(w.scale) for w in weights)  # type: ignore[attr-defined]
+            return same and exact and kernel.accepts(n, k, g)
         shape = weights[0].shape  # type: ignore[attr-defined]
         if isinstance(kernel, I8AMX) and not I8AMX.accepts(shape[1]):
             return False

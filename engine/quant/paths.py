@@ -28,7 +28,7 @@ from engine.kernels.i8mm import I8MM, PackedInt8, i8_entry
 from engine.kernels.w4amx import W4AMX
 from engine.kernels.w4f32 import W4F32, PackedInt4F32
 from engine.kernels.w4fp16 import W4FP16
-from engine.kernels.w4mm import W4MM, PackedInt4, w4_entry
+from engine.kernels.w4mm import W4MM, PackedInt4, PackedLayoutKernel, is_compact, w4_entry
 from engine.kernels.w4vnni import W4VNNI
 from engine.quant.weights import Int4Weight, Int8Weight, quantize_tokens
 
@@ -330,38 +330,57 @@ class _Int4KernelPath:
         self.name = (self.prefix if entry == "direct" else f"{self.prefix}-{entry}") + variant
         self.layout = self.copy or self.prefix  # every entry point and build runs on the one packed copy (GemmPath)
         self.available = True
-        self._packed: dict[int, object] = _PACKED.setdefault(self.layout, {})
+        self._packed: dict[tuple[int, bool], object] = _PACKED.setdefault(self.layout, {})
 
     @staticmethod
     def fits(weight: Int4Weight) -> bool:
         raise NotImplementedError
 
     @staticmethod
-    def pack(weight: Int4Weight) -> object:
+    def pack(weight: Int4Weight, compact: bool = False) -> object:
         raise NotImplementedError
 
     def accepts(self, weight: object, act: Act | None) -> bool:
         return isinstance(weight, Int4Weight) and self.fits(weight)
 
-    def prepare(self, weight: Int4Weight, bias: torch.Tensor | None, act: Act | None) -> Run:  # type: ignore[override]
-        packed = packed_once(self._packed, id(weight.packed), weight.packed, lambda: self.pack(weight))
-        fn = getattr(self.kernel, self.entry.replace("-", "_"))
-        b = bias.to(self.bias_dtype) if bias is not None else None
-        return with_act(EntryRun(lambda x: fn(x, packed, b).to(x.dtype), self._entry(packed, b, 1)), act)
+    def _build_for(self, weight: Int4Weight) -> W4MM | W4AMX | W4FP16 | W4VNNI | W4F32:
+        """The kernel's build for `weight`: over w4mm's layout, its compact-scales twin where the weight's scales are
+        bf16 values (PackedLayoutKernel.for_scales: the same bits from fewer bytes)."""
+        k = self.kernel
+        return k.for_scales(weight.scale) if isinstance(k, PackedLayoutKernel) else k  # type: ignore[return-value]
 
-    def _entry(self, packed: object, bias: torch.Tensor | None, per_row: int) -> CEntry | None:
-        """The decode program's call of this entry point (w4mm's, w4amx's, w4fp16's and w4vnni's entries over bf16
-        rows; w4f32's over float32 rows), `per_row` weight rows to an output column (2 for a fused gated MLP)."""
-        if isinstance(self.kernel, W4F32) and isinstance(packed, PackedInt4F32):
-            fn, dtype = self.kernel.c_fn(self.entry), torch.float32
-        elif isinstance(self.kernel, W4MM | W4AMX | W4FP16 | W4VNNI) and isinstance(packed, PackedInt4):
-            fn, dtype = self.kernel.c_fn(self.entry.replace("-", "_")), torch.bfloat16
+    def _packed_for(
+        self, weight: Int4Weight, compact: bool, rows: Callable[[Int4Weight], Int4Weight] | None = None
+    ) -> object:
+        """The weight's packed copy in this path's layout (its rows rearranged by `rows` first, where given), one
+        per scales' layout."""
+        key = (id(weight.packed), compact)
+        return packed_once(
+            self._packed, key, weight.packed, lambda: self.pack(rows(weight) if rows else weight, compact)
+        )
+
+    def prepare(self, weight: Int4Weight, bias: torch.Tensor | None, act: Act | None) -> Run:  # type: ignore[override]
+        kernel = self._build_for(weight)
+        packed = self._packed_for(weight, is_compact(kernel))
+        fn = getattr(kernel, self.entry.replace("-", "_"))
+        b = bias.to(self.bias_dtype) if bias is not None else None
+        return with_act(EntryRun(lambda x: fn(x, packed, b).to(x.dtype), self._entry(kernel, packed, b, 1)), act)
+
+    def _entry(self, kernel: object, packed: object, bias: torch.Tensor | None, per_row: int) -> CEntry | None:
+        """The decode program's call of this entry point of `kernel` (w4mm's, w4amx's, w4fp16's and w4vnni's
+        entries over bf16 rows; w4f32's over float32 rows), `per_row` weight rows to an output column (2 for a
+        fused gated MLP)."""
+        if isinstance(kernel, W4F32) and isinstance(packed, PackedInt4F32):
+            fn, dtype = kernel.c_fn(self.entry), torch.float32
+        elif isinstance(kernel, W4MM | W4AMX | W4FP16 | W4VNNI) and isinstance(packed, PackedInt4):
+            kernel.check_layout(packed)
+            fn, dtype = kernel.c_fn(self.entry.replace("-", "_")), torch.bfloat16
         else:
             return None
         return w4_entry(fn, packed, bias, packed.n // per_row, dtype) if fn is not None else None
 
 
-_PACKED: dict[str, dict[int, object]] = {}  # per kernel: weight nibbles' id → its packed copy
+_PACKED: dict[str, dict[tuple[int, bool], object]] = {}  # per kernel: (weight nibbles' id, compact) → packed copy
 
 
 W4MM_ENTRIES = ("direct", "wide", "panel", "block")
@@ -379,30 +398,35 @@ class W4MMPath(_Int4KernelPath):
         return W4MM.accepts(*weight.shape, weight.group_size)
 
     @staticmethod
-    def pack(weight: Int4Weight) -> PackedInt4:
+    def pack(weight: Int4Weight, compact: bool = False) -> PackedInt4:
         p = weight.packed  # its nibbles as uint8 (values() is int32: 4 bytes a weight, gigabytes for a big head)
         values = torch.stack((p & 15, p >> 4), dim=-1).flatten(-2)
-        return W4MM.pack(values, weight.scale, weight.zero, weight.group_size)
+        return W4MM.pack(values, weight.scale, weight.zero, weight.group_size, compact)
 
 
-class W4MMSiluPath(W4MMPath):
-    """A gated MLP's [gate; up] projection through w4mm's fused entry points (`silu-mul`: direct; `wide-silu-mul`;
-    `block-silu-mul`):
-    silu(gate) * up comes out of the epilogue, as bf16mm-silu's does for bf16 weights, so the [T, 2I] projection
-    never goes to memory. Only for SiLU MLPs, whose act it replaces; its packed copy has the rows interleaved
-    (a layout of its own)."""
-
-    copy = "w4mm-silu"
+class _SiluEntries(_Int4KernelPath):
+    """A gated MLP's [gate; up] projection through a kernel's fused entry points: silu(gate) * up comes out of the
+    epilogue, so the [T, 2I] projection never goes to memory and a decode program needs no stop for the act. Only
+    for SiLU MLPs, whose act it replaces; its packed copy has the rows interleaved in blocks of 32 (a layout of its
+    own, `copy`)."""
 
     def accepts(self, weight: object, act: Act | None) -> bool:
         silu = getattr(act, "is_silu_and_mul", False)
         return silu and isinstance(weight, Int4Weight) and weight.shape[0] % 64 == 0 and self.fits(weight)
 
     def prepare(self, weight: Int4Weight, bias: torch.Tensor | None, act: Act | None) -> Run:  # type: ignore[override]
-        packed = packed_once(self._packed, id(weight.packed), weight.packed, lambda: self.pack(interleaved(weight)))
-        fn = getattr(self.kernel, self.entry.replace("-", "_"))
+        kernel = self._build_for(weight)
+        packed = self._packed_for(weight, is_compact(kernel), interleaved)
+        fn = getattr(kernel, self.entry.replace("-", "_"))
         b = interleave_halves(bias.to(self.bias_dtype)) if bias is not None else None
-        return EntryRun(lambda x: fn(x, packed, b), self._entry(packed, b, 2))
+        return EntryRun(lambda x: fn(x, packed, b).to(x.dtype), self._entry(kernel, packed, b, 2))
+
+
+class W4MMSiluPath(_SiluEntries, W4MMPath):
+    """w4mm's fused gated-MLP entry points (`silu-mul`: direct; `wide-silu-mul`; `block-silu-mul`), as bf16mm-silu's
+    for bf16 weights."""
+
+    copy = "w4mm-silu"
 
 
 W4MM_SILU_ENTRIES = ("silu-mul", "wide-silu-mul", "block-silu-mul")
@@ -494,27 +518,15 @@ class W4F32Path(_Int4KernelPath):
         return W4F32.accepts(*weight.shape, weight.group_size)
 
     @staticmethod
-    def pack(weight: Int4Weight) -> PackedInt4F32:
+    def pack(weight: Int4Weight, compact: bool = False) -> PackedInt4F32:
+        """w4f32's own layout (float32 scales: `compact` is the bf16 kernels' and does not apply)."""
         return W4F32.pack(weight.packed, weight.scale, weight.zero, weight.group_size)
 
 
-class W4F32SiluPath(W4F32Path):
-    """A gated MLP's [gate; up] projection through w4f32's fused entry points (`silu-mul`: direct; `panel-silu-mul`):
-    silu(gate) * up in float32 out of the epilogue, so a decode program needs no stop for the act and the [T, 2I]
-    projection never goes to memory. Only for SiLU MLPs, whose act it replaces; its packed copy has the rows
-    interleaved (a layout of its own)."""
+class W4F32SiluPath(_SiluEntries, W4F32Path):
+    """w4f32's fused gated-MLP entry points (`silu-mul`: direct; `panel-silu-mul`): silu(gate) * up in float32."""
 
     copy = "w4f32-silu"
-
-    def accepts(self, weight: object, act: Act | None) -> bool:
-        silu = getattr(act, "is_silu_and_mul", False)
-        return silu and isinstance(weight, Int4Weight) and weight.shape[0] % 64 == 0 and self.fits(weight)
-
-    def prepare(self, weight: Int4Weight, bias: torch.Tensor | None, act: Act | None) -> Run:  # type: ignore[override]
-        packed = packed_once(self._packed, id(weight.packed), weight.packed, lambda: self.pack(interleaved(weight)))
-        fn = getattr(self.kernel, self.entry.replace("-", "_"))
-        b = interleave_halves(bias.float()) if bias is not None else None
-        return EntryRun(lambda x: fn(x, packed, b).to(x.dtype), self._entry(packed, b, 2))
 
 
 W4F32_SILU_ENTRIES = ("silu-mul", "panel-silu-mul")
