@@ -209,28 +209,12 @@ static void panel_pass(int64_t mc, int64_t K32, const int16_t *xq, const float *
 }
 
 // ws, b as i8avx2_linear. Returns 0, or -1 without memory for the quantized rows or a panel (y then incomplete).
+static int panels(int64_t M, int64_t N, int64_t K, const float *x, const int8_t *w, const float *ws, const float *b,
+                  float *y, int nthreads, int silu_mul);
+
 int i8avx2_linear_panel(int64_t M, int64_t N, int64_t K, const float *x, const int8_t *w, const float *ws,
                         const float *b, float *y, int nthreads) {
-    const int64_t K32 = (K + 31) / 32 * 32, N4 = (N + NC - 1) / NC * NC, blocks = (N4 + PB - 1) / PB;
-    if (M <= 0) return 0;
-    int16_t *xq;
-    float *xs;
-    if (quantize_rows(M, K, K32, x, &xq, &xs, nthreads)) return -1;
-    int failed = 0;
-#pragma omp parallel num_threads(nthreads) reduction(| : failed)
-    {
-        int16_t *wp = panel_buffer();
-        failed = wp == NULL;
-#pragma omp for schedule(static)
-        for (int64_t nb = 0; nb < blocks; nb++) {
-            if (!wp) continue;
-            const int64_t n0 = nb * PB, cols = N4 - n0 < PB ? N4 - n0 : PB;
-            for (int64_t m0 = 0; m0 < M; m0 += PM)
-                panel_pass(M - m0 < PM ? M - m0 : PM, K32, xq + m0 * K32, xs + m0, w + n0 * K32, cols, ws + n0,
-                           b ? b + n0 : NULL, wp, y + m0 * N + n0, N, N - n0);
-        }
-    }
-    return failed ? -1 : 0;
+    return panels(M, N, K, x, w, ws, b, y, nthreads, 0);
 }
 
 // A gated MLP's [gate; up] projection with silu(gate) * up in the epilogue: W's N = 2I rows (and ws, b) interleaved
@@ -275,7 +259,16 @@ int i8avx2_linear_silu_mul(int64_t M, int64_t N, int64_t K, const float *x, cons
 // -1 without memory for the quantized rows or a panel (y then incomplete).
 int i8avx2_linear_panel_silu_mul(int64_t M, int64_t N, int64_t K, const float *x, const int8_t *w, const float *ws,
                                  const float *b, float *y, int nthreads) {
-    const int64_t K32 = (K + 31) / 32 * 32, units = N / SU, width = N / 2;
+    return panels(M, N, K, x, w, ws, b, y, nthreads, 1);
+}
+
+// Both panel entries: the rows quantized once, then units of columns dealt to the threads (a panel block of PB,
+// or with silu_mul a silu unit of SU, its PB blocks one after another), each pass of PM rows through panel_pass:
+// into y, or with silu_mul into `out`, whose 32 gate and 32 up columns a row become y's 32.
+static int panels(int64_t M, int64_t N, int64_t K, const float *x, const int8_t *w, const float *ws, const float *b,
+                  float *y, int nthreads, const int silu_mul) {
+    const int64_t K32 = (K + 31) / 32 * 32, N4 = (N + NC - 1) / NC * NC, width = N / 2;
+    const int64_t unit = silu_mul ? SU : PB, units = silu_mul ? N / SU : (N4 + PB - 1) / PB;
     if (M <= 0) return 0;
     int16_t *xq;
     float *xs;
@@ -285,13 +278,18 @@ int i8avx2_linear_panel_silu_mul(int64_t M, int64_t N, int64_t K, const float *x
     {
         int16_t *wp = panel_buffer();
         failed = wp == NULL;
-        float out[PM * SU];  // a pass's rows of the unit: 32 gate and 32 up columns each
+        float out[PM * SU];  // with silu_mul, a pass's rows of the unit: 32 gate and 32 up columns each
 #pragma omp for schedule(static)
         for (int64_t u = 0; u < units; u++) {
             if (!wp) continue;
-            const int64_t n0 = u * SU;
+            const int64_t n0 = u * unit;
             for (int64_t m0 = 0; m0 < M; m0 += PM) {
                 const int64_t mc = M - m0 < PM ? M - m0 : PM;
+                if (!silu_mul) {
+                    panel_pass(mc, K32, xq + m0 * K32, xs + m0, w + n0 * K32, N4 - n0 < PB ? N4 - n0 : PB, ws + n0,
+                               b ? b + n0 : NULL, wp, y + m0 * N + n0, N, N - n0);
+                    continue;
+                }
                 for (int64_t c = 0; c < SU; c += PB)
                     panel_pass(mc, K32, xq + m0 * K32, xs + m0, w + (n0 + c) * K32, PB, ws + n0 + c,
                                b ? b + n0 + c : NULL, wp, out + c, SU, SU - c);
