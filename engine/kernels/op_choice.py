@@ -316,7 +316,8 @@ def _quant_grouped_builds(weight: object, dtype: torch.dtype) -> dict[str, Quant
     in float32 math w4f32's (or i8avx2's, with and without its prefetch)."""
     if dtype == torch.float32:
         if isinstance(weight, Int4Weight):
-            return {name: k for name, k in (("grouped w4f32", w4f32.kernel()),) if k is not None}
+            k4 = w4f32.kernel()
+            return {"grouped w4f32": k4.for_scales(weight.scale)} if k4 is not None else {}  # type: ignore[dict-item]
         plain = (("grouped i8avx2", i8avx2.kernel()), ("grouped i8avx2-noprefetch", i8avx2.kernel_without_prefetch()))
         return {name: k for name, k in plain if k is not None}
     modules = (w4mm, w4vnni, w4amx) if isinstance(weight, Int4Weight) else (i8mm, i8amx)

@@ -16,11 +16,11 @@ import torch
 
 from engine.kernels import amxmm
 from engine.kernels.cbuild import BuildError, build
+from engine.kernels.w4_builds import Builds
 from engine.kernels.w4mm import (
     W4MM,
-    Builds,
+    BF16Int4Kernel,
     PackedInt4,
-    PackedLayoutKernel,
     check_int4_kernel,
     check_int4_silu_mul,
     run_grouped,
@@ -34,7 +34,7 @@ KB = 32  # K and the group size are whole 32-input tile steps
 _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 
 
-class W4AMX(PackedLayoutKernel):
+class W4AMX(BF16Int4Kernel):
     """The compiled kernel: bf16 linear layers over a weight W4MM.pack made."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:

@@ -17,7 +17,9 @@
 //
 // Packed layout (w4f32.py packs): words [N/32][K/8][32] uint32: word j of k octet o holds column j's k = 8o + i
 // at bits 4i, i = 0..7 (Int4Weight's bytes for those 8 k's, read as one little-endian word). Scales
-// [N/32][K/G][2][32] float: s, then s * z. K and G multiples of 8.
+// [N/32][K/G][2][32] float: s, then s * z; or, built with -DSCALE16 for scales that are bf16 values (a bf16
+// checkpoint's), [N/32][K/G] of 96 bytes: the 32 columns' s as bf16, then their z as bytes, and s * z made here
+// (8 significant bits times 4: exact in float, the same value), 37.5% of the bytes. K and G multiples of 8.
 //
 // The direct tiles widen nibble i of a word by one AND with 15 << 4i and one conversion: it gives q * 16^i
 // exactly (4 significant bits), and the row's x[k] is scaled by 16^-i beforehand (exact: a power of two), so
@@ -42,7 +44,32 @@
                        // Zen 3 at two threads 4096 streamed 17-22 GB/s, 2048 13-17, 2026-12-06)
 #endif
 
+#ifdef SCALE16
+#define SC_GROUP (3 * NB / 4)  // floats a group of a block's scales
+#else
+#define SC_GROUP (2 * NB)
+#endif
+
 static __thread thread_buffer sums_buf, scaled_buf, group_buf;
+
+// Group g's [2][NB] of a block's scales sc (s, then s * z): where they lie, or (the compact layout) made in buf.
+static inline const float *group_scales(const float *sc, int64_t g, float *buf) {
+#ifdef SCALE16
+    const uint16_t *s16 = (const uint16_t *)(sc + g * SC_GROUP);
+    const uint8_t *z = (const uint8_t *)(s16 + NB);
+    for (int j = 0; j < NB; j++) {
+        const uint32_t u = (uint32_t)s16[j] << 16;
+        float s;
+        memcpy(&s, &u, 4);
+        buf[j] = s;
+        buf[NB + j] = s * (float)z[j];
+    }
+    return buf;
+#else
+    (void)buf;
+    return sc + g * SC_GROUP;
+#endif
+}
 
 // The calling thread's buffer for n floats; NULL without memory.
 static float *floats(thread_buffer *b, int64_t n) { return grow(b, sizeof(float) * (size_t)n); }
@@ -110,7 +137,8 @@ static void dtile1(int64_t K, int64_t G, const float *xq, const uint32_t *wq, co
                 }
             }
         }
-        const float *s = sc + g * 2 * NB, *sz = s + NB;
+        float buf[2 * NB];
+        const float *s = group_scales(sc, g, buf), *sz = s + NB;
         const __m256 sum = _mm256_broadcast_ss(xs + g);
         for (int c = 0; c < 4; c++) {
             tot[c] = _mm256_fmadd_ps(_mm256_add_ps(a0[c], a1[c]), _mm256_loadu_ps(s + 8 * c), tot[c]);
@@ -143,10 +171,11 @@ static void dtile2(int64_t K, int64_t G, const float *xq, const uint32_t *wq, co
                 }
             }
         }
-        float a[2 * NB];
+        float a[2 * NB], buf[2 * NB];
         for (int r = 0; r < 2; r++)
             for (int c = 0; c < 4; c++) _mm256_storeu_ps(a + r * NB + 8 * c, acc[r][c]);
-        close_group(2, a, sc + g * 2 * NB, sc + g * 2 * NB + NB, xs + g, groups, out);
+        const float *s = group_scales(sc, g, buf);
+        close_group(2, a, s, s + NB, xs + g, groups, out);
     }
 }
 
@@ -203,11 +232,12 @@ static void dtile1(int64_t K, int64_t G, const float *xq, const uint32_t *wq, co
     const int64_t groups = K / G;
     memset(out, 0, sizeof(float) * NB);
     for (int64_t g = 0; g < groups; g++) {
-        float a[NB] = {0};
+        float a[NB] = {0}, buf[2 * NB];
         for (int64_t o = g * G / 8; o < (g + 1) * G / 8; o++)
             for (int i = 0; i < 8; i++)
                 for (int j = 0; j < NB; j++) a[j] += xq[8 * o + i] * nibble1(wq[o * NB + j], i);
-        close_group(1, a, sc + g * 2 * NB, sc + g * 2 * NB + NB, xs + g, groups, out);
+        const float *s = group_scales(sc, g, buf);
+        close_group(1, a, s, s + NB, xs + g, groups, out);
     }
 }
 
@@ -266,7 +296,7 @@ static void store_unit(const float *o0, const float *o1, int64_t rows, int64_t u
 static void dtile_rows(int rows, int64_t K, int64_t G, const float *xq, const uint32_t *wq, const float *sc,
                        const float *xs, int64_t nb, float *out) {
     const uint32_t *wb = wq + nb * (K / 8) * NB;
-    const float *sb = sc + nb * (K / G) * 2 * NB;
+    const float *sb = sc + nb * (K / G) * SC_GROUP;
     if (rows == 2)
         dtile2(K, G, xq, wb, sb, xs, out);
     else
@@ -324,15 +354,16 @@ static void panel_rows(int64_t mc, int64_t K, int64_t G, const float *x, const u
                        const float *xs, int64_t nb, float *wg, float *out) {
     const int64_t groups = K / G;
     const uint32_t *wb = wq + nb * (K / 8) * NB;
-    const float *sb = sc + nb * groups * 2 * NB;
-    float acc[MR * NB];
+    const float *sb = sc + nb * groups * SC_GROUP;
+    float acc[MR * NB], buf[2 * NB];
     memset(out, 0, sizeof(float) * (size_t)(mc * NB));
     for (int64_t g = 0; g < groups; g++) {
         widen_group(G, wb + g * (G / 8) * NB, wg);
+        const float *s = group_scales(sb, g, buf);
         for (int64_t r = 0; r < mc; r += MR) {
             const int mr = mc - r < MR ? (int)(mc - r) : MR;
             gtile_any(mr, K, G, x + r * K + g * G, wg, acc);
-            close_group(mr, acc, sb + g * 2 * NB, sb + g * 2 * NB + NB, xs + r * groups + g, groups, out + r * NB);
+            close_group(mr, acc, s, s + NB, xs + r * groups + g, groups, out + r * NB);
         }
     }
 }

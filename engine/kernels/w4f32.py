@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from engine.kernels.cbuild import Once, SelfCheckError, build
+from engine.kernels.cbuild import SelfCheckError, build
+from engine.kernels.w4_builds import Builds, PackedLayoutKernel, compact_scales
 from engine.quant.weights import Int4Weight, pack_nibbles
 
 log = logging.getLogger(__name__)
@@ -41,16 +42,18 @@ _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 @dataclass(slots=True)
 class PackedInt4F32:
     """A weight in the kernel's layout: words [N/32, K/8, 32] int32 (column j's k = 8o + i at bits 4i of word
-    (o, j)), scales [N/32, K/G, 2, 32] float32 (s, then s * z)."""
+    (o, j)), scales [N/32, K/G, 2, 32] float32 (s, then s * z), or `compact`: [N/32, K/G, 96] bytes (32 bf16 s,
+    then 32 bytes z), which only the build with -DSCALE16 reads (engine.kernels.w4_builds)."""
 
     nibbles: torch.Tensor
     scales: torch.Tensor
     n: int
     k: int
     group_size: int
+    compact: bool = False
 
 
-class W4F32:
+class W4F32(PackedLayoutKernel):
     """The compiled kernel: pack an int4 weight once, then run float32 linear layers over it."""
 
     dtype = torch.float32  # the rows it takes and gives (its grouped call's, engine.quant.grouped)
@@ -80,9 +83,13 @@ class W4F32:
         return k % group_size == 0 and group_size % 8 == 0
 
     @staticmethod
-    def pack(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int) -> PackedInt4F32:
+    def pack(
+        packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int, compact: bool = False
+    ) -> PackedInt4F32:
         """Int4Weight's nibbles [N, K/2] (even k low) and its scale, zero [N, K/G] → the kernel's layout, columns
-        padded to whole blocks with zero weights (the words read little-endian, as x86 and aarch64 do)."""
+        padded to whole blocks with zero weights (the words read little-endian, as x86 and aarch64 do); `compact`:
+        the scales as bf16 and z as bytes (the scales must be bf16 values: compact_scales), for the build with
+        -DSCALE16."""
         n, k = packed.shape[0], packed.shape[1] * 2
         assert W4F32.accepts(n, k, group_size)
         blocks = -(-n // BLOCK)
@@ -92,6 +99,12 @@ class W4F32:
         p = torch.nn.functional.pad(packed.to(torch.uint8), (0, 0, 0, pad)).contiguous().view(torch.int32)
         nibbles = p.view(blocks, BLOCK, k // 8).transpose(1, 2).contiguous()  # [block, octet, column]
         s = torch.nn.functional.pad(scale.float(), (0, 0, 0, pad))
+        if compact:
+            assert compact_scales(scale)
+            s16 = s.to(torch.bfloat16).view(torch.uint8).view(blocks, BLOCK, -1, 2).permute(0, 2, 1, 3)
+            z = torch.nn.functional.pad(zero.to(torch.uint8), (0, 0, 0, pad)).view(blocks, BLOCK, -1).permute(0, 2, 1)
+            groups = torch.cat((s16.reshape(blocks, -1, 2 * BLOCK), z), dim=2)  # [block, group, 96 bytes]
+            return PackedInt4F32(nibbles.view(-1), groups.contiguous().view(-1), n, k, group_size, True)
         sz = s * torch.nn.functional.pad(zero.float(), (0, 0, 0, pad))
         scales = torch.stack((s, sz), dim=0).view(2, blocks, BLOCK, -1).permute(1, 3, 0, 2).contiguous()
         return PackedInt4F32(nibbles.view(-1), scales.view(-1), n, k, group_size)
@@ -135,10 +148,11 @@ class W4F32:
             raise MemoryError("w4f32: no memory for the kernel's buffers")
         return y
 
-    @staticmethod
     def _run(
-        fn: ctypes._CFuncPtr, x: torch.Tensor, w: PackedInt4F32, bias: torch.Tensor | None, cols: int | None = None
-    ) -> torch.Tensor:
+        self, fn: ctypes._CFuncPtr, x: torch.Tensor, w: PackedInt4F32, bias: torch.Tensor | None,
+        cols: int | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        self.check_layout(w)
         cols = w.n if cols is None else cols
         x2 = x.reshape(-1, w.k).float().contiguous()
         y = torch.empty(x2.shape[0], cols, dtype=torch.float32)
@@ -153,17 +167,19 @@ class W4F32:
 
 
 def self_check(kernel: W4F32) -> None:
-    """Column tails, several groups, more rows than a tile or a pass, asymmetric zero points, both entry points."""
+    """Column tails, several groups, more rows than a tile or a pass, asymmetric zero points, both entry points
+    (over the compact scales' layout for its build: scales of bf16 values)."""
     g = torch.Generator().manual_seed(0)
     shapes = ((1, 70, 64, 32), (3, 130, 256, 128), (200, 64, 96, 32), (4, 16, 128, 64), (2, 33, 16, 16), (5, 40, 24, 8))
     for m, n, k, gs in shapes:
         values = torch.randint(0, 16, (n, k), generator=g)
         scale = torch.rand(n, k // gs, generator=g) * 0.1 + 0.01
+        scale = scale.bfloat16().float() if kernel.compact else scale
         zero = torch.randint(0, 16, (n, k // gs), generator=g)
         x, bias = torch.randn(m, k, generator=g), torch.randn(n, generator=g)
         weight = Int4Weight(pack_nibbles(values), scale, zero, gs)
         want = weight.reference(x, bias)
-        packed = W4F32.pack(weight.packed, scale, zero, gs)
+        packed = W4F32.pack(weight.packed, scale, zero, gs, kernel.compact)
         for name, fn in (("direct", kernel.direct), ("panel", kernel.panel)):
             got = fn(x, packed, bias)
             if not torch.allclose(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item()):
@@ -178,10 +194,10 @@ def check_silu_mul(kernel: W4F32) -> None:
     g = torch.Generator().manual_seed(1)
     for m, n, k, gs in ((1, 128, 64, 32), (3, 64, 256, 128), (200, 192, 96, 32)):
         weight = Int4Weight(pack_nibbles(torch.randint(0, 16, (n, k), generator=g)),
-                            torch.rand(n, k // gs, generator=g) * 0.1 + 0.01,
+                            (torch.rand(n, k // gs, generator=g) * 0.1 + 0.01).bfloat16().float(),
                             torch.randint(0, 16, (n, k // gs), generator=g), gs)  # fmt: skip
         x, bias = torch.randn(m, k, generator=g), torch.randn(n, generator=g)
-        packed = W4F32.pack(weight.packed, weight.scale, weight.zero, gs)
+        packed = W4F32.pack(weight.packed, weight.scale, weight.zero, gs, kernel.compact)
         y = kernel.direct(x, packed, bias).view(m, n // 64, 2, 32)
         gate, up = y[:, :, 0].reshape(m, -1), y[:, :, 1].reshape(m, -1)
         want = gate / (1 + torch.exp(-gate)) * up
@@ -192,9 +208,14 @@ def check_silu_mul(kernel: W4F32) -> None:
                 raise SelfCheckError(f"w4f32 {name} self-check failed at {m}x{n}x{k} g{gs}: max error {err:.3g}")
 
 
-_once = Once(W4F32.build, log, "float32 W4A16 layers will use torch's int4 GEMM (slower)", check=self_check)
+_builds = Builds(
+    lambda extra: W4F32.build(("-march=native", *extra)),
+    "float32 W4A16 layers will use torch's int4 GEMM (slower)",
+    self_check,
+)
 
 
-def kernel() -> W4F32 | None:
-    """The process-wide kernel; None (logged once) where it can't be built or fails its self-check."""
-    return _once()
+def kernel(compact: bool = False) -> W4F32 | None:
+    """The process-wide kernel (`compact`: its build for the compact scales); None (logged once) where it can't be
+    built or fails its self-check. (Built with its prefetch only: Builds' other two builds are not used.)"""
+    return _builds.get(True, compact)

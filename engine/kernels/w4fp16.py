@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 
 from engine.kernels.cbuild import build, cpu_flags
-from engine.kernels.w4mm import W4MM, Builds, PackedInt4, PackedLayoutKernel, check_int4_kernel, check_int4_silu_mul
+from engine.kernels.w4_builds import Builds
+from engine.kernels.w4mm import W4MM, BF16Int4Kernel, PackedInt4, check_int4_kernel, check_int4_silu_mul
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +26,7 @@ SPAN = 32  # the group size is whole 32-input fp16 spans
 _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 
 
-class W4FP16(PackedLayoutKernel):
+class W4FP16(BF16Int4Kernel):
     """The compiled kernel: bf16 linear layers over a weight W4MM.pack made."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:

@@ -18,15 +18,15 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Generic, TypeVar
 
 import torch
 import torch.nn.functional as F
 
 from engine.kernels import bf16mm
-from engine.kernels.cbuild import Once, SelfCheckError, build
+from engine.kernels.cbuild import SelfCheckError, build
 from engine.kernels.gemm import CEntry, interleave_halves
 from engine.kernels.program import ProgramBuilder, address
+from engine.kernels.w4_builds import Builds, PackedLayoutKernel, compact_scales
 from engine.kernels.w4f32 import PackedInt4F32
 from engine.quant.weights import Int4Weight, pack_nibbles
 
@@ -55,32 +55,8 @@ class PackedInt4:
     compact: bool = False
 
 
-def compact_scales(scale: torch.Tensor) -> bool:
-    """Whether `scale` holds bf16 values only (what a bf16 checkpoint stores): the compact layout carries them
-    exactly."""
-    return bool(torch.equal(scale.float().to(torch.bfloat16).float(), scale.float()))
-
-
-class PackedLayoutKernel:
-    """What a kernel over w4mm's packed layout (w4mm's, w4vnni's, w4amx's, w4fp16's) knows of its build: whether it
-    reads the compact scales (built with -DSCALE16: w4mm_common.h), and its compact twin (the same build with
-    -DSCALE16, set by Builds)."""
-
-    compact = False
-    twin: Callable[[], PackedLayoutKernel | None] | None = None
-
-    def for_scales(self, scale: torch.Tensor) -> PackedLayoutKernel:
-        """This build, or its compact twin where `scale` holds bf16 values and the twin builds and checks here: the
-        same bits from fewer bytes (the scales 37.5% of theirs)."""
-        if self.compact or self.twin is None or not compact_scales(scale):
-            return self
-        return self.twin() or self
-
-    def check_layout(self, w: PackedInt4) -> None:
-        """ValueError unless `w` was packed in the layout this build reads (the other's scales are another size:
-        the kernel would read past them)."""
-        if w.compact != self.compact:
-            raise ValueError(f"{type(self).__name__}: packed with {'compact' if w.compact else 'float'} scales")
+class BF16Int4Kernel(PackedLayoutKernel):
+    """A kernel over w4mm's packed layout with bf16 rows (w4mm's, w4vnni's, w4amx's, w4fp16's)."""
 
     def run(
         self, fn: ctypes._CFuncPtr, x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None,
@@ -102,47 +78,7 @@ class PackedLayoutKernel:
         return y.view(*x.shape[:-1], out_cols)
 
 
-def is_compact(kernel: object) -> bool:
-    """Whether `kernel` is a build for the compact scales (PackedLayoutKernel; any other kernel is not)."""
-    return isinstance(kernel, PackedLayoutKernel) and kernel.compact
-
-
-KT = TypeVar("KT", bound=PackedLayoutKernel)
-
-
-class Builds(Generic[KT]):
-    """A kernel over w4mm's layout in its four builds, each built and self-checked on first use: with software
-    prefetch (PF_BYTES, w4mm_common.h) and without (PF_BYTES=0), each for the float scales and the compact ones
-    (-DSCALE16). The engine times the first two; the scales' layout follows the weight (PackedLayoutKernel)."""
-
-    def __init__(
-        self, make: Callable[[tuple[str, ...]], KT], consequence: str, check: Callable[[KT], None],
-    ) -> None:  # fmt: skip
-        """make(extra flags) → the kernel; consequence: what a failed default build means (logged once)."""
-        self._once: dict[tuple[bool, bool], Once[KT]] = {}
-        for prefetch in (True, False):
-            for compact in (False, True):
-                extra = (() if prefetch else ("-DPF_BYTES=0",)) + (("-DSCALE16",) if compact else ())
-                what = consequence if prefetch and not compact else (
-                    "W4A16 weights with bf16 scales keep the float scales' layout (more bytes)" if compact
-                    else "this W4A16 kernel is not timed without software prefetch"
-                )  # fmt: skip
-                self._once[prefetch, compact] = Once(
-                    functools.partial(self._make, make, extra, prefetch, compact), log, what, check=check
-                )
-
-    def _make(self, make: Callable[[tuple[str, ...]], KT], extra: tuple[str, ...], prefetch: bool, compact: bool) -> KT:
-        kernel = make(extra)
-        kernel.compact = compact
-        if not compact:
-            kernel.twin = lambda: self.get(prefetch, True)
-        return kernel
-
-    def get(self, prefetch: bool = True, compact: bool = False) -> KT | None:
-        return self._once[prefetch, compact]()
-
-
-class W4MM(PackedLayoutKernel):
+class W4MM(BF16Int4Kernel):
     """The compiled kernel: pack an int4 weight once, then run bf16 linear layers over it."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:

@@ -17,11 +17,11 @@ from pathlib import Path
 import torch
 
 from engine.kernels.cbuild import build, cpu_flags
+from engine.kernels.w4_builds import Builds
 from engine.kernels.w4mm import (
     W4MM,
-    Builds,
+    BF16Int4Kernel,
     PackedInt4,
-    PackedLayoutKernel,
     check_int4_kernel,
     check_int4_silu_mul,
     run_grouped,
@@ -35,7 +35,7 @@ SPAN, MAX_GROUP = 16, 8192  # groups of whole 16-input vectors; past 8,192 input
 _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 
 
-class W4VNNI(PackedLayoutKernel):
+class W4VNNI(BF16Int4Kernel):
     """The compiled kernel: bf16 linear layers over a weight W4MM.pack made."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:

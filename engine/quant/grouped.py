@@ -20,9 +20,10 @@ from engine.kernels.i8amx import I8AMX
 from engine.kernels.i8avx2 import I8AVX2
 from engine.kernels.i8mm import I8MM
 from engine.kernels.program import OP_GROUPED_I8, OP_GROUPED_W4, ProgramBuilder, address
+from engine.kernels.w4_builds import compact_scales, is_compact
 from engine.kernels.w4amx import W4AMX
 from engine.kernels.w4f32 import W4F32
-from engine.kernels.w4mm import W4MM, compact_scales, is_compact
+from engine.kernels.w4mm import W4MM
 from engine.kernels.w4vnni import W4VNNI
 from engine.quant.paths import W4F32Path, W4MMPath, interleaved
 from engine.quant.weights import Int4Weight, Int8Weight, QuantWeight

@@ -25,10 +25,11 @@ from engine.kernels.gemm import Act, CEntry, EntryRun, GemmPath, Run, interleave
 from engine.kernels.i8amx import I8AMX
 from engine.kernels.i8avx2 import I8AVX2, PackedInt8Rows, i8avx2_entry
 from engine.kernels.i8mm import I8MM, PackedInt8, i8_entry
+from engine.kernels.w4_builds import PackedLayoutKernel, is_compact
 from engine.kernels.w4amx import W4AMX
 from engine.kernels.w4f32 import W4F32, PackedInt4F32
 from engine.kernels.w4fp16 import W4FP16
-from engine.kernels.w4mm import W4MM, PackedInt4, PackedLayoutKernel, is_compact, w4_entry
+from engine.kernels.w4mm import W4MM, PackedInt4, w4_entry
 from engine.kernels.w4vnni import W4VNNI
 from engine.quant.weights import Int4Weight, Int8Weight, quantize_tokens
 
@@ -371,6 +372,7 @@ class _Int4KernelPath:
         entries over bf16 rows; w4f32's over float32 rows), `per_row` weight rows to an output column (2 for a
         fused gated MLP)."""
         if isinstance(kernel, W4F32) and isinstance(packed, PackedInt4F32):
+            kernel.check_layout(packed)
             fn, dtype = kernel.c_fn(self.entry), torch.float32
         elif isinstance(kernel, W4MM | W4AMX | W4FP16 | W4VNNI) and isinstance(packed, PackedInt4):
             kernel.check_layout(packed)
@@ -519,8 +521,7 @@ class W4F32Path(_Int4KernelPath):
 
     @staticmethod
     def pack(weight: Int4Weight, compact: bool = False) -> PackedInt4F32:
-        """w4f32's own layout (float32 scales: `compact` is the bf16 kernels' and does not apply)."""
-        return W4F32.pack(weight.packed, weight.scale, weight.zero, weight.group_size)
+        return W4F32.pack(weight.packed, weight.scale, weight.zero, weight.group_size, compact)
 
 
 class W4F32SiluPath(_SiluEntries, W4F32Path):

@@ -10,7 +10,8 @@ import torch
 
 from engine.kernels import bf16mm, w4mm, w4vnni
 from engine.kernels.op_choice import _quant_grouped_builds
-from engine.kernels.w4mm import W4MM, compact_scales
+from engine.kernels.w4_builds import compact_scales
+from engine.kernels.w4mm import W4MM
 from engine.layers.activation import ActAndMul
 from engine.quant.grouped import GroupedQuantLinear
 from engine.quant.paths import W4MMPath, W4MMSiluPath, W4VNNIPath
