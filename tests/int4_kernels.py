@@ -25,6 +25,12 @@ def int4_weight(n: int, k: int, g: int, symmetric: bool, seed: int = 0) -> Int4W
     return Int4Weight(pack_nibbles(values), scale, zero.to(torch.uint8), g)
 
 
+def bf16_scaled(n: int, k: int, g: int, symmetric: bool, seed: int = 0) -> Int4Weight:
+    """int4_weight with scales of bf16 values, as a bf16 checkpoint's are (the compact scales' layout takes them)."""
+    w = int4_weight(n, k, g, symmetric, seed)
+    return Int4Weight(w.packed, w.scale.bfloat16().float(), w.zero, g)
+
+
 def packed_copies(run: Any, kind: type) -> set[int]:
     """The ids of the packed copies (instances of `kind`: any kernel's, int8 ones too) a prepared run's call closes
     over: paths over one layout must share one copy of a weight."""

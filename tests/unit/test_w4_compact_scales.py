@@ -15,16 +15,9 @@ from engine.kernels.w4mm import W4MM
 from engine.layers.activation import ActAndMul
 from engine.quant.grouped import GroupedQuantLinear
 from engine.quant.paths import W4MMPath, W4MMSiluPath, W4VNNIPath
-from engine.quant.weights import Int4Weight
-from tests.int4_kernels import int4_weight, packed_copies
+from tests.int4_kernels import bf16_scaled, int4_weight, packed_copies
 
 pytestmark = pytest.mark.skipif(not bf16mm.supported(), reason="this CPU has no AVX512-BF16")
-
-
-def bf16_scaled(n: int, k: int, g: int, symmetric: bool, seed: int = 0) -> Int4Weight:
-    """A random int4 weight whose scales are bf16 values, as a bf16 checkpoint's are."""
-    w = int4_weight(n, k, g, symmetric, seed)
-    return Int4Weight(w.packed, w.scale.bfloat16().float(), w.zero, g)
 
 
 @pytest.fixture(scope="module")

@@ -14,13 +14,7 @@ from engine.kernels.w4f32 import W4F32, PackedInt4F32
 from engine.layers.activation import ActAndMul
 from engine.quant.grouped import GroupedQuantLinear
 from engine.quant.paths import W4F32Path, W4F32SiluPath
-from engine.quant.weights import Int4Weight
-from tests.int4_kernels import int4_weight
-
-
-def bf16_scaled(n: int, k: int, g: int, symmetric: bool, seed: int = 0) -> Int4Weight:
-    w = int4_weight(n, k, g, symmetric, seed)
-    return Int4Weight(w.packed, w.scale.bfloat16().float(), w.zero, g)
+from tests.int4_kernels import bf16_scaled, int4_weight
 
 
 @pytest.fixture(scope="module")
