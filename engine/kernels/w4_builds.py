@@ -65,7 +65,8 @@ KT = TypeVar("KT", bound=PackedLayoutKernel)
 class Builds(Generic[KT]):
     """A W4A16 kernel in its four builds, each built and self-checked on first use: with software prefetch
     (PF_BYTES) and without (PF_BYTES=0), each for the float scales and the compact ones (-DSCALE16). The engine
-    times the first two where the kernel has both; the scales' layout follows the weight (PackedLayoutKernel)."""
+    times a kernel's builds with and without prefetch against each other; the scales' layout is not timed but
+    follows the weight (PackedLayoutKernel.for_scales)."""
 
     def __init__(
         self, make: Callable[[tuple[str, ...]], KT], consequence: str, check: Callable[[KT], None],
