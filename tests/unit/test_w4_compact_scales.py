@@ -5,10 +5,12 @@ calls take that build by themselves; a build never runs over the other layout's 
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
-from engine.kernels import bf16mm, w4mm, w4vnni
+from engine.kernels import bf16mm, w4amx, w4fp16, w4mm, w4vnni
 from engine.kernels.op_choice import _quant_grouped_builds
 from engine.kernels.w4_builds import compact_scales
 from engine.kernels.w4mm import W4MM
@@ -146,3 +148,40 @@ def test_w4vnni_gives_the_float_layouts_bits_from_the_compact_copy() -> None:
     x = torch.randn(4, 256).bfloat16()
     ws = [w, bf16_scaled(130, 256, 64, symmetric=True, seed=1)]
     assert torch.equal(GroupedQuantLinear(compact, ws)(x, counts), GroupedQuantLinear(plain, ws)(x, counts))
+
+
+def _amx_entries(k: object) -> dict[str, object]:
+    return {"amx": k.amx, "amx-dequant": k.amx_dequant}  # type: ignore[attr-defined]
+
+
+def _fp16_entries(k: object) -> dict[str, object]:
+    return {"fp16": k.fp16}  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("module", "entries", "fused"),
+    [(w4amx, _amx_entries, ("amx_silu_mul", "amx_dequant_silu_mul")), (w4fp16, _fp16_entries, ("fp16_silu_mul",))],
+    ids=["w4amx", "w4fp16"],
+)
+def test_the_amx_and_fp16_builds_give_the_float_layouts_bits_from_the_compact_copy(
+    module: Any, entries: Any, fused: tuple[str, ...]
+) -> None:
+    if module.kernel() is None and module.kernel(compact=True) is None:
+        pytest.skip(f"this CPU lacks what {module.__name__} needs")
+    plain, compact = module.kernel(), module.kernel(compact=True)
+    assert plain is not None and compact is not None and compact.compact, "a build failed its self-check"
+    w = bf16_scaled(130, 256, 64, symmetric=False)
+    pf, pc = W4MMPath.pack(w), W4MMPath.pack(w, compact=True)
+    for rows in (1, 3, 17, 40):
+        x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        for name, run in entries(compact).items():
+            assert torch.equal(run(x, pc, None), entries(plain)[name](x, pf, None)), (name, rows)
+    g = bf16_scaled(256, 128, 32, symmetric=True)
+    gf, gc = W4MMSiluPath.pack(g), W4MMSiluPath.pack(g, compact=True)
+    x = torch.randn(5, 128).bfloat16()
+    for name in fused:
+        assert torch.equal(getattr(compact, name)(x, gc, None), getattr(plain, name)(x, gf, None)), name
+    if hasattr(compact, "grouped_entry"):
+        ws = [w, bf16_scaled(130, 256, 64, symmetric=True, seed=1)]
+        x = torch.randn(6, 256).bfloat16()
+        assert torch.equal(GroupedQuantLinear(compact, ws)(x, [2, 4]), GroupedQuantLinear(plain, ws)(x, [2, 4]))
