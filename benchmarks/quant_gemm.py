@@ -32,7 +32,9 @@ def quantize(w: torch.Tensor, scheme: str, group: int) -> QuantWeight:
     if scheme == "w8a8":
         q, scale = rtn_int8(w, torch.float32)
         return Int8Weight(q, scale.flatten().float())
-    q, scale, _ = rtn_int4(w, group, torch.float32, symmetric=True)  # signed -8..7: stored as q + 8, zero 8
+    # bf16 scales, as a bf16 checkpoint quantized by `tianmen quantize` has them (the kernels' compact layout);
+    # signed -8..7, stored as q + 8 with zero 8
+    q, scale, _ = rtn_int4(w, group, torch.bfloat16, symmetric=True)
     return Int4Weight(pack_nibbles(q + 8), scale.float(), torch.full_like(scale, 8, dtype=torch.uint8), group)
 
 

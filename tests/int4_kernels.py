@@ -31,6 +31,15 @@ def bf16_scaled(n: int, k: int, g: int, symmetric: bool, seed: int = 0) -> Int4W
     return Int4Weight(w.packed, w.scale.bfloat16().float(), w.zero, g)
 
 
+def layout_builds(module: Any) -> tuple[Any, Any]:
+    """A W4A16 kernel module's builds for the float scales and the compact ones (w4_builds), both required to
+    build and pass their self-checks."""
+    plain, compact = module.kernel(), module.kernel(compact=True)
+    assert plain is not None and compact is not None, f"a {module.__name__} build failed its self-check (see the log)"
+    assert not plain.compact and compact.compact
+    return plain, compact
+
+
 def packed_copies(run: Any, kind: type) -> set[int]:
     """The ids of the packed copies (instances of `kind`: any kernel's, int8 ones too) a prepared run's call closes
     over: paths over one layout must share one copy of a weight."""

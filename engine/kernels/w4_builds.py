@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import weakref
 from collections.abc import Callable
 from typing import Generic, Protocol, TypeVar
 
@@ -29,8 +30,19 @@ class Packed(Protocol):
 
 def compact_scales(scale: torch.Tensor) -> bool:
     """Whether `scale` holds bf16 values only (what a bf16 checkpoint stores): the compact layout carries them
-    exactly."""
-    return bool(torch.equal(scale.float().to(torch.bfloat16).float(), scale.float()))
+    exactly. Asked for the same tensor by every path and grouped call that considers a weight (~20 a weight), so
+    the answer is kept while the tensor lives."""
+    hit = _COMPACT.get(id(scale))
+    if hit is not None and hit[0]() is scale:
+        return hit[1]
+    answer = bool(torch.equal(scale.float().to(torch.bfloat16).float(), scale.float()))
+    _COMPACT[id(scale)] = (weakref.ref(scale), answer)
+    weakref.finalize(scale, _COMPACT.pop, id(scale), None)
+    return answer
+
+
+# id(scale) → (a weak reference to it, compact_scales' answer); an entry leaves with its tensor
+_COMPACT: dict[int, tuple[weakref.ref[torch.Tensor], bool]] = {}
 
 
 class PackedLayoutKernel:
@@ -70,10 +82,14 @@ class Builds(Generic[KT]):
 
     def __init__(
         self, make: Callable[[tuple[str, ...]], KT], consequence: str, check: Callable[[KT], None],
+        supported: Callable[[], bool] = lambda: True, prefetch_variants: bool = True,
     ) -> None:  # fmt: skip
-        """make(extra flags) → the kernel; consequence: what a failed default build means (logged once)."""
+        """make(extra flags) → the kernel; consequence: what a failed default build means (logged once); supported:
+        whether the CPU's flags allow the kernel at all (else no build is tried); prefetch_variants: False where
+        the kernel is only ever used with its prefetch (no builds without it are made)."""
+        self._supported = supported
         self._once: dict[tuple[bool, bool], Once[KT]] = {}
-        for prefetch in (True, False):
+        for prefetch in (True, False) if prefetch_variants else (True,):
             for compact in (False, True):
                 extra = (() if prefetch else ("-DPF_BYTES=0",)) + (("-DSCALE16",) if compact else ())
                 what = consequence if prefetch and not compact else (
@@ -92,4 +108,15 @@ class Builds(Generic[KT]):
         return kernel
 
     def get(self, prefetch: bool = True, compact: bool = False) -> KT | None:
-        return self._once[prefetch, compact]()
+        once = self._once.get((prefetch, compact))
+        return once() if once is not None and self._supported() else None
+
+    def kernel(self, compact: bool = False) -> KT | None:
+        """The process-wide kernel (`compact`: its build for the compact scales); None where the CPU lacks what it
+        needs, or (logged once) where it can't be built or fails its self-check."""
+        return self.get(True, compact)
+
+    def kernel_without_prefetch(self, compact: bool = False) -> KT | None:
+        """The kernel built with no software prefetch (PF_BYTES=0), as kernel() otherwise: its prefetch distance
+        was set on one CPU, so the engine times both."""
+        return self.get(False, compact)

@@ -107,15 +107,5 @@ def self_check(kernel: W4AMX) -> None:
     )
 
 
-_builds = Builds(W4AMX.build, "W4A16 layers will not run on AMX tiles (w4mm still can)", self_check)
-
-
-def kernel(compact: bool = False) -> W4AMX | None:
-    """The process-wide kernel (`compact`: its build for the compact scales, w4mm_common.h); None without
-    AMX, or (logged once) where it can't be built."""
-    return _builds.get(True, compact) if amxmm.supported() else None
-
-
-def kernel_without_prefetch(compact: bool = False) -> W4AMX | None:
-    """The kernel built with no software prefetch of the nibbles (PF_BYTES=0), as kernel() otherwise."""
-    return _builds.get(False, compact) if amxmm.supported() else None
+_builds = Builds(W4AMX.build, "W4A16 layers will not run on AMX tiles (w4mm still can)", self_check, amxmm.supported)
+kernel, kernel_without_prefetch = _builds.kernel, _builds.kernel_without_prefetch

@@ -212,10 +212,6 @@ _builds = Builds(
     lambda extra: W4F32.build(("-march=native", *extra)),
     "float32 W4A16 layers will use torch's int4 GEMM (slower)",
     self_check,
+    prefetch_variants=False,  # built with its prefetch only
 )
-
-
-def kernel(compact: bool = False) -> W4F32 | None:
-    """The process-wide kernel (`compact`: its build for the compact scales); None (logged once) where it can't be
-    built or fails its self-check. (Built with its prefetch only: Builds' other two builds are not used.)"""
-    return _builds.get(True, compact)
+kernel = _builds.kernel

@@ -320,20 +320,12 @@ def self_check(kernel: W4MM) -> None:
 
 
 _builds = Builds(
-    lambda extra: W4MM.build(("-march=native", *extra)), "W4A16 layers will use torch's int4 GEMM (slower)", self_check
+    lambda extra: W4MM.build(("-march=native", *extra)),
+    "W4A16 layers will use torch's int4 GEMM (slower)",
+    self_check,
+    bf16mm.supported,  # AVX512-BF16
 )
-
-
-def kernel(compact: bool = False) -> W4MM | None:
-    """The process-wide kernel (`compact`: its build for the compact scales); None without AVX512-BF16, or (logged
-    once) where it can't be built."""
-    return _builds.get(True, compact) if bf16mm.supported() else None
-
-
-def kernel_without_prefetch(compact: bool = False) -> W4MM | None:
-    """The kernel built with no software prefetch (PF_BYTES=0), as kernel() otherwise: its prefetch distance was
-    set on one CPU, so the engine times both."""
-    return _builds.get(False, compact) if bf16mm.supported() else None
+kernel, kernel_without_prefetch = _builds.kernel, _builds.kernel_without_prefetch
 
 
 @functools.cache

@@ -102,15 +102,7 @@ def supported() -> bool:
     return {"avx512_vnni", "avx512_bf16"} <= cpu_flags()
 
 
-_builds = Builds(W4VNNI.build, "W4A16 layers will not use int8 dot products (w4mm still runs them)", self_check)
-
-
-def kernel(compact: bool = False) -> W4VNNI | None:
-    """The process-wide kernel (`compact`: its build for the compact scales, w4mm_common.h); None without
-    AVX512-VNNI and AVX512-BF16, or (logged once) where it can't be built."""
-    return _builds.get(True, compact) if supported() else None
-
-
-def kernel_without_prefetch(compact: bool = False) -> W4VNNI | None:
-    """The kernel built with no software prefetch of the nibbles (PF_BYTES=0), as kernel() otherwise."""
-    return _builds.get(False, compact) if supported() else None
+_builds = Builds(
+    W4VNNI.build, "W4A16 layers will not use int8 dot products (w4mm still runs them)", self_check, supported
+)
+kernel, kernel_without_prefetch = _builds.kernel, _builds.kernel_without_prefetch

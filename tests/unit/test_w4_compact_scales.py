@@ -17,17 +17,14 @@ from engine.kernels.w4mm import W4MM
 from engine.layers.activation import ActAndMul
 from engine.quant.grouped import GroupedQuantLinear
 from engine.quant.paths import W4MMPath, W4MMSiluPath, W4VNNIPath
-from tests.int4_kernels import bf16_scaled, int4_weight, packed_copies
+from tests.int4_kernels import bf16_scaled, int4_weight, layout_builds, packed_copies
 
 pytestmark = pytest.mark.skipif(not bf16mm.supported(), reason="this CPU has no AVX512-BF16")
 
 
 @pytest.fixture(scope="module")
 def builds() -> tuple[W4MM, W4MM]:
-    plain, compact = w4mm.kernel(), w4mm.kernel(compact=True)
-    assert plain is not None and compact is not None, "a w4mm build failed its self-check (see the warning)"
-    assert not plain.compact and compact.compact
-    return plain, compact
+    return layout_builds(w4mm)
 
 
 def test_the_compact_copy_holds_each_scale_and_zero_where_the_kernel_reads_them() -> None:
@@ -134,8 +131,7 @@ def test_a_path_packs_bf16_scales_compact_and_float_ones_as_they_are(builds: tup
 
 @pytest.mark.skipif(not w4vnni.supported(), reason="this CPU has no AVX512-VNNI")
 def test_w4vnni_gives_the_float_layouts_bits_from_the_compact_copy() -> None:
-    plain, compact = w4vnni.kernel(), w4vnni.kernel(compact=True)
-    assert plain is not None and compact is not None and compact.compact
+    plain, compact = layout_builds(w4vnni)
     w = bf16_scaled(130, 256, 64, symmetric=False)
     pf, pc = W4MMPath.pack(w), W4MMPath.pack(w, compact=True)
     for rows in (1, 4, 11):
@@ -168,8 +164,7 @@ def test_the_amx_and_fp16_builds_give_the_float_layouts_bits_from_the_compact_co
 ) -> None:
     if module.kernel() is None and module.kernel(compact=True) is None:
         pytest.skip(f"this CPU lacks what {module.__name__} needs")
-    plain, compact = module.kernel(), module.kernel(compact=True)
-    assert plain is not None and compact is not None and compact.compact, "a build failed its self-check"
+    plain, compact = layout_builds(module)
     w = bf16_scaled(130, 256, 64, symmetric=False)
     pf, pc = W4MMPath.pack(w), W4MMPath.pack(w, compact=True)
     for rows in (1, 3, 17, 40):

@@ -8,21 +8,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kernels import w4f32
+from engine.kernels import w4_builds, w4f32
 from engine.kernels.op_choice import _quant_grouped_builds
 from engine.kernels.w4f32 import W4F32, PackedInt4F32
 from engine.layers.activation import ActAndMul
 from engine.quant.grouped import GroupedQuantLinear
 from engine.quant.paths import W4F32Path, W4F32SiluPath
-from tests.int4_kernels import bf16_scaled, int4_weight
+from tests.int4_kernels import bf16_scaled, int4_weight, layout_builds
 
 
 @pytest.fixture(scope="module")
 def builds() -> tuple[W4F32, W4F32]:
-    plain, compact = w4f32.kernel(), w4f32.kernel(compact=True)
-    assert plain is not None and compact is not None, "a w4f32 build failed its self-check (see the warning)"
-    assert not plain.compact and compact.compact
-    return plain, compact
+    return layout_builds(w4f32)
 
 
 def test_the_compact_copy_holds_each_scale_and_zero_where_the_kernel_reads_them() -> None:
@@ -96,3 +93,13 @@ def test_its_paths_pack_bf16_scales_compact(builds: tuple[W4F32, W4F32]) -> None
             (packed,) = [c for c in cells if isinstance(c, PackedInt4F32)]
             assert packed.compact == compact and run.entry is not None  # type: ignore[attr-defined]
             assert run(x).shape == (3, 32 if silu else 64)
+
+
+def test_the_scales_answer_is_kept_while_the_tensor_lives_and_leaves_with_it() -> None:
+    bf16, other = torch.tensor([0.5, 0.25]), torch.tensor([0.1, 0.3])
+    assert w4_builds.compact_scales(bf16) and not w4_builds.compact_scales(other)
+    assert w4_builds._COMPACT[id(bf16)][1] and not w4_builds._COMPACT[id(other)][1]
+    assert w4_builds.compact_scales(bf16) and not w4_builds.compact_scales(other)  # the kept answers
+    key = id(other)
+    del other
+    assert key not in w4_builds._COMPACT  # no answer outlives its tensor (a new one at that address asks again)
