@@ -63,7 +63,7 @@ static void widen_group_tiles(int64_t G, const uint8_t *wq, uint16_t *wg) { wide
 // these are the only rows to go through w): each half's columns once that half's products are issued, before
 // their sums are stored. WHY: the vector units widen while the tile unit multiplies, where the sums' stores
 // would hold them back (32 rows over 24 Qwen2-0.5B layers on a 2-core AMX Xeon, model 207: 29.6 → 25.3 ms, the
-// same bits); a second buffer for the next group instead was slower (32.2 ms: four buffers no longer fit L1).
+// same bits); a second buffer for the next group instead was slower (32.2 ms: two no longer fit L1 with the sums).
 static void tile_rows(int mr, int64_t K, int64_t ksteps, const uint16_t *x, uint16_t *w, float *out,
                       const uint8_t *next) {
     const int64_t stride = K * 2;
