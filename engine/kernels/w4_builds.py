@@ -31,7 +31,7 @@ class Packed(Protocol):
 def compact_scales(scale: torch.Tensor) -> bool:
     """Whether `scale` holds bf16 values only (what a bf16 checkpoint stores): the compact layout carries them
     exactly. Asked for the same tensor by every path and grouped call that considers a weight (~20 a weight), so
-    the answer is kept while the tensor lives."""
+    the answer is kept while the tensor lives (a loaded weight's scales are never written in place)."""
     hit = _COMPACT.get(id(scale))
     if hit is not None and hit[0]() is scale:
         return hit[1]
