@@ -15,7 +15,7 @@
 // class:
 // - i8avx2_linear: each 4-column tile widens its weight rows as it loads them, for every row of x. Decode.
 // - i8avx2_linear_panel: a 16-column block's weights widened to int16 once per 512 inputs into a buffer, then
-//   3-row x 4-column tiles over every row (12 accumulators, the widening shared by all the rows). Batches.
+//   2-row x 4-column tiles over every row (the widening shared by all the rows). Batches.
 //
 // Each has a fused gated-MLP twin (i8avx2_linear_silu_mul, i8avx2_linear_panel_silu_mul: silu(gate) * up in the
 // epilogue), and i8avx2_grouped runs a MoE layer's experts in one call.
@@ -139,7 +139,11 @@ int i8avx2_linear(int64_t M, int64_t N, int64_t K, const float *x, const int8_t 
 }
 
 #define PB 16   // columns a panel block (PB / NC column tiles)
-#define PR 3    // rows a panel tile: 3 x 4 accumulators, 3 rows and 1 weight vector (the 16 registers)
+#define PR 2    // rows a panel tile: 2 x 4 accumulators, 2 rows, a weight vector and VPMADDWD's products in registers
+// WHY 2: 3 rows x 4 columns needs all 16 registers and one more for the products; gcc kept 8 of the 12 accumulators
+// on the stack (a load and a store each per step). On a Zen 3 (2026-12-07) 2 rows ran Qwen2-0.5B's QKV 1.7x faster
+// at 32 and 512 rows (140-150 GFLOP/s, float32 GEMM's rate there), `python -m benchmarks.quant_gemm --scheme w8a8`
+// (24 layers from memory) 201-214 → 165 ms at 32 rows and 1,559-1,566 → 1,291 at 256.
 #define PK 512  // inputs a panel chunk: 16 x 512 int16 weights (16 KiB) stay in L1 for every row
 #define PM 96   // rows a pass: their int32 sums [PM][PB] stay in L1 while the chunks go by
 
@@ -172,8 +176,7 @@ static inline __attribute__((always_inline)) void ptile(const int mr, int nt, in
 static void ptile_any(int mr, int nt, int64_t kc, int64_t ldx, const int16_t *x, const int16_t *wp, int32_t *sums) {
     switch (mr) {  // a constant row count keeps every accumulator in a register
     case 1: ptile(1, nt, kc, ldx, x, wp, sums); break;
-    case 2: ptile(2, nt, kc, ldx, x, wp, sums); break;
-    default: ptile(3, nt, kc, ldx, x, wp, sums); break;
+    default: ptile(2, nt, kc, ldx, x, wp, sums); break;
     }
 }
 
@@ -279,12 +282,13 @@ static int panels(int64_t M, int64_t N, int64_t K, const float *x, const int8_t 
         int16_t *wp = panel_buffer();
         failed = wp == NULL;
         float out[PM * SU];  // with silu_mul, a pass's rows of the unit: 32 gate and 32 up columns each
+        // passes outside, units shared out inside, as w4f32.c's panel (a 4096-row gate/up 906 → 678 ms on a Zen 3)
+        for (int64_t m0 = 0; m0 < M; m0 += PM) {
+            const int64_t mc = M - m0 < PM ? M - m0 : PM;
 #pragma omp for schedule(static)
-        for (int64_t u = 0; u < units; u++) {
-            if (!wp) continue;
-            const int64_t n0 = u * unit;
-            for (int64_t m0 = 0; m0 < M; m0 += PM) {
-                const int64_t mc = M - m0 < PM ? M - m0 : PM;
+            for (int64_t u = 0; u < units; u++) {
+                if (!wp) continue;
+                const int64_t n0 = u * unit;
                 if (!silu_mul) {
                     panel_pass(mc, K32, xq + m0 * K32, xs + m0, w + n0 * K32, N4 - n0 < PB ? N4 - n0 : PB, ws + n0,
                                b ? b + n0 : NULL, wp, y + m0 * N + n0, N, N - n0);
