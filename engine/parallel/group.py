@@ -32,6 +32,10 @@ class Group:
         """Every rank's `x` side by side along the last dimension, in rank order."""
         return x
 
+    def min_over_ranks(self, value: int) -> int:
+        """The smallest of every rank's `value`: how ranks agree on a limit each measured for itself."""
+        return value
+
 
 class SingleGroup(Group):
     """A model that runs alone: every collective is the identity."""
@@ -42,9 +46,10 @@ class TorchGroup(Group):
     longer raises, so a rank that hangs fails the step instead of hanging the engine. A rank that dies fails it
     at once (gloo: its sockets close)."""
 
-    def __init__(self, pg: dist.ProcessGroup, rank: int, size: int) -> None:
+    def __init__(self, pg: dist.ProcessGroup, rank: int, size: int, device: torch.device | None = None) -> None:
         super().__init__()
         self.pg, self.rank, self.size = pg, rank, size
+        self.device = device or torch.device("cpu")  # where the backend takes tensors (NCCL: the rank's GPU)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         t0 = time.perf_counter()
@@ -59,6 +64,13 @@ class TorchGroup(Group):
         self.pg.allgather([parts], [x]).wait()
         self._count(t0)
         return torch.cat(parts, dim=-1)
+
+    def min_over_ranks(self, value: int) -> int:
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MIN
+        self.pg.allreduce([t], opts).wait()
+        return int(t.item())
 
     def _count(self, t0: float) -> None:
         # NOTE: on CPU (gloo) wait() returns when the data is there; on CUDA it only orders the stream, so this

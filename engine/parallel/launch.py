@@ -70,4 +70,4 @@ def open_groups(store: dist.Store, rank: int, world: int, device: torch.device, 
         pg: dist.ProcessGroup = dist.ProcessGroupNCCL(dist.PrefixStore("tp", store), rank, world, opts)
     else:
         pg = dist.ProcessGroupGloo(dist.PrefixStore("tp", store), rank, world, timeout)
-    return Groups(TorchGroup(pg, rank, world), ctl)
+    return Groups(TorchGroup(pg, rank, world, device), ctl)

@@ -1,17 +1,24 @@
-"""The pure pieces of tensor parallel: which heads a rank holds, the step message, a padded vocabulary part."""
+"""The pure pieces of tensor parallel: which heads a rank holds, the step message, a padded vocabulary part, how
+ranks agree on a measured limit."""
 
 from __future__ import annotations
 
+import datetime
+import threading
+from types import SimpleNamespace
+
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from engine.errors import ConfigError, ModelLoadError
 from engine.layers.parallel import Part, VocabEmbedding, split_heads, vocab_head
 from engine.loader import _InMemory, _load_part
+from engine.model_runner import ModelRunner
 from engine.outputs import ScheduledSeq, SchedulerOutput
 from engine.parallel import control
-from engine.parallel.group import Group
+from engine.parallel.group import Group, TorchGroup
 from engine.params import SamplingParams
 
 
@@ -78,3 +85,52 @@ def test_a_part_that_does_not_fit_the_checkpoint_is_refused() -> None:
     param = nn.Parameter(torch.empty(4, 3), requires_grad=False)
     with pytest.raises(ModelLoadError, match="does not fit"):
         _load_part(param, _InMemory(torch.zeros(10, 5)), Part(0, 8, 4), "w", "f", None)
+
+
+def test_ranks_agree_on_the_smallest_of_their_measured_limits_over_gloo() -> None:
+    """TorchGroup.min_over_ranks over a real gloo group (two ranks on threads of this process)."""
+    store = dist.HashStore()
+    got: dict[int, int] = {}
+
+    def rank(r: int) -> None:
+        pg = dist.ProcessGroupGloo(store, r, 2, datetime.timedelta(seconds=30))
+        got[r] = TorchGroup(pg, r, 2).min_over_ranks((17, 5)[r])
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert got == {0: 5, 1: 5}
+
+
+class _Agreeing(Group):
+    """A rank whose peers measured `peer_limit`: what min_over_ranks over the group would give."""
+
+    def __init__(self, peer_limit: int) -> None:
+        super().__init__()
+        self.peer_limit = peer_limit
+        self.asked: list[int] = []
+
+    def min_over_ranks(self, value: int) -> int:
+        self.asked.append(value)
+        return min(value, self.peer_limit)
+
+
+class _Layer:
+    def __init__(self, limit: int) -> None:
+        self.prefill_in_place = limit
+
+    def in_place(self, rows: int) -> bool:
+        return True
+
+
+@pytest.mark.parametrize(("own", "peer", "want"), [(32, 8, 8), (8, 32, 8), (0, 32, 0)])
+def test_the_runner_lays_out_prompt_chunks_by_the_limit_every_rank_agreed_on(own: int, peer: int, want: int) -> None:
+    """Which chunks attend in place decides how many rows a step's last all-reduce carries: each rank's own
+    measured limit would let the ranks disagree (a gloo failure on the step), so the runner takes the group's."""
+    group = _Agreeing(peer)
+    model = SimpleNamespace(attention_layers=lambda: [_Layer(own), _Layer(own + 4)])
+    runner = SimpleNamespace(model=model, group=group)
+    ModelRunner.plan_attention(runner)  # type: ignore[arg-type]
+    assert runner.prefill_in_place == want and group.asked == [own]
