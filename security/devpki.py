@@ -1,14 +1,16 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import datetime as dt
+import fcntl
 import hashlib
 import ipaddress
 import json
 import os
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,6 +47,23 @@ def ensure_dev_pki(home: Path) -> DevPKI:
     """Create the dev PKI under `home/pki` on first run; reuse what is there and still valid afterwards."""
     d = home / "pki"
     d.mkdir(mode=0o700, parents=True, exist_ok=True)
+    with _locked(d / ".lock"):
+        return _ensure(d)
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive lock between processes. WHY: `tianmen serve` and a client (`tianmen token`, a test) starting
+    at once on a fresh home each found no JWT key, each wrote its own, and the server's tokens failed with 401."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _ensure(d: Path) -> DevPKI:
     ca_cert, ca_key = d / "ca.pem", d / "ca-key.pem"
     server_cert, server_key = d / "server.pem", d / "server-key.pem"
     client_cert, client_key = d / "client.pem", d / "client-key.pem"

@@ -80,6 +80,8 @@ def served(tmp_path: Path, model: Path) -> Iterator[tuple[subprocess.Popen[bytes
                 except httpx.HTTPError:
                     pass
             time.sleep(0.1)
+        else:
+            pytest.fail("the gateway did not report healthy: " + (tmp_path / "server.log").read_text()[-2000:])
         yield proc, port, home
     finally:
         if proc.poll() is None:

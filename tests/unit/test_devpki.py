@@ -2,8 +2,11 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import multiprocessing
 import stat
+import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 from cryptography import x509
@@ -85,3 +88,31 @@ async def test_minted_token_verifies_against_the_generated_jwks(tmp_path: Path) 
     with pytest.raises(AuthError) as err:
         await verifier.verify(mint_token(other.jwt_key, pki.kid, "bob", "acme"))
     assert err.value.reason == "bad_signature"
+
+
+def _first_run(home: Path, start: Any, out: Any) -> None:
+    start.wait()
+    pki = ensure_dev_pki(home)
+    out.put((pki.kid, pki.ca_cert.read_bytes(), pki.jwt_key.read_bytes()))
+
+
+def test_processes_starting_at_once_on_a_fresh_home_end_with_one_pki() -> None:
+    """A server and its clients often start together on a new home: each must end with the same CA and JWT key
+    (two writers each made their own JWT key, and the server refused the client's tokens with 401)."""
+    ctx = multiprocessing.get_context("fork")
+    for _ in range(4):
+        with tempfile.TemporaryDirectory() as tmp:
+            home, start, out = Path(tmp), ctx.Barrier(4), ctx.Queue()
+            procs = [ctx.Process(target=_first_run, args=(home, start, out)) for _ in range(4)]
+            for p in procs:
+                p.start()
+            seen = [out.get(timeout=60) for _ in procs]
+            for p in procs:
+                p.join(30)
+                assert p.exitcode == 0
+            assert len(set(seen)) == 1
+            kid, ca, jwt_key = seen[0]
+            assert json.loads((home / "pki" / "jwks.json").read_text())["keys"][0]["kid"] == kid
+            assert (home / "pki" / "ca.pem").read_bytes() == ca and (
+                home / "pki" / "jwt-signing-key.pem"
+            ).read_bytes() == jwt_key
