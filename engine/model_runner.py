@@ -157,12 +157,16 @@ class ModelRunner:
         self.in_place_at = tuple(all(m.in_place(rows) for m in layers) for rows in DECODE_ROWS)
         self.attention_in_place = all(self.in_place_at)
         # prompt chunks up to this long attend in place too, as decode rows (engine.kernels.op_choice)
-        limit = min((getattr(m, "prefill_in_place", 0) for m in layers), default=0)
-        # NOTE: which chunks attend in place decides whether a step keeps every row (a decode-only step does), so
-        # it decides the rows of the last layer's all-reduce: tensor-parallel ranks, each of which measured its own
-        # limit, take the smallest (with different limits rank 0 reduced a 23-row prompt while rank 1 reduced its
-        # one sampled row, and gloo failed the step)
-        self.prefill_in_place = self.group.min_over_ranks(limit if self.attention_in_place else 0)
+        self.prefill_in_place = min((getattr(m, "prefill_in_place", 0) for m in layers), default=0)
+        if not self.attention_in_place:
+            self.prefill_in_place = 0
+
+    def agree_with_ranks(self) -> None:
+        """Tensor parallel, once every rank has loaded its part: the smallest of the ranks' measured limits.
+        WHY: which prompt chunks attend in place decides whether a step keeps every row (a decode-only step
+        does), so it decides the rows of the last layer's all-reduce; with limits of their own, rank 0 reduced a
+        23-row prompt while rank 1 reduced its one sampled row, and gloo failed the step."""
+        self.prefill_in_place = self.group.min_over_ranks(self.prefill_in_place)
 
     # ---- one step -----------------------------------------------------------------------------
     def execute(self, sched: SchedulerOutput) -> ModelOutput:

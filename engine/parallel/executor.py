@@ -170,6 +170,8 @@ class TensorParallelExecutor:
             self.ctl = groups.ctl
             self.runner = ModelRunner(config, files, hf_config, max_model_len, groups.tp)
             self._wait_for("ready", self._check_ready)
+            # NOTE: after the ready handshake, so a rank that could not load reports its own error, not a collective's
+            self.runner.agree_with_ranks()
         except BaseException:
             self.close()
             raise

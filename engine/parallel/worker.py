@@ -76,6 +76,7 @@ def serve(
         store.set(f"ready/{rank}", json.dumps({"error": f"{type(e).__name__}: {e}"}))
         return
     store.set(f"ready/{rank}", json.dumps({"num_blocks": runner.num_blocks}))
+    runner.agree_with_ranks()  # with rank 0, once it has seen every rank ready
     last = 0.0
     while True:
         msg = control.receive(groups.ctl, IDLE)

@@ -133,4 +133,6 @@ def test_the_runner_lays_out_prompt_chunks_by_the_limit_every_rank_agreed_on(own
     model = SimpleNamespace(attention_layers=lambda: [_Layer(own), _Layer(own + 4)])
     runner = SimpleNamespace(model=model, group=group)
     ModelRunner.plan_attention(runner)  # type: ignore[arg-type]
+    assert runner.prefill_in_place == own and group.asked == []  # the rank's own, until every rank has loaded
+    ModelRunner.agree_with_ranks(runner)  # type: ignore[arg-type]
     assert runner.prefill_in_place == want and group.asked == [own]
