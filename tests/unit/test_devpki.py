@@ -3,6 +3,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import multiprocessing
+import os
 import stat
 import tempfile
 from pathlib import Path
@@ -116,3 +117,19 @@ def test_processes_starting_at_once_on_a_fresh_home_end_with_one_pki() -> None:
             assert (home / "pki" / "ca.pem").read_bytes() == ca and (
                 home / "pki" / "jwt-signing-key.pem"
             ).read_bytes() == jwt_key
+
+
+def test_a_complete_pki_in_a_directory_that_takes_no_lock_file_is_still_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pki = ensure_dev_pki(tmp_path)
+    (pki.dir / ".lock").unlink()
+    real_open = os.open
+
+    def read_only(path: str | os.PathLike[str], flags: int, *args: Any) -> int:
+        if flags & os.O_CREAT:
+            raise PermissionError(13, "Read-only file system", str(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", read_only)
+    assert ensure_dev_pki(tmp_path) == pki
