@@ -2,6 +2,7 @@
 
     python -m benchmarks.step_profile [--shape qwen2-0.5b] [--num-prompts 32] [--output-len 128] [--no-cpu-kernels]
                                       [--quantization w8a8|w4a16 [--group-size 128] [--quantize-lm-head]]
+                                      [--dtype auto|bfloat16|float32]
 
 Runs N prompts x 128 random ids -> --output-len tokens (greedy, EOS ignored, prefix caching off) once to warm
 up, then once timed, wrapping Linear, attention, RMSNorm, DeepSeek's MoE and MLA layers and the runner's step
@@ -82,6 +83,7 @@ def main() -> None:
     ap.add_argument("--quantization", choices=["w8a8", "w4a16"], help="profile the shape's quantized copy")
     ap.add_argument("--group-size", type=int, default=128, help="w4a16's group size")
     ap.add_argument("--quantize-lm-head", action="store_true", help="with the LM head quantized too")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"], help="the engine's math")
     args = ap.parse_args()
 
     _timed(GemmPlan, "__call__", _gemm_key)
@@ -105,6 +107,7 @@ def main() -> None:
         model=str(path),
         max_num_seqs=args.num_prompts,
         max_model_len=1024,
+        dtype=args.dtype,
         enable_prefix_caching=False,
         cpu_kernels=not args.no_cpu_kernels,
         gemm_path=args.gemm_path,

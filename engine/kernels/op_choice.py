@@ -49,7 +49,7 @@ from engine.layers.attention import PagedAttention
 from engine.layers.mla import MLAttention, bmm_absorbed, latent_attention, per_head_absorbed
 from engine.layers.moe import MoE
 from engine.layers.norm import RMSNorm
-from engine.quant.absorbed_key import GroupScaledKey
+from engine.quant.absorbed_key import GroupScaledKey, KeyPieces
 from engine.quant.grouped import GroupedQuantExperts, GroupedQuantLinear, QuantKernel
 from engine.quant.paths import quant_paths
 from engine.quant.weights import Int4Weight
@@ -313,11 +313,12 @@ def _quant_grouped_builds(weight: object, dtype: torch.dtype) -> dict[str, Quant
     """The grouped quantized kernels built for this CPU for `weight`'s scheme and the math's `dtype`, by name
     ("grouped w4mm", ...): in bf16 math w4mm's (or i8mm's) builds with and without software prefetch (and w4mm's
     wide tiles), on AVX512-VNNI CPUs w4vnni's and on AMX CPUs w4amx's (or i8amx's), all over the same packed copy;
-    in float32 math w4f32's (or i8avx2's, with and without its prefetch)."""
+    in float32 math w4f32's (on AVX-512 CPUs its 16-wide and 8-wide tiles; or i8avx2's, with and without its
+    prefetch)."""
     if dtype == torch.float32:
         if isinstance(weight, Int4Weight):
-            k4 = w4f32.kernel()
-            return {"grouped w4f32": k4.for_scales(weight.scale)} if k4 is not None else {}  # type: ignore[dict-item]
+            f32 = (("grouped w4f32", w4f32.kernel()), ("grouped w4f32-ymm", w4f32.ymm_kernel()))
+            return {name: k.for_scales(weight.scale) for name, k in f32 if k is not None}  # type: ignore[misc]
         plain = (("grouped i8avx2", i8avx2.kernel()), ("grouped i8avx2-noprefetch", i8avx2.kernel_without_prefetch()))
         return {name: k for name, k in plain if k is not None}
     modules = (w4mm, w4vnni, w4amx) if isinstance(weight, Int4Weight) else (i8mm, i8amx)
@@ -360,6 +361,64 @@ def choose_absorbed_quant(
     ours = "+".join(c.removeprefix("grouped ") for c in kernels)
     group = getattr(uv[0], "group_size", 0)
     key = f"op absorbed_uv 1 h{h} {tuple(uv[0].shape)} {_scheme(uv[0])} g{group} {dtype} grouped {ours} vs bf16"
+    return kernels.get(fastest(key, candidates, timer, cache, flush))
+
+
+def _fits_float32(kernel: QuantKernel, pieces: KeyPieces | None, rows: list[object] | None) -> bool:
+    """Whether `kernel` takes both of a layer's products over its int4 rows: W_UK's key pieces, W_UV's rows."""
+    return (
+        pieces is not None and rows is not None
+        and GroupScaledKey.accepts(kernel, pieces) and GroupedQuantLinear.accepts(kernel, rows)  # type: ignore[arg-type]
+    )  # fmt: skip
+
+
+def choose_absorbed_float32(
+    mla: MLAttention, dtype: torch.dtype, timer: Timer | None, cache: PlanCache | None,
+    flush: Callable[[], None] | None = None,
+) -> QuantKernel | None:  # fmt: skip
+    """In float32 math, the quantized grouped kernel whose two calls ran MLA decode's per-head products over
+    kv_b_proj's own int4 rows (W_UK over its key rows, the query scaled per latent group in float32; W_UV over its
+    value rows) at one row faster than torch.bmm over the dequantized float32 weight (what the layer runs
+    otherwise), from memory, timed as a decode program runs them; None where bmm won, the math is not float32,
+    kv_b_proj is not symmetric W4A16, no program runs here or no kernel fits. `flush`: as fastest's.
+    WHY: in float32 math kv_b_proj's dequantized values are no bf16 values, so the bf16-weight grouped calls
+    (wbf16's) cannot carry them (absorbed_gemm); through bmm the layer kept every decode step out of programs,
+    reading 8x the int4 rows' bytes: DeepSeek-V2-tiny W4A16 decoded at 0.74-0.88x the float model's batch-1 time
+    (Zen 5 forced to float32 math, 2026-12-07)."""
+    pieces, rows = mla.absorbed_key_quantized(), mla.absorbed_quantized()
+    if pieces is None or rows is None or dtype != torch.float32 or program.library() is None:
+        return None
+    builds = _quant_grouped_builds(rows[0], dtype)  # for the checkpoint's scales (the key pieces' are ones)
+    kernels = {c: k for c, k in builds.items() if _fits_float32(k, pieces, rows)}
+    if not kernels or timer is None:  # untimed: the first that fits (fastest's forced configuration)
+        return next(iter(kernels.values()), None)
+    h, n, lat, v = mla.num_heads, mla.nope, mla.kv_lora_rank, mla.v_dim
+    g = torch.Generator().manual_seed(0)
+    q, o = torch.randn(h, n, generator=g), torch.randn(h, lat, generator=g)
+    y_k, y_v, counts = torch.empty(h, lat), torch.empty(h, v), torch.empty(h, dtype=torch.int64)
+    ptr = torch.Tensor.data_ptr
+
+    def pair(k: QuantKernel) -> Callable[[ProgramBuilder], object]:
+        def build(b: ProgramBuilder) -> object:
+            key = GroupScaledKey(k, pieces, None)  # type: ignore[arg-type]
+            key.emit(b, ptr(counts), ptr(q), ptr(y_k), 1)
+            b.fill_rows(h, ptr(counts))
+            GroupedQuantLinear(k, rows).emit(b, ptr(counts), ptr(o), ptr(y_v))  # type: ignore[arg-type]
+            return key
+
+        return build
+
+    w_uk, w_uv = bmm_absorbed(mla.kv_b_proj.weight.detach().view(h, n + v, lat), n)  # the layer's own bmm operands
+
+    def bmm() -> object:
+        torch.bmm(q.view(h, 1, n), w_uk)
+        return torch.bmm(o.view(h, 1, lat), w_uv)
+
+    candidates: dict[str, Callable[[], object]] = {c: _ProgramCall(pair(k), y_v) for c, k in kernels.items()}
+    candidates["torch"] = bmm
+    ours = "+".join(c.removeprefix("grouped ") for c in kernels)
+    group = getattr(rows[0], "group_size", 0)
+    key = f"op absorbed_f32 1 h{h} n{n} l{lat} v{v} w4a16-g{group} {dtype} program {ours} vs torch"
     return kernels.get(fastest(key, candidates, timer, cache, flush))
 
 
@@ -533,13 +592,23 @@ def _per_class(
 
 
 def absorbed_gemm(
-    kernel: GroupedKernel, quantized: QuantKernel | None = None, key: QuantKernel | None = None
+    kernel: GroupedKernel | None,
+    quantized: QuantKernel | None = None,
+    key: QuantKernel | None = None,
+    float32: QuantKernel | None = None,
 ) -> Callable[[MLAttention], tuple[GroupedLinear | GroupScaledKey, GroupedLinear | GroupedQuantLinear] | None]:
     """For a layer: its W_UK and W_UV per head as two grouped calls, None where the shapes do not fit; W_UV over
     the checkpoint's quantized rows through `quantized`, and W_UK over its int4 key rows through `key`, where
-    given and they fit."""
+    given and they fit. `float32` (float32 math, choose_absorbed_float32): both over the checkpoint's int4 rows
+    through it, at every row count, where they fit (else `kernel`'s calls as above)."""
 
     def make(mla: MLAttention) -> tuple[GroupedLinear | GroupScaledKey, GroupedLinear | GroupedQuantLinear] | None:
+        if float32 is not None:
+            pieces, rows = mla.absorbed_key_quantized(), mla.absorbed_quantized()
+            if _fits_float32(float32, pieces, rows):
+                return GroupScaledKey(float32, pieces, None), GroupedQuantLinear(float32, rows)  # type: ignore[arg-type]
+        if kernel is None:
+            return None
         uk, uv = (_bf16_exact(w) for w in mla.absorbed_weights())
         if uk is None or uv is None or not (GroupedLinear.accepts(kernel, uk) and GroupedLinear.accepts(kernel, uv)):
             return None
@@ -811,11 +880,12 @@ def choose_kernels(
         k.latent_attn, k.latent_attn_at = choose_latent_attention(
             latent_attention_kernels(attn, dtype), mla, dtype, timer, cache
         )
-    if grouped and mla is not None:
-        gk = choose_absorbed_gemm(grouped, mla, dtype, timer, cache, flush)
+    if mla is not None:
+        gk = choose_absorbed_gemm(grouped, mla, dtype, timer, cache, flush) if grouped else None
         uv = choose_absorbed_quant(gk, mla, dtype, timer, cache, flush) if gk is not None else None
         uk = choose_absorbed_key(gk, mla, dtype, timer, cache, flush) if gk is not None else None
-        k.absorbed = absorbed_gemm(gk, uv, uk) if gk is not None else None
+        f32 = choose_absorbed_float32(mla, dtype, timer, cache, flush)
+        k.absorbed = absorbed_gemm(gk, uv, uk, f32) if gk is not None or f32 is not None else None
     if grouped and moe is not None:
         k.moe_experts = choose_grouped_experts(grouped, moe, dtype, timer, cache, flush)
     if moe is not None:

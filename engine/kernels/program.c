@@ -90,9 +90,22 @@ static uint16_t to_bf16(float f) {
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-// out[h][g][r][:] = bf16(x[h][r][:] * scales[h][g][:]) for `n` inputs: x, out bf16, scales float
-static void scale_groups(int64_t rows, int64_t heads, int64_t groups, int64_t n, const uint16_t *x,
-                         const float *scales, uint16_t *out) {
+// out[h][g][r][:] = x[h][r][:] * scales[h][g][:] for `n` inputs, scales float: x and out bf16 (the product
+// rounded to bf16) or, with f32, float (float32 math's rows: the product as it is)
+static void scale_groups(int64_t rows, int64_t heads, int64_t groups, int64_t n, const void *xv,
+                         const float *scales, void *outv, int f32) {
+    if (f32) {
+        for (int64_t h = 0; h < heads; h++)
+            for (int64_t g = 0; g < groups; g++)
+                for (int64_t r = 0; r < rows; r++) {
+                    const float *xr = (const float *)xv + (h * rows + r) * n, *s = scales + (h * groups + g) * n;
+                    float *o = (float *)outv + ((h * groups + g) * rows + r) * n;
+                    for (int64_t i = 0; i < n; i++) o[i] = xr[i] * s[i];
+                }
+        return;
+    }
+    const uint16_t *x = xv;
+    uint16_t *out = outv;
     for (int64_t h = 0; h < heads; h++)
         for (int64_t g = 0; g < groups; g++)
             for (int64_t r = 0; r < rows; r++) {
@@ -217,7 +230,7 @@ static int64_t run(const int64_t *ops, int64_t n, const int64_t *step, double *n
                 return i;
             break;
         case OP_SCALE_GROUPS:
-            scale_groups(a[0], a[1], a[2], a[3], (const uint16_t *)a[4], (const float *)a[5], (uint16_t *)a[6]);
+            scale_groups(a[0], a[1], a[2], a[3], (const void *)a[4], (const float *)a[5], (void *)a[6], (int)a[7]);
             break;
         case OP_MERGE_GROUPS:
             merge_groups(a[0], a[1], a[2], a[3], (const char *)a[4], (char *)a[5]);

@@ -166,10 +166,11 @@ class ProgramBuilder:
         shape = (n, k, group_size) if kind == OP_GROUPED_W4 else (n, k)
         self._op(kind, fn, groups, counts, *shape, x, *weights, y, THREADS, int(silu))
 
-    def scale_groups(self, heads: int, groups: int, n: int, x: int, scales: int, out: int) -> None:
+    def scale_groups(self, heads: int, groups: int, n: int, x: int, scales: int, out: int, f32: bool = False) -> None:
         """out [heads][groups][rows][n] = x [heads][rows][n] times scales [heads][groups][n] (float32), rounded to
-        bf16 (x bf16): MLA's query scaled per latent group for W_UK's int4 products (engine.quant.absorbed_key)."""
-        self._op(OP_SCALE_GROUPS, 0, ROWS, heads, groups, n, x, scales, out)
+        bf16 (x bf16), or with `f32` x and out float32 (float32 math): MLA's query scaled per latent group for
+        W_UK's int4 products (engine.quant.absorbed_key)."""
+        self._op(OP_SCALE_GROUPS, 0, ROWS, heads, groups, n, x, scales, out, int(f32))
 
     def merge_groups(self, heads: int, groups: int, nbytes: int, src: int, dst: int) -> None:
         """dst [heads][rows][groups * nbytes] from src [heads][groups][rows][nbytes]: the products by latent group

@@ -37,7 +37,11 @@
 #include "thread_buffer.h"
 
 #define NB 32  // columns per packed block
+#if defined(__AVX512F__) && !defined(W4F32_YMM)
+#define MR 12  // rows per panel tile: 24 accumulators of the 32 registers
+#else
 #define MR 6   // rows per panel tile
+#endif
 #define MC 96  // rows per panel pass: their partial sums [MC][NB] stay in L1/L2 while the groups go by
 #ifndef PF_BYTES
 #define PF_BYTES 4096  // the direct tiles ask for the words this far ahead (past a block: the next one's; on a
@@ -104,7 +108,130 @@ static inline void close_group(int mr, const float *acc, const float *s, const f
         for (int j = 0; j < NB; j++) out[r * NB + j] += s[j] * acc[r * NB + j] - sz[j] * xs[r * groups];
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX512F__) && !defined(W4F32_YMM)
+#include <immintrin.h>
+
+// AVX-512 (a CPU that has it but not AVX512-BF16 computes in float32: Skylake-SP, Cascade Lake, Ice Lake): the
+// same arithmetic as the AVX2 tiles below on 16 columns a register, so a block's 32 columns are two. WHY: the
+// 8-wide tiles ran a 32-row step's int4 GEMMs at half the rate of wbf16's 16-wide float32 FMAs over bf16
+// weights on an AVX-512 CPU (DeepSeek-V2-tiny W4A16 in float32 math at 0.60x the float model's batch, Zen 5,
+// 2026-12-07). The AVX2 build (-DW4F32_YMM) stays a candidate the engine times against this one.
+
+// Nibble i of each word, as q * 16^i (i < 7) or q (i = 7), in float.
+static inline __attribute__((always_inline)) __m512 nibble(__m512i v, int i) {
+    const __m512i t = i == 7 ? _mm512_srli_epi32(v, 28) : _mm512_and_si512(v, _mm512_set1_epi32(15 << (4 * i)));
+    return _mm512_cvtepi32_ps(t);
+}
+
+// One row (scaled) against a block: k mod 4 in accumulators of their own (8 independent FMA chains).
+static void dtile1(int64_t K, int64_t G, const float *xq, const uint32_t *wq, const float *sc, const float *xs,
+                   float *out) {
+    const int64_t groups = K / G;
+    __m512 tot[2];
+    for (int c = 0; c < 2; c++) tot[c] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        __m512 a[4][2];
+        for (int p = 0; p < 4; p++) a[p][0] = a[p][1] = _mm512_setzero_ps();
+        for (int64_t o = g * G / 8; o < (g + 1) * G / 8; o++) {
+            const uint32_t *w = wq + o * NB;
+            _mm_prefetch((const char *)w + PF_BYTES, _MM_HINT_T0);
+            _mm_prefetch((const char *)w + PF_BYTES + 64, _MM_HINT_T0);
+            __m512i v[2];
+            for (int c = 0; c < 2; c++) v[c] = _mm512_loadu_si512((const void *)(w + 16 * c));
+#pragma GCC unroll 8  // a constant i: its mask is an immediate, i == 7 no branch
+            for (int i = 0; i < 8; i++) {
+                const __m512 xb = _mm512_set1_ps(xq[8 * o + i]);
+                for (int c = 0; c < 2; c++) a[i % 4][c] = _mm512_fmadd_ps(xb, nibble(v[c], i), a[i % 4][c]);
+            }
+        }
+        float buf[2 * NB];
+        const float *s = group_scales(sc, g, buf), *sz = s + NB;
+        const __m512 sum = _mm512_set1_ps(xs[g]);
+        for (int c = 0; c < 2; c++) {
+            const __m512 t = _mm512_add_ps(_mm512_add_ps(a[0][c], a[1][c]), _mm512_add_ps(a[2][c], a[3][c]));
+            tot[c] = _mm512_fmadd_ps(t, _mm512_loadu_ps(s + 16 * c), tot[c]);
+            tot[c] = _mm512_fnmadd_ps(sum, _mm512_loadu_ps(sz + 16 * c), tot[c]);
+        }
+    }
+    for (int c = 0; c < 2; c++) _mm512_storeu_ps(out + 16 * c, tot[c]);
+}
+
+// Two rows (scaled, K apart) against a block: each widened nibble feeds both rows' FMAs, even and odd k apart.
+static void dtile2(int64_t K, int64_t G, const float *xq, const uint32_t *wq, const float *sc, const float *xs,
+                   float *out) {
+    const int64_t groups = K / G;
+    memset(out, 0, sizeof(float) * 2 * NB);
+    for (int64_t g = 0; g < groups; g++) {
+        __m512 acc[2][2][2];  // [row][k parity][half]
+        for (int r = 0; r < 2; r++)
+            for (int p = 0; p < 2; p++) acc[r][p][0] = acc[r][p][1] = _mm512_setzero_ps();
+        for (int64_t o = g * G / 8; o < (g + 1) * G / 8; o++) {
+            const uint32_t *w = wq + o * NB;
+            _mm_prefetch((const char *)w + PF_BYTES, _MM_HINT_T0);
+            _mm_prefetch((const char *)w + PF_BYTES + 64, _MM_HINT_T0);
+            __m512i v[2];
+            for (int c = 0; c < 2; c++) v[c] = _mm512_loadu_si512((const void *)(w + 16 * c));
+#pragma GCC unroll 8
+            for (int i = 0; i < 8; i++) {
+                const __m512 x0 = _mm512_set1_ps(xq[8 * o + i]), x1 = _mm512_set1_ps(xq[K + 8 * o + i]);
+                for (int c = 0; c < 2; c++) {
+                    const __m512 q = nibble(v[c], i);
+                    acc[0][i % 2][c] = _mm512_fmadd_ps(x0, q, acc[0][i % 2][c]);
+                    acc[1][i % 2][c] = _mm512_fmadd_ps(x1, q, acc[1][i % 2][c]);
+                }
+            }
+        }
+        float a[2 * NB], buf[2 * NB];
+        for (int r = 0; r < 2; r++)
+            for (int c = 0; c < 2; c++)
+                _mm512_storeu_ps(a + r * NB + 16 * c, _mm512_add_ps(acc[r][0][c], acc[r][1][c]));
+        const float *s = group_scales(sc, g, buf);
+        close_group(2, a, s, s + NB, xs + g, groups, out);
+    }
+}
+
+// One group of a block widened to floats [G][NB] (the values q themselves).
+static void widen_group(int64_t G, const uint32_t *wq, float *wg) {
+    for (int64_t o = 0; o < G / 8; o++)
+        for (int c = 0; c < 2; c++) {
+            const __m512i v = _mm512_loadu_si512((const void *)(wq + o * NB + 16 * c));
+#pragma GCC unroll 8
+            for (int i = 0; i < 8; i++) {
+                const __m512i q = _mm512_and_si512(_mm512_srli_epi32(v, 4 * i), _mm512_set1_epi32(15));
+                _mm512_storeu_ps(wg + (8 * o + i) * NB + 16 * c, _mm512_cvtepi32_ps(q));
+            }
+        }
+}
+
+// mr rows (stride ldx, at the group's first input) x the block's 32 columns of a widened group.
+static inline __attribute__((always_inline)) void gtile(const int mr, int64_t ldx, int64_t G, const float *x,
+                                                        const float *wg, float *acc) {
+    __m512 a[MR][2];
+    for (int r = 0; r < mr; r++) a[r][0] = a[r][1] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < G; k++) {
+        const __m512 w0 = _mm512_loadu_ps(wg + k * NB), w1 = _mm512_loadu_ps(wg + k * NB + 16);
+        for (int r = 0; r < mr; r++) {
+            const __m512 xv = _mm512_set1_ps(x[r * ldx + k]);
+            a[r][0] = _mm512_fmadd_ps(xv, w0, a[r][0]);
+            a[r][1] = _mm512_fmadd_ps(xv, w1, a[r][1]);
+        }
+    }
+    for (int r = 0; r < mr; r++) {
+        _mm512_storeu_ps(acc + r * NB, a[r][0]);
+        _mm512_storeu_ps(acc + r * NB + 16, a[r][1]);
+    }
+}
+
+static void gtile_any(int mr, int64_t ldx, int64_t G, const float *x, const float *wg, float *acc) {
+    switch (mr) {  // a constant row count keeps every accumulator in a register
+#define GT(n) \
+    case n: gtile(n, ldx, G, x, wg, acc); break;
+        GT(1) GT(2) GT(3) GT(4) GT(5) GT(6) GT(7) GT(8) GT(9) GT(10) GT(11)
+#undef GT
+    default: gtile(MR, ldx, G, x, wg, acc); break;
+    }
+}
+#elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
 // Nibble i of each word, as q * 16^i (i < 7) or q (i = 7), in float.

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from engine.kernels.cbuild import SelfCheckError, build
+from engine.kernels.cbuild import SelfCheckError, build, cpu_flags
 from engine.kernels.w4_builds import Builds, PackedLayoutKernel, compact_scales
 from engine.quant.weights import Int4Weight, pack_nibbles
 
@@ -215,3 +215,14 @@ _builds = Builds(
     prefetch_variants=False,  # built with its prefetch only
 )
 kernel = _builds.kernel
+
+# On an AVX-512 CPU the default build runs 16-wide tiles; its 8-wide AVX2 tiles (-DW4F32_YMM) are built too and
+# timed beside it (a CPU may run 512-bit FMAs at a lower clock or as two halves). Elsewhere the two are one build.
+_ymm_builds = Builds(
+    lambda extra: W4F32.build(("-march=native", "-DW4F32_YMM", *extra)),
+    "float32 W4A16 layers are not timed with the 8-wide tiles on this AVX-512 CPU",
+    self_check,
+    lambda: "avx512f" in cpu_flags(),
+    prefetch_variants=False,
+)
+ymm_kernel = _ymm_builds.kernel

@@ -38,7 +38,7 @@ from engine.layers.mlp import GatedMLP
 from engine.layers.moe import MoE
 from engine.models.program_parts import Frame, Gemm, Hooked, emit, gated_mlp, norm_entry, part, start
 from engine.quant.absorbed_key import GroupScaledKey
-from engine.quant.grouped import GroupedQuantExperts, rows_dtype
+from engine.quant.grouped import GroupedQuantExperts, GroupedQuantLinear, rows_dtype
 
 if TYPE_CHECKING:
     from engine.models.deepseek_v2 import DeepseekV2ForCausalLM
@@ -83,10 +83,14 @@ def _rope_pairs(attn: MLAttention, dtype: torch.dtype) -> int | None:
     return address(fn) if fn is not None else None
 
 
-def _bf16_call(uk: GroupedLinear | GroupScaledKey) -> GroupedLinear:
-    """W_UK's grouped call over bf16 weights: itself, or the one an int4 W_UK takes past one row (int4 rows are
-    bf16 math too)."""
-    return uk.wide if isinstance(uk, GroupScaledKey) else uk
+def _rows_type(call: object) -> torch.dtype | None:
+    """The rows a W_UK / W_UV grouped call takes and gives: its kernel's (a bf16-weight call's, or a quantized
+    one's), or, for W_UK over int4 key rows, the bf16 call's it takes past one row where it has one."""
+    if isinstance(call, GroupScaledKey):
+        return call.dtype if call.wide is None else call.wide.kernel.dtype
+    if isinstance(call, GroupedLinear):
+        return call.kernel.dtype
+    return rows_dtype(call.kernel) if isinstance(call, GroupedQuantLinear) else None
 
 
 def _mla(f: Frame, attn: MLAttention, cls: int) -> str | None:
@@ -109,9 +113,10 @@ def _mla(f: Frame, attn: MLAttention, cls: int) -> str | None:
     fits = isinstance(attn.kernel, DecodeAttention) and attn.in_place(f.width)
     attn_fn = attn.kernel.entry(dtype) if fits else None  # type: ignore[union-attr]
     absorbed = attn.absorbed
+    grouped = absorbed is not None and _rows_type(absorbed[0]) == _rows_type(absorbed[1]) == dtype
     parts = {"MLA's input projection": qa, "the query's projection": qb, "the O GEMM": o,
              "MLA's norms": (nq or not q_lora) and nkv, "RoPE on pairs": rope, "latent decode attention": attn_fn,
-             "W_UK / W_UV as grouped calls": absorbed and _bf16_call(absorbed[0]).kernel.dtype == dtype}  # fmt: skip
+             "W_UK / W_UV as grouped calls": grouped}  # fmt: skip
     missing = [name for name, p in parts.items() if not p]
     if missing:
         return f"{missing[0]} has no C kernel here (the layer runs it in torch)"

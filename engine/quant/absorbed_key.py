@@ -25,7 +25,7 @@ import torch
 
 from engine.kernels.grouped import GroupedLinear
 from engine.kernels.program import ProgramBuilder
-from engine.quant.grouped import GroupedQuantLinear, QuantKernel
+from engine.quant.grouped import GroupedQuantLinear, QuantKernel, rows_dtype
 from engine.quant.weights import Int4Weight, pack_nibbles
 
 
@@ -62,19 +62,25 @@ ONE_ROW = 1  # the most rows a step takes the int4 call for; more go through the
 class GroupScaledKey:
     """W_UK per head as one grouped int4 call (KeyPieces) for a single row, and through `wide` (the bf16 grouped
     call over the dequantized W_UK) for more: x [heads * rows, nope] heads-major → [heads * rows, latent], as
-    MLAttention's grouped W_UK call takes and gives them.
+    MLAttention's grouped W_UK call takes and gives them. Without `wide` (float32 math, where the dequantized W_UK
+    holds no bf16 weights for a grouped call) the int4 call takes every row count, the query scaled in float32.
 
     WHY one row only: there the int4 call won (48 against 58 µs for DeepSeek-V2-tiny's 16 heads, from memory, as
     a program runs both on a 2-core Zen 4); at 8, 32 and 128 rows it lost (98 / 236 / 938 against 65 / 164 /
     623 µs): the scaled query is rows x groups as large as the query, and the products come out by group."""
 
-    def __init__(self, kernel: QuantKernel, pieces: KeyPieces, wide: GroupedLinear) -> None:
+    def __init__(self, kernel: QuantKernel, pieces: KeyPieces, wide: GroupedLinear | None) -> None:
         self.kernel, self.wide = kernel, wide
         self.grouped = GroupedQuantLinear(kernel, pieces.weights)  # type: ignore[arg-type]
+        self.dtype = rows_dtype(kernel)  # the scaled query's and the products' type
         self.scales = pieces.scales
         self.heads, self.groups, self.k = pieces.scales.shape
         self.n = self.groups * self.grouped.n  # latent
-        assert (wide.n, wide.k, len(wide.packed)) == (self.n, self.k, self.heads)
+        assert wide is None or (wide.n, wide.k, len(wide.packed)) == (self.n, self.k, self.heads)
+
+    def wide_at(self, rows: int) -> bool:
+        """Whether a step of `rows` rows takes the bf16 call rather than the int4 one."""
+        return rows > ONE_ROW and self.wide is not None
 
     @staticmethod
     def accepts(kernel: QuantKernel, pieces: KeyPieces) -> bool:
@@ -86,25 +92,25 @@ class GroupScaledKey:
         if len(counts) != h or len(set(counts)) != 1 or x.shape != (h * counts[0], k):
             raise ValueError(f"{len(counts)} heads of {counts[:1]} rows for {h} heads, x {tuple(x.shape)}")
         rows = counts[0]
-        if rows > ONE_ROW:
-            return self.wide(x, counts)
-        xs = (x.view(h, 1, rows, k).float() * self.scales.view(h, g, 1, k)).to(torch.bfloat16)
+        if self.wide_at(rows):
+            return self.wide(x, counts)  # type: ignore[misc]
+        xs = (x.view(h, 1, rows, k).float() * self.scales.view(h, g, 1, k)).to(self.dtype)
         y = self.grouped(xs.view(-1, k), [rows] * (h * g))  # [heads][groups][rows][gs]
-        return y.view(h, g, rows, -1).transpose(1, 2).reshape(h * rows, self.n)
+        return y.view(h, g, rows, -1).transpose(1, 2).reshape(h * rows, self.n).to(x.dtype)
 
     def emit(self, b: ProgramBuilder, counts: int, x: int, y: int, width: int) -> None:
         """This call in a decode program of up to `width` rows: x [heads][rows][nope] and y [heads][rows][latent],
-        bf16 (pointers); `counts`: the heads' rows, for the bf16 call past one row. One row: the scaled queries,
-        the products by group and their counts in buffers of its own."""
-        if width > ONE_ROW:
-            self.wide.emit(b, counts, x, y)
+        in the kernel's row type (pointers); `counts`: the heads' rows, for the bf16 call past one row. The int4
+        call: the scaled queries, the products by group and their counts in buffers of its own."""
+        if self.wide_at(width):
+            self.wide.emit(b, counts, x, y)  # type: ignore[union-attr]
             return
         h, g, k = self.scales.shape
         pieces = b.buffer(h * g, dtype=torch.int64)  # rows per head and group
-        xs = b.buffer(h * g * width, k, dtype=torch.bfloat16)
-        ys = b.buffer(h * g * width, self.grouped.n, dtype=torch.bfloat16)
+        xs = b.buffer(h * g * width, k, dtype=self.dtype)
+        ys = b.buffer(h * g * width, self.grouped.n, dtype=self.dtype)
         b.fill_rows(h * g, pieces.data_ptr())
-        b.scale_groups(h, g, k, x, self.scales.data_ptr(), xs.data_ptr())
+        b.scale_groups(h, g, k, x, self.scales.data_ptr(), xs.data_ptr(), self.dtype == torch.float32)
         self.grouped.emit(b, pieces.data_ptr(), xs.data_ptr(), ys.data_ptr())
         b.merge_groups(h, g, self.grouped.n * ys.element_size(), ys.data_ptr(), y)
         b.keep += [self.scales]

@@ -598,4 +598,7 @@ def quant_paths(dtype: torch.dtype) -> list[GemmPath]:
     if dtype == torch.float32 and (k4f := w4f32.kernel()) is not None:
         fast += [W4F32Path(k4f, "direct"), W4F32Path(k4f, "panel")]
         fast += [W4F32SiluPath(k4f, entry) for entry in W4F32_SILU_ENTRIES]
+        if (k4y := w4f32.ymm_kernel()) is not None:  # an AVX-512 CPU: the 8-wide tiles timed beside the 16-wide
+            fast += [W4F32Path(k4y, "direct", "-ymm"), W4F32Path(k4y, "panel", "-ymm")]
+            fast += [W4F32SiluPath(k4y, entry, "-ymm") for entry in W4F32_SILU_ENTRIES]
     return [*(p for p in fast if p.available), QuantReferencePath()]  # type: ignore[list-item]

@@ -51,3 +51,38 @@ def test_a_float32_checkpoint_keeps_bmm(tmp_path: Path) -> None:
     core = make_core(tmp_path, dtype="float32", gemm_path="wbf16")
     mlas = [m for m in core.runner.model.modules() if type(m).__name__ == "MLAttention"]
     assert mlas and all(m.absorbed is None for m in mlas)
+
+
+def test_a_quantized_float32_deepseek_step_runs_mlas_products_over_the_int4_rows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """W4A16 in float32 math: kv_b_proj's dequantized float32 values are no bf16 values, so W_UK and W_UV run over
+    the checkpoint's own int4 rows through w4f32's grouped call at every batch class (W_UK's query scaled per latent
+    group in float32, in C), and the decode steps run as programs with no stop for Python: the same logits, bit
+    for bit, as the layers compute with the same calls."""
+    import engine.kernels.bind
+    from engine.quant.absorbed_key import GroupScaledKey
+    from engine.quant.grouped import GroupedQuantLinear
+    from engine.quant.paths import quant_paths
+    from engine.quant.quantize import quantize
+
+    def ours(dtype: torch.dtype) -> list:  # w4f32's entries first, the gated MLPs' fused ones before the rest
+        paths = [p for p in quant_paths(dtype) if p.name.startswith("w4f32")]
+        return sorted(paths, key=lambda p: "silu" not in p.name)
+
+    monkeypatch.setattr(engine.kernels.bind, "quant_paths", ours)
+    source = _save(tmp_path / "src", q_lora_rank=32, **LATENT)  # every K a multiple of the group size
+    quantize(source, tmp_path / "w4a16", "w4a16", group_size=16)
+    ran: dict[str, int] = {}
+    for prompts in (mixed_prompts(6), {"solo": mixed_prompts(2)["r1"]}):
+        core = make_core(tmp_path / "w4a16", dtype="float32", gemm_path="wbf16", decode_program="program")
+        got = step_logits(core, prompts, 10)
+        layers = make_core(tmp_path / "w4a16", dtype="float32", gemm_path="wbf16", decode_program="layers")
+        want = step_logits(layers, prompts, 10)
+        assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        ran |= _programs(core)
+    assert "<=8" in ran and "1" in ran and set(ran.values()) == {0}, ran
+    mlas = [m for m in core.runner.model.modules() if type(m).__name__ == "MLAttention"]
+    assert mlas and all(isinstance(m.absorbed[0], GroupScaledKey) and m.absorbed[0].wide is None for m in mlas)
+    assert all(isinstance(m.absorbed[1], GroupedQuantLinear) for m in mlas)
+    assert all(m.absorbed[0].dtype == torch.float32 for m in mlas)

@@ -119,3 +119,45 @@ def test_a_quantized_deepseek_in_float32_runs_its_experts_grouped_and_answers_as
     prompts = mixed_prompts(4)
     for a, b in zip(step_logits(grouped, prompts, 3), step_logits(each, prompts, 3), strict=True):
         assert (a.float() - b.float()).abs().max() <= 1e-3 * b.float().abs().max()
+
+
+@pytest.mark.parametrize("faster", ["int4", "torch"])
+def test_mlas_products_run_over_the_int4_rows_in_float32_where_that_timed_faster(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, faster: str
+) -> None:
+    """W4A16 in float32 math: MLA's W_UK and W_UV per head over kv_b_proj's own int4 rows (the key rows with their
+    scales moved onto the query per latent group, in float32; the value rows as they are) where that pair, timed as
+    a decode program runs it, beat torch.bmm over the dequantized float32 weight; else the layer keeps bmm. The
+    int4 calls give each head's float32 product with the dequantized rows, at one row and at more (no bf16 call
+    takes over past one row in this math)."""
+    from engine.quant.absorbed_key import GroupScaledKey
+
+    _kernel("w4a16")
+
+    def timer(fn: object) -> float:
+        int4 = isinstance(getattr(fn, "what", None), GroupScaledKey)
+        return 1e-3 if int4 == (faster == "int4") else 1.0
+
+    choose = op_choice.choose_absorbed_float32
+    monkeypatch.setattr(op_choice, "choose_absorbed_float32", lambda mla, dtype, *_: choose(mla, dtype, timer, None))
+    quantize(build_deepseek("v2-grouped", tmp_path / "src"), tmp_path / "q", "w4a16", group_size=8)
+    core = make_core(tmp_path / "q", dtype="float32", max_num_seqs=8, gemm_path="wbf16")
+    mlas = [m for m in core.runner.model.modules() if type(m).__name__ == "MLAttention"]
+    if faster == "torch":  # kv_b_proj's float32 values fit no bf16-weight call either: bmm
+        assert mlas and all(m.absorbed is None for m in mlas)
+        return
+    assert mlas and all(isinstance(m.absorbed[0], GroupScaledKey) for m in mlas)
+    mla = mlas[0]
+    h, nope, per, lat = mla.num_heads, mla.nope, mla.nope + mla.v_dim, mla.kv_lora_rank
+    kv_b = mla.kv_b_proj.kept
+    keys = [kv_b.rows(i * per, i * per + nope).float() for i in range(h)]  # [nope, latent] each
+    values = [kv_b.rows(i * per + nope, (i + 1) * per).float() for i in range(h)]  # [v, latent] each
+    for rows in (1, 3):
+        g = torch.Generator().manual_seed(rows)
+        x, o = torch.randn(rows * h, nope, generator=g), torch.randn(rows * h, lat, generator=g)
+        got_k, got_v = mla.absorbed[0](x, [rows] * h), mla.absorbed[1](o, [rows] * h)
+        assert got_k.dtype == got_v.dtype == torch.float32
+        want_k = torch.cat([x[i * rows : (i + 1) * rows] @ w for i, w in enumerate(keys)])
+        want_v = torch.cat([o[i * rows : (i + 1) * rows] @ w.t() for i, w in enumerate(values)])
+        torch.testing.assert_close(got_k, want_k, rtol=1e-5, atol=1e-5 * want_k.abs().max().item())
+        torch.testing.assert_close(got_v, want_v, rtol=1e-5, atol=1e-5 * want_v.abs().max().item())

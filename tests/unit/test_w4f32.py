@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from engine.kernels import w4f32
+from engine.kernels.cbuild import cpu_flags
 from engine.kernels.select import _matches_reference
 from engine.kernels.w4f32 import W4F32
 from engine.layers.activation import ActAndMul
@@ -19,8 +20,14 @@ from engine.quant.weights import Int8Weight
 from tests.int4_kernels import assert_the_selection_keeps_the_fastest_entry, int4_weight, packed_copies
 
 
-@pytest.fixture(scope="module")
-def kernel() -> W4F32:
+@pytest.fixture(scope="module", params=["default", "ymm"])
+def kernel(request: pytest.FixtureRequest) -> W4F32:
+    """The engine's build (16-wide tiles on an AVX-512 CPU), and the 8-wide AVX2 tiles built by hand (the engine
+    builds and times them on AVX-512 CPUs only; elsewhere they are the default build's code)."""
+    if request.param == "ymm":
+        k = W4F32.build(("-march=native", "-DW4F32_YMM"))
+        w4f32.self_check(k)
+        return k
     k = w4f32.kernel()
     assert k is not None, "the float32 W4A16 kernel did not build or failed its self-check (see the warning)"
     return k
@@ -112,5 +119,8 @@ def test_both_entry_points_share_one_packed_copy(kernel: W4F32) -> None:
 def test_the_selection_times_them_among_the_float32_candidates_and_keeps_the_fastest(kernel: W4F32) -> None:
     names = [p.name for p in quant_paths(torch.float32)]
     assert "w4f32" in names and "w4f32-panel" in names and names[-1] == "torch-dequant"
+    # the 8-wide tiles are candidates of their own only where the default build runs 16-wide ones
+    ymm = {"w4f32-ymm", "w4f32-panel-ymm", "w4f32-silu-mul-ymm", "w4f32-panel-silu-mul-ymm"}
+    assert (ymm <= set(names)) == ("avx512f" in cpu_flags()) and (ymm & set(names) in (set(), ymm))
     assert "w4f32" not in [p.name for p in quant_paths(torch.bfloat16)]  # float32 math only
     assert_the_selection_keeps_the_fastest_entry(kernel, W4F32Path, torch.float32)
