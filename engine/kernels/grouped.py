@@ -113,3 +113,49 @@ class GroupedExperts:
     def __call__(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x [rows, H], expert-major (counts[e] rows for expert e, in order) → the experts' outputs, [rows, H]."""
         return self.down(self.gate_up(x, counts), counts)
+
+
+def bf16_pair(w: torch.Tensor) -> torch.Tensor | None:
+    """A float32 weight [N, K] as [hi | lo], [N, 2K] bf16, hi = bf16(w) and lo = bf16(w - hi), whose sum is w
+    exactly; None where some value needs more bits than the two halves hold (16 significant bits: a dequantized
+    int8 or int4 weight with bf16 scales fits, a float32 checkpoint's values do not)."""
+    hi = w.float().to(torch.bfloat16)
+    lo = (w.float() - hi.float()).to(torch.bfloat16)
+    return torch.cat((hi, lo), dim=1) if torch.equal(hi.float() + lo.float(), w.float()) else None
+
+
+class SplitGrouped:
+    """GroupedLinear over float32 weights held exactly as two bf16 halves along K (bf16_pair), its rows fed twice
+    ([x | x]): x W^T = x hi^T + x lo^T, every product and sum in float32, through a bf16-weight kernel's grouped
+    call with float32 rows (wbf16's). WHY: in float32 math a W8A8 (or asymmetric W4A16) DeepSeek's kv_b_proj
+    dequantizes to values bf16 cannot hold, so MLA's W_UK / W_UV had no grouped call and ran through torch.bmm,
+    which kept every decode step out of programs. The halves read as many bytes as bmm's float32 copy."""
+
+    def __init__(self, kernel: GroupedKernel, pairs: list[torch.Tensor]) -> None:
+        self.kernel, self.inner = kernel, GroupedLinear(kernel, pairs)
+        self.n, self.k = self.inner.n, self.inner.k // 2
+
+    @classmethod
+    def make(cls, kernel: GroupedKernel, weights: list[torch.Tensor]) -> SplitGrouped | None:
+        """The call over `weights` (float32 [N, K] each), or None where the kernel's rows are not float32, a weight
+        has no exact pair or the pairs do not fit the kernel."""
+        if kernel.dtype != torch.float32:
+            return None
+        pairs = [bf16_pair(w) for w in weights]
+        if any(p is None for p in pairs) or not GroupedLinear.accepts(kernel, pairs):  # type: ignore[arg-type]
+            return None
+        return cls(kernel, pairs)  # type: ignore[arg-type]
+
+    def __call__(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """As GroupedLinear's: x [rows, K] group-major → [rows, N] float32."""
+        check_groups(counts, len(self.inner.packed), x, self.k)
+        return self.inner(torch.cat((x, x), dim=1), counts)
+
+    def emit(self, b: ProgramBuilder, counts: int, x: int, y: int, heads: int, width: int) -> None:
+        """This call in a decode program of up to `width` rows a group, `heads` groups: x [heads][rows][K] copied
+        twice side by side into a buffer of its own, then the grouped call over the pairs."""
+        es = 4  # float32 rows
+        doubled = b.buffer(heads * width, 2 * self.k, dtype=torch.float32)
+        for half in range(2):
+            b.copy(heads, self.k * es, x, self.k * es, 0, doubled.data_ptr() + half * self.k * es, 2 * self.k * es, 0)
+        self.inner.emit(b, counts, doubled.data_ptr(), y)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.kernels.decode_attn import DecodeAttention
-from engine.kernels.grouped import GroupedKernel, GroupedLinear
+from engine.kernels.grouped import GroupedKernel, GroupedLinear, SplitGrouped
 from engine.kernels.pointwise import PointwiseKernels
 from engine.kernels.prefill_attn_amx import PrefillAttention
 
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from engine.quant.absorbed_key import GroupScaledKey
 
 # a grouped call's form: [rows, K] and rows per group → [rows, N] (GroupedLinear, engine.quant's GroupedQuantLinear)
-Grouped = GroupedLinear | Callable[[torch.Tensor, list[int]], torch.Tensor]
+Grouped = GroupedLinear | SplitGrouped | Callable[[torch.Tensor, list[int]], torch.Tensor]
 
 # given a MoE layer's quantized experts' gate/up and down weights, their grouped call ([rows, H], counts → [rows, H])
 QuantExpertsFactory = Callable[[list[object], list[object]], Callable[[torch.Tensor, list[int]], torch.Tensor] | None]
@@ -61,7 +61,10 @@ class CpuKernels:
     # MLA decode's per-head W_UK / W_UV products as one grouped call each, where that beat torch.bmm: given the
     # layer, its two grouped calls (engine.kernels.op_choice.choose_absorbed_gemm; W_UV over the checkpoint's
     # quantized rows where that beat the bf16 call: choose_absorbed_quant; W_UK over its int4 key rows likewise:
-    # choose_absorbed_key)
-    absorbed: Callable[[MLAttention], tuple[GroupedLinear | GroupScaledKey, Grouped] | None] | None = None
+    # choose_absorbed_key; in float32 math both over the int4 rows: choose_absorbed_float32, or the float32 weights
+    # as two exact bf16 halves: grouped.SplitGrouped)
+    absorbed: Callable[[MLAttention], tuple[GroupedLinear | GroupScaledKey | SplitGrouped, Grouped] | None] | None = (
+        None
+    )
     # decode steps as one C call over the kernels above (engine.models.decode_program): auto | program | layers
     decode_program: str = "auto"

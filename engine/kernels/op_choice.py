@@ -38,7 +38,7 @@ from engine.kernels import (
 )
 from engine.kernels.decode_attn import DECODE_ROWS, DecodeAttention
 from engine.kernels.gemm import GemmPath, KernelPath, OneDNNPath, TorchPath
-from engine.kernels.grouped import GroupedExperts, GroupedKernel, GroupedLinear
+from engine.kernels.grouped import GroupedExperts, GroupedKernel, GroupedLinear, SplitGrouped
 from engine.kernels.kernel_set import CpuKernels, QuantExpertsFactory
 from engine.kernels.pointwise import PointwiseKernels, apply_rotary, apply_rotary_interleaved, moe_combine, rms_norm
 from engine.kernels.prefill_attn_amx import PrefillAttention
@@ -591,24 +591,32 @@ def _per_class(
     return (kernel, tuple(at)) if any(at) else (None, ())
 
 
+# a layer's W_UK and W_UV calls (MLAttention.absorbed)
+Absorbed = tuple[GroupedLinear | GroupScaledKey | SplitGrouped, GroupedLinear | GroupedQuantLinear | SplitGrouped]
+
+
 def absorbed_gemm(
     kernel: GroupedKernel | None,
     quantized: QuantKernel | None = None,
     key: QuantKernel | None = None,
     float32: QuantKernel | None = None,
-) -> Callable[[MLAttention], tuple[GroupedLinear | GroupScaledKey, GroupedLinear | GroupedQuantLinear] | None]:
+) -> Callable[[MLAttention], Absorbed | None]:
     """For a layer: its W_UK and W_UV per head as two grouped calls, None where the shapes do not fit; W_UV over
     the checkpoint's quantized rows through `quantized`, and W_UK over its int4 key rows through `key`, where
     given and they fit. `float32` (float32 math, choose_absorbed_float32): both over the checkpoint's int4 rows
     through it, at every row count, where they fit (else `kernel`'s calls as above)."""
 
-    def make(mla: MLAttention) -> tuple[GroupedLinear | GroupScaledKey, GroupedLinear | GroupedQuantLinear] | None:
+    def make(mla: MLAttention) -> Absorbed | None:
         if float32 is not None:
             pieces, rows = mla.absorbed_key_quantized(), mla.absorbed_quantized()
             if _fits_float32(float32, pieces, rows):
                 return GroupScaledKey(float32, pieces, None), GroupedQuantLinear(float32, rows)  # type: ignore[arg-type]
         if kernel is None:
             return None
+        if kernel.dtype == torch.float32 and not all(_bf16_exact(w) for w in mla.absorbed_weights()):
+            # float32 math over values bf16 cannot hold (a quantized kv_b_proj's): each weight as two exact halves
+            uk_split, uv_split = (SplitGrouped.make(kernel, w) for w in mla.absorbed_weights())
+            return (uk_split, uv_split) if uk_split is not None and uv_split is not None else None
         uk, uv = (_bf16_exact(w) for w in mla.absorbed_weights())
         if uk is None or uv is None or not (GroupedLinear.accepts(kernel, uk) and GroupedLinear.accepts(kernel, uv)):
             return None

@@ -20,7 +20,7 @@ from engine.quant.weights import Int4Weight
 
 if TYPE_CHECKING:
     from engine.kernels.decode_attn import DecodeAttention
-    from engine.kernels.grouped import GroupedLinear
+    from engine.kernels.grouped import GroupedLinear, SplitGrouped
     from engine.kernels.kernel_set import CpuKernels
     from engine.quant.absorbed_key import GroupScaledKey
     from engine.quant.grouped import GroupedQuantLinear
@@ -87,7 +87,10 @@ class MLAttention(nn.Module):
         self.kernel_at: tuple[bool, ...] = ()  # by decode batch class: whether the kernel runs (CpuKernels)
         # W_UK, W_UV as one call each (W_UK over the checkpoint's int4 rows, W_UV over its quantized rows, where
         # those timed faster: engine.kernels.op_choice)
-        self.absorbed: tuple[GroupedLinear | GroupScaledKey, GroupedLinear | GroupedQuantLinear] | None = None
+        self.absorbed: (
+            tuple[GroupedLinear | GroupScaledKey | SplitGrouped, GroupedLinear | GroupedQuantLinear | SplitGrouped]
+            | None
+        ) = None
 
     def bind_kernels(self, kernels: CpuKernels) -> None:
         k = kernels.latent_attn

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.kernels.decode_attn import DecodeAttention
-from engine.kernels.grouped import GroupedExperts, GroupedLinear
+from engine.kernels.grouped import GroupedExperts, GroupedLinear, SplitGrouped
 from engine.kernels.pointwise import PointwiseKernels, route_config
 from engine.kernels.program import Program, address
 from engine.layers.mla import MLAttention
@@ -88,7 +88,7 @@ def _rows_type(call: object) -> torch.dtype | None:
     one's), or, for W_UK over int4 key rows, the bf16 call's it takes past one row where it has one."""
     if isinstance(call, GroupScaledKey):
         return call.dtype if call.wide is None else call.wide.kernel.dtype
-    if isinstance(call, GroupedLinear):
+    if isinstance(call, GroupedLinear | SplitGrouped):
         return call.kernel.dtype
     return rows_dtype(call.kernel) if isinstance(call, GroupedQuantLinear) else None
 
@@ -157,6 +157,8 @@ def _mla(f: Frame, attn: MLAttention, cls: int) -> str | None:
     b.fill_rows(h, ptr(counts))
     if isinstance(absorbed[0], GroupScaledKey):  # over the checkpoint's int4 key rows at one row
         absorbed[0].emit(b, ptr(counts), ptr(heads_in), ptr(heads_out), f.width)
+    elif isinstance(absorbed[0], SplitGrouped):  # float32 weights as two bf16 halves, the rows fed twice
+        absorbed[0].emit(b, ptr(counts), ptr(heads_in), ptr(heads_out), h, f.width)
     else:
         absorbed[0].emit(b, ptr(counts), ptr(heads_in), ptr(heads_out))
     b.copy(h, lat * es, ptr(heads_out), lat * es, 0, ptr(q_cat), h * row * es, row * es)
@@ -165,7 +167,10 @@ def _mla(f: Frame, attn: MLAttention, cls: int) -> str | None:
     b.attention(address(attn_fn), h, 1, row, ptr(q_cat), ptr(cache), ptr(cache), cache.shape[1], attn.scale, ptr(att))
     # the attended latents through W_UV per head, then [rows][heads * V] for O
     b.copy(h, lat * es, ptr(att), h * row * es, row * es, ptr(heads_in), lat * es, 0)
-    absorbed[1].emit(b, ptr(counts), ptr(heads_in), ptr(heads_out))
+    if isinstance(absorbed[1], SplitGrouped):
+        absorbed[1].emit(b, ptr(counts), ptr(heads_in), ptr(heads_out), h, f.width)
+    else:
+        absorbed[1].emit(b, ptr(counts), ptr(heads_in), ptr(heads_out))
     b.copy(h, v * es, ptr(heads_out), v * es, 0, ptr(o_in), h * v * es, v * es)
     emit(b, o, h * v, o_in, f.o_buf)
     b.keep += [cache]

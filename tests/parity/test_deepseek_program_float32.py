@@ -86,3 +86,42 @@ def test_a_quantized_float32_deepseek_step_runs_mlas_products_over_the_int4_rows
     assert mlas and all(isinstance(m.absorbed[0], GroupScaledKey) and m.absorbed[0].wide is None for m in mlas)
     assert all(isinstance(m.absorbed[1], GroupedQuantLinear) for m in mlas)
     assert all(m.absorbed[0].dtype == torch.float32 for m in mlas)
+
+
+def test_a_w8a8_float32_deepseek_step_runs_mlas_products_over_exact_bf16_halves(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """W8A8 in float32 math: kv_b_proj's dequantized values (int8 times a bf16 scale) are no bf16 values but each
+    is the sum of two (engine.kernels.grouped.bf16_pair), so W_UK and W_UV run through wbf16's grouped call over
+    those halves, the rows fed twice; with the experts through i8avx2's grouped call the decode steps run as
+    programs with no stop for Python, the same logits, bit for bit, as the layers compute with the same calls."""
+    import engine.kernels.bind
+    from engine.kernels.grouped import SplitGrouped
+    from engine.quant.paths import I8MMPath, _W8A8Path, quant_paths
+    from engine.quant.quantize import quantize
+
+    # every int8 layer through i8avx2 (oneDNN's int8 GEMM or i8mm, where this CPU has them, have no grouped call
+    # over float32 rows: the experts would run one call each and keep the layers)
+    monkeypatch.setattr(_W8A8Path, "accepts", lambda *_: False)
+    monkeypatch.setattr(I8MMPath, "accepts", lambda *_: False)
+
+    def ours(dtype: torch.dtype) -> list:
+        paths = [p for p in quant_paths(dtype) if p.name.startswith("i8avx2")]
+        return sorted(paths, key=lambda p: "silu" not in p.name)
+
+    monkeypatch.setattr(engine.kernels.bind, "quant_paths", ours)
+    source = _save(tmp_path / "src", q_lora_rank=32, **LATENT)
+    quantize(source, tmp_path / "w8a8", "w8a8")
+    ran: dict[str, int] = {}
+    for prompts in (mixed_prompts(6), {"solo": mixed_prompts(2)["r1"]}):
+        core = make_core(tmp_path / "w8a8", dtype="float32", gemm_path="wbf16", decode_program="program")
+        got = step_logits(core, prompts, 10)
+        layers = make_core(tmp_path / "w8a8", dtype="float32", gemm_path="wbf16", decode_program="layers")
+        want = step_logits(layers, prompts, 10)
+        assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        ran |= _programs(core)
+    assert "<=8" in ran and "1" in ran and set(ran.values()) == {0}, ran
+    mlas = [m for m in core.runner.model.modules() if type(m).__name__ == "MLAttention"]
+    assert mlas and all(
+        isinstance(m.absorbed[0], SplitGrouped) and isinstance(m.absorbed[1], SplitGrouped) for m in mlas
+    )

@@ -143,7 +143,7 @@ def test_mlas_products_run_over_the_int4_rows_in_float32_where_that_timed_faster
     quantize(build_deepseek("v2-grouped", tmp_path / "src"), tmp_path / "q", "w4a16", group_size=8)
     core = make_core(tmp_path / "q", dtype="float32", max_num_seqs=8, gemm_path="wbf16")
     mlas = [m for m in core.runner.model.modules() if type(m).__name__ == "MLAttention"]
-    if faster == "torch":  # kv_b_proj's float32 values fit no bf16-weight call either: bmm
+    if faster == "torch":  # this checkpoint's float32 scales leave no exact bf16 halves (SplitGrouped) either: bmm
         assert mlas and all(m.absorbed is None for m in mlas)
         return
     assert mlas and all(isinstance(m.absorbed[0], GroupScaledKey) for m in mlas)
@@ -161,3 +161,35 @@ def test_mlas_products_run_over_the_int4_rows_in_float32_where_that_timed_faster
         want_v = torch.cat([o[i * rows : (i + 1) * rows] @ w.t() for i, w in enumerate(values)])
         torch.testing.assert_close(got_k, want_k, rtol=1e-5, atol=1e-5 * want_k.abs().max().item())
         torch.testing.assert_close(got_v, want_v, rtol=1e-5, atol=1e-5 * want_v.abs().max().item())
+
+
+def test_float32_weights_of_up_to_16_bits_run_as_two_exact_bf16_halves() -> None:
+    """engine.kernels.grouped.bf16_pair / SplitGrouped: an int8 weight times bf16 scales (a W8A8 kv_b_proj
+    dequantized in float32) is exactly hi + lo, two bf16 values; through wbf16's grouped call with the rows fed
+    twice the products equal the float32 reference to float32 rounding. A float32 checkpoint's values (24 bits)
+    have no such pair, and a bf16-row kernel takes none."""
+    from engine.kernels import wbf16
+    from engine.kernels.grouped import SplitGrouped, bf16_pair
+
+    kernel = wbf16.kernel()
+    assert kernel is not None and kernel.dtype == torch.float32
+    g = torch.Generator().manual_seed(0)
+    weights = [
+        torch.randint(-127, 128, (48, 64), generator=g).float() * torch.rand(48, 1, generator=g).bfloat16().float()
+        for _ in range(3)
+    ]
+    for w in weights:
+        pair = bf16_pair(w)
+        assert pair is not None and pair.dtype == torch.bfloat16 and pair.shape == (48, 128)
+        assert torch.equal(pair[:, :64].float() + pair[:, 64:].float(), w)
+    assert bf16_pair(torch.randn(48, 64, generator=g)) is None
+    split = SplitGrouped.make(kernel, weights)
+    assert split is not None and (split.n, split.k) == (48, 64)
+    counts = [2, 0, 3]
+    x = torch.randn(sum(counts), 64, generator=g)
+    got = split(x, counts)
+    want = torch.cat([x[:2] @ weights[0].t(), x[2:] @ weights[2].t()])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    assert SplitGrouped.make(kernel, [torch.randn(48, 64, generator=g)]) is None
+    with pytest.raises(ValueError):
+        split(x, [1, 1, 1])
