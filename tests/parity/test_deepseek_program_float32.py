@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.core import EngineCore
 from engine.kernels.grouped import GroupedLinear
 from tests.parity.conftest import make_core, mixed_prompts, step_logits
 from tests.parity.test_deepseek_program import _programs, _save
@@ -24,15 +25,23 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _save(tmp_path_factory.mktemp("deepseek-program-f32") / "q-lora", **LATENT)
 
 
-def test_a_float32_deepseek_step_gives_the_layers_logits_bit_for_bit(checkpoint: Path) -> None:
+def _same_as_the_layers(path: Path) -> tuple[dict[str, int], EngineCore]:
+    """Steps of 6 rows with prefills between them, then one request alone, in float32 math: the program's logits
+    equal the layers', bit for bit. Returns the batch classes that ran as programs (with their stops for Python)
+    and the last programmed engine."""
     ran: dict[str, int] = {}
     for prompts in (mixed_prompts(6), {"solo": mixed_prompts(2)["r1"]}):
-        core = make_core(checkpoint, dtype="float32", gemm_path="wbf16", decode_program="program")
+        core = make_core(path, dtype="float32", gemm_path="wbf16", decode_program="program")
         got = step_logits(core, prompts, 10)
-        layers = make_core(checkpoint, dtype="float32", gemm_path="wbf16", decode_program="layers")
+        layers = make_core(path, dtype="float32", gemm_path="wbf16", decode_program="layers")
         want = step_logits(layers, prompts, 10)
         assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
         ran |= _programs(core)
+    return ran, core
+
+
+def test_a_float32_deepseek_step_gives_the_layers_logits_bit_for_bit(checkpoint: Path) -> None:
+    ran, core = _same_as_the_layers(checkpoint)
     assert "<=8" in ran and "1" in ran and set(ran.values()) == {0}, ran  # no stop for Python: all in C
     mlas = [m for m in core.runner.model.modules() if type(m).__name__ == "MLAttention"]
     assert mlas and all(isinstance(m.absorbed[0], GroupedLinear) for m in mlas)
@@ -73,14 +82,7 @@ def test_a_quantized_float32_deepseek_step_runs_mlas_products_over_the_int4_rows
     monkeypatch.setattr(engine.kernels.bind, "quant_paths", ours)
     source = _save(tmp_path / "src", q_lora_rank=32, **LATENT)  # every K a multiple of the group size
     quantize(source, tmp_path / "w4a16", "w4a16", group_size=16)
-    ran: dict[str, int] = {}
-    for prompts in (mixed_prompts(6), {"solo": mixed_prompts(2)["r1"]}):
-        core = make_core(tmp_path / "w4a16", dtype="float32", gemm_path="wbf16", decode_program="program")
-        got = step_logits(core, prompts, 10)
-        layers = make_core(tmp_path / "w4a16", dtype="float32", gemm_path="wbf16", decode_program="layers")
-        want = step_logits(layers, prompts, 10)
-        assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
-        ran |= _programs(core)
+    ran, core = _same_as_the_layers(tmp_path / "w4a16")
     assert "<=8" in ran and "1" in ran and set(ran.values()) == {0}, ran
     mlas = [m for m in core.runner.model.modules() if type(m).__name__ == "MLAttention"]
     assert mlas and all(isinstance(m.absorbed[0], GroupScaledKey) and m.absorbed[0].wide is None for m in mlas)
@@ -112,14 +114,7 @@ def test_a_w8a8_float32_deepseek_step_runs_mlas_products_over_exact_bf16_halves(
     monkeypatch.setattr(engine.kernels.bind, "quant_paths", ours)
     source = _save(tmp_path / "src", q_lora_rank=32, **LATENT)
     quantize(source, tmp_path / "w8a8", "w8a8")
-    ran: dict[str, int] = {}
-    for prompts in (mixed_prompts(6), {"solo": mixed_prompts(2)["r1"]}):
-        core = make_core(tmp_path / "w8a8", dtype="float32", gemm_path="wbf16", decode_program="program")
-        got = step_logits(core, prompts, 10)
-        layers = make_core(tmp_path / "w8a8", dtype="float32", gemm_path="wbf16", decode_program="layers")
-        want = step_logits(layers, prompts, 10)
-        assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
-        ran |= _programs(core)
+    ran, core = _same_as_the_layers(tmp_path / "w8a8")
     assert "<=8" in ran and "1" in ran and set(ran.values()) == {0}, ran
     mlas = [m for m in core.runner.model.modules() if type(m).__name__ == "MLAttention"]
     assert mlas and all(
