@@ -1,8 +1,9 @@
 """DeepSeek-V2 decode steps as one C call in float32 math (what the AVX2 CPUs run; every CPU can): wbf16's GEMMs
 and grouped calls over the bf16 checkpoint's weights, float32 rows, MLA's per-head W_UK / W_UV among the grouped
 calls (kv_b_proj stays float32 in this math, and its values convert back to bf16 exactly:
-engine.kernels.op_choice._bf16_exact). The same logits, bit for bit, as the layers compute with the same kernels,
-at every batch class a step has."""
+engine.kernels.op_choice._bf16_exact); a quantized checkpoint's over its int4 rows (W4A16) or over each weight as
+two exact bf16 halves (W8A8). The same logits, bit for bit, as the layers compute with the same kernels, at every
+batch class a step has."""
 
 from __future__ import annotations
 
