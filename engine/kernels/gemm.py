@@ -186,12 +186,21 @@ class FusedSiluPath:
 @dataclass(frozen=True, slots=True)
 class CEntry:
     """How a decode program (engine.kernels.program) makes a prepared GEMM's call itself: `emit(builder, K, x, y)`
-    adds the kernel's own C call, rows of `dtype` in and `cols` columns of it out; `keep`: what it points to."""
+    adds the kernel's own C call, rows of `dtype` in and `cols` columns of it out; `keep`: what it points to;
+    `retyped`: where the same C function also takes rows of another type (i8mm's linear entry: bf16 or float32),
+    the entry for that type, or None."""
 
     cols: int
     dtype: torch.dtype
     emit: Callable[[ProgramBuilder, int, int, int], None]
     keep: tuple[torch.Tensor, ...] = ()
+    retyped: Callable[[torch.dtype], CEntry | None] | None = None
+
+    def of(self, dtype: torch.dtype) -> CEntry | None:
+        """This entry over rows of `dtype`, or None where it takes none."""
+        if dtype == self.dtype:
+            return self
+        return self.retyped(dtype) if self.retyped is not None else None
 
 
 def gemm_entry(

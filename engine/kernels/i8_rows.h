@@ -96,25 +96,26 @@ typedef struct {
     const uint8_t *const *w;
     const int32_t *const *colsum;
     const float *const *ws;
-    uint16_t *y;
+    void *y;  // bf16 rows, or float32 ones (bf16 == 0)
     const int64_t *first, *layer;
-    int silu_mul;
+    int silu_mul, bf16;
 } i8group_t;
 
-// E W8A8 layers of one shape over their own bf16 rows in one call (i8mm_grouped's arguments): every row quantized
-// once (Kq wide: i8mm's K rounded up to 4, i8amx's K), then `task` (i8mm's or i8amx's) over every (layer with
-// rows, column block) as grouped_tasks.h spreads them. Returns 0, or -1 without memory for the quantized rows.
-static int i8_grouped(int64_t E, const int64_t *counts, int64_t N, int64_t K, int64_t Kq, const uint16_t *x,
-                      const uint8_t *const *w, const int32_t *const *colsum, const float *const *ws, uint16_t *y,
-                      int nthreads, int silu_mul, grouped_task_fn task) {
+// E W8A8 layers of one shape over their own rows in one call (i8mm_grouped's arguments; x and y bf16, or float32
+// where bf16 is 0): every row quantized once (Kq wide: i8mm's K rounded up to 4, i8amx's K), then `task` (i8mm's
+// or i8amx's) over every (layer with rows, column block) as grouped_tasks.h spreads them. Returns 0, or -1 without
+// memory for the quantized rows.
+static int i8_grouped(int64_t E, const int64_t *counts, int64_t N, int64_t K, int64_t Kq, const void *x,
+                      const uint8_t *const *w, const int32_t *const *colsum, const float *const *ws, void *y,
+                      int nthreads, int silu_mul, int bf16, grouped_task_fn task) {
     const int64_t nblocks = (N + NB - 1) / NB;
     int64_t first[E > 0 ? E : 1], layer[E > 0 ? E : 1], M;  // each layer with rows: its first row, its index
     const int64_t P = grouped_pieces(E, counts, first, layer, &M);
     if (M <= 0) return 0;
     float *xs;
-    const uint8_t *xq = quantize_rows(M, K, Kq, x, 1, nthreads, &xs);
+    const uint8_t *xq = quantize_rows(M, K, Kq, x, bf16, nthreads, &xs);
     if (!xq) return -1;
-    const i8group_t g = {counts, N, Kq, xq, xs, w, colsum, ws, y, first, layer, silu_mul};
+    const i8group_t g = {counts, N, Kq, xq, xs, w, colsum, ws, y, first, layer, silu_mul, bf16};
     grouped_tasks(P, nblocks, nthreads, 2, task, &g);
     return 0;
 }

@@ -177,6 +177,6 @@ static void i8agroup_task(const void *ctx, int64_t p, int64_t nb, int64_t end) {
 int i8amx_grouped(int64_t E, const int64_t *counts, int64_t N, int64_t K, const uint16_t *x,
                   const uint8_t *const *w, const int32_t *const *colsum, const float *const *ws, uint16_t *y,
                   int nthreads, int silu_mul) {
-    return i8_grouped(E, counts, N, K, K, x, w, colsum, ws, y, nthreads, silu_mul, i8agroup_task);
+    return i8_grouped(E, counts, N, K, K, x, w, colsum, ws, y, nthreads, silu_mul, 1, i8agroup_task);
 }
 #endif

@@ -97,7 +97,16 @@ static void row_tile_any(int mr, int64_t K4, const uint8_t *xq, const uint8_t *w
 #include "avx512_math.h"
 #endif
 
-// x [M][K] (bf16 when bf16, else float32) → y [M][N] of the same type (with silu_mul, bf16 only: y [M][N / 2], see
+// silu(g) * u of a block's 32 gate and 32 up float sums (o: gate, then up) into 32 float32 outputs, SiLU as
+// g / (1 + exp(-g)) (the float32 torch code's formula, as w4f32's and i8avx2's fused entries compute it).
+static void store_silu_mul_f32(const float *o, float *yr) {
+    for (int j = 0; j < NB / 2; j++) {
+        const float g = o[j], u = o[NB / 2 + j];
+        yr[j] = g / (1.0f + expf(-g)) * u;
+    }
+}
+
+// x [M][K] (bf16 when bf16, else float32) → y [M][N] of the same type (with silu_mul y [M][N / 2], see
 // i8mm_linear_silu_mul). w: the packed weight; colsum, ws, b: int32 / float [ceil(N/64) * 64] (b may be NULL).
 static int linear(int64_t M, int64_t N, int64_t K, const void *x, int bf16, const uint8_t *w, const int32_t *colsum,
                   const float *ws, const float *b, void *y, int nthreads, const int silu_mul) {
@@ -132,13 +141,19 @@ static int linear(int64_t M, int64_t N, int64_t K, const void *x, int bf16, cons
                                  bf16, N, n0, nn, p);
                     continue;
                 }
-#ifdef __AVX512BF16__
                 float o[MR * NB];  // float rows of 32 gate and 32 up columns each
                 row_tile_any(mr, K4, xq + r0 * K4, w + nb * K4 * NB, colsum + n0, ws + n0, bias, xs + r0, o, 0, NB,
                              0, NB, p);
-                for (int r = 0; r < mr; r++)
-                    store_silu_mul_block(o + r * NB, (uint16_t *)y + (r0 + r) * (N / 2) + n0 / 2);
+                for (int r = 0; r < mr; r++) {
+                    const int64_t off = (r0 + r) * (N / 2) + n0 / 2;
+#ifdef __AVX512BF16__
+                    if (bf16) {
+                        store_silu_mul_block(o + r * NB, (uint16_t *)y + off);
+                        continue;
+                    }
 #endif
+                    store_silu_mul_f32(o + r * NB, (float *)y + off);
+                }
             }
         }
     }
@@ -152,6 +167,14 @@ int i8mm_linear(int64_t M, int64_t N, int64_t K, const void *x, int bf16, const 
     return linear(M, N, K, x, bf16, w, colsum, ws, b, y, nthreads, 0);
 }
 
+// i8mm_linear_silu_mul (below) over float32 rows in and out, silu(gate) * up in float32 (float32 math: CPUs with
+// AVX512-VNNI but no AVX512-BF16, or float32 forced). WHY: without it such a gated MLP ran i8mm's plain entry and
+// torch's act, a decode program stopping for Python at each. Returns 0, or -1 without memory for the quantized rows.
+int i8mm_linear_silu_mul_f32(int64_t M, int64_t N, int64_t K, const float *x, const uint8_t *w,
+                             const int32_t *colsum, const float *ws, const float *b, float *y, int nthreads) {
+    return linear(M, N, K, x, 0, w, colsum, ws, b, y, nthreads, 1);
+}
+
 #ifdef __AVX512BF16__
 // i8mm_linear over a gated MLP's [gate; up] weight packed with its rows (and their column sums, scales and bias)
 // interleaved in blocks of 32 (N % 64 == 0, checked by the caller): bf16 x [M][K] → y [M][N / 2] = silu(gate) *
@@ -163,7 +186,9 @@ int i8mm_linear_silu_mul(int64_t M, int64_t N, int64_t K, const uint16_t *x, con
     return linear(M, N, K, x, 1, w, colsum, ws, b, y, nthreads, 1);
 }
 
-// One task of i8mm_grouped: a layer's rows (piece p) through one column block (grouped_tasks.h).
+#endif
+
+// One task of i8mm_grouped / i8mm_grouped_f32: a layer's rows (piece p) through one column block (grouped_tasks.h).
 static void i8group_task(const void *ctx, int64_t p, int64_t nb, int64_t end) {
     (void)end;  // no prefetch of the next block here
     const i8group_t *g = ctx;
@@ -175,17 +200,38 @@ static void i8group_task(const void *ctx, int64_t p, int64_t nb, int64_t end) {
     for (int64_t r0 = g->first[p]; r0 < stop; r0 += MR) {
         const int mr = stop - r0 < MR ? (int)(stop - r0) : MR;
         if (!g->silu_mul) {
-            row_tile_any(mr, K4, g->xq + r0 * K4, w, g->colsum[e] + n0, g->ws[e] + n0, zeros, g->xs + r0,
-                         g->y + r0 * width, 1, width, n0, nn, none);
+            void *yr = g->bf16 ? (void *)((uint16_t *)g->y + r0 * width) : (void *)((float *)g->y + r0 * width);
+            row_tile_any(mr, K4, g->xq + r0 * K4, w, g->colsum[e] + n0, g->ws[e] + n0, zeros, g->xs + r0, yr,
+                         g->bf16, width, n0, nn, none);
             continue;
         }
         float o[MR * NB];  // float rows (N % 64 == 0, checked by the caller), then 32 gate and 32 up columns each
         row_tile_any(mr, K4, g->xq + r0 * K4, w, g->colsum[e] + n0, g->ws[e] + n0, zeros, g->xs + r0, o, 0, NB, 0,
                      NB, none);
-        for (int r = 0; r < mr; r++) store_silu_mul_block(o + r * NB, g->y + (r0 + r) * width + n0 / 2);
+        for (int r = 0; r < mr; r++) {
+            const int64_t off = (r0 + r) * width + n0 / 2;
+#ifdef __AVX512BF16__
+            if (g->bf16) {
+                store_silu_mul_block(o + r * NB, (uint16_t *)g->y + off);
+                continue;
+            }
+#endif
+            store_silu_mul_f32(o + r * NB, (float *)g->y + off);
+        }
     }
 }
 
+// i8mm_grouped's call over float32 rows in and out (float32 math: CPUs with AVX512-VNNI but no AVX512-BF16, such
+// as Cascade Lake, or float32 forced), y = silu(gate) * up in float32 with silu_mul. WHY: in float32 math a MoE
+// layer's W8A8 experts had no grouped call on these CPUs but i8avx2's, slower than a call per expert through i8mm
+// here, and experts run a call each keep DeepSeek's decode steps out of programs. Returns 0, or -1 without memory.
+int i8mm_grouped_f32(int64_t E, const int64_t *counts, int64_t N, int64_t K, const float *x,
+                     const uint8_t *const *w, const int32_t *const *colsum, const float *const *ws, float *y,
+                     int nthreads, int silu_mul) {
+    return i8_grouped(E, counts, N, K, (K + 3) / 4 * 4, x, w, colsum, ws, y, nthreads, silu_mul, 0, i8group_task);
+}
+
+#ifdef __AVX512BF16__
 // E W8A8 linear layers of one shape (no bias) in one call, bf16 rows in and out, as bf16mm_grouped: layer e takes
 // counts[e] consecutive rows of x and its packed weight w[e] (colsum[e], ws[e]); y gets its rows in the same
 // order, N wide (N / 2 with silu_mul: the weight's rows are a gated MLP's [gate; up] interleaved in blocks of 32,
@@ -195,6 +241,6 @@ static void i8group_task(const void *ctx, int64_t p, int64_t nb, int64_t end) {
 int i8mm_grouped(int64_t E, const int64_t *counts, int64_t N, int64_t K, const uint16_t *x,
                  const uint8_t *const *w, const int32_t *const *colsum, const float *const *ws, uint16_t *y,
                  int nthreads, int silu_mul) {
-    return i8_grouped(E, counts, N, K, (K + 3) / 4 * 4, x, w, colsum, ws, y, nthreads, silu_mul, i8group_task);
+    return i8_grouped(E, counts, N, K, (K + 3) / 4 * 4, x, w, colsum, ws, y, nthreads, silu_mul, 1, i8group_task);
 }
 #endif

@@ -56,19 +56,26 @@ class I8MM:
         if self.has_grouped:
             lib.i8mm_grouped.argtypes = [_i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _int, _int]
             lib.i8mm_grouped.restype = _int
+        lib.i8mm_grouped_f32.argtypes = [_i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _int, _int]
+        lib.i8mm_grouped_f32.restype = _int
         self.has_silu_mul = hasattr(lib, "i8mm_linear_silu_mul")  # the same: its epilogue rounds to bf16
         if self.has_silu_mul:
             lib.i8mm_linear_silu_mul.argtypes = [_i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _int]
             lib.i8mm_linear_silu_mul.restype = _int
+        lib.i8mm_linear_silu_mul_f32.argtypes = [_i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _int]
+        lib.i8mm_linear_silu_mul_f32.restype = _int
 
     @classmethod
     def build(cls, flags: tuple[str, ...] = ("-march=native",)) -> I8MM:
         return cls(build(SOURCE, flags))
 
     def c_fn(self, entry: str) -> ctypes._CFuncPtr | None:
-        """The C function behind `linear` or `linear_silu_mul` (a decode program calls it: i8_entry)."""
+        """The C function behind `linear`, `linear_silu_mul` or `linear_silu_mul_f32` (a decode program calls it:
+        i8_entry)."""
         if entry == "linear":
             return self.lib.i8mm_linear
+        if entry == "linear_silu_mul_f32":
+            return self.lib.i8mm_linear_silu_mul_f32
         return self.lib.i8mm_linear_silu_mul if entry == "linear_silu_mul" and self.has_silu_mul else None
 
     @staticmethod
@@ -91,12 +98,19 @@ class I8MM:
         rows interleaved in blocks of 32 (interleave_halves; N % 64 == 0), rounded as the unfused bf16 code."""
         return self.run_silu_mul(self.lib.i8mm_linear_silu_mul, x, w, "i8mm")
 
+    def linear_silu_mul_f32(self, x: torch.Tensor, w: PackedInt8) -> torch.Tensor:
+        """linear_silu_mul over float32 rows: [..., N / 2] float32, silu(gate) * up in float32 (float32 math)."""
+        return self.run_silu_mul(self.lib.i8mm_linear_silu_mul_f32, x, w, "i8mm", torch.float32)
+
     @staticmethod
-    def run_silu_mul(fn: ctypes._CFuncPtr, x: torch.Tensor, w: PackedInt8, name: str) -> torch.Tensor:
+    def run_silu_mul(
+        fn: ctypes._CFuncPtr, x: torch.Tensor, w: PackedInt8, name: str, dtype: torch.dtype = torch.bfloat16
+    ) -> torch.Tensor:
         """Calls a fused gated-MLP entry point over the interleaved copy (i8mm's, i8amx's): fn(M, N, K, x, packed,
-        colsum, scale, b, y, threads) → 0, or -1 without memory for the quantized rows; y [..., N / 2] bf16."""
-        x2 = x.reshape(-1, w.k).to(torch.bfloat16).contiguous()
-        y = torch.empty(x2.shape[0], w.n // 2, dtype=torch.bfloat16)
+        colsum, scale, b, y, threads) → 0, or -1 without memory for the quantized rows; y [..., N / 2] of the
+        entry's row type `dtype` (bf16, or float32 for i8mm_linear_silu_mul_f32)."""
+        x2 = x.reshape(-1, w.k).to(dtype).contiguous()
+        y = torch.empty(x2.shape[0], w.n // 2, dtype=dtype)
         rc = fn(
             x2.shape[0], w.n, w.k, x2.data_ptr(), w.packed.data_ptr(), w.colsum.data_ptr(), w.scale.data_ptr(),
             w.bias.data_ptr() if w.bias is not None else None, y.data_ptr(), torch.get_num_threads(),
@@ -150,17 +164,50 @@ class I8MM:
         return y.view(*x.shape[:-1], w.n)
 
 
-def i8_entry(fn: ctypes._CFuncPtr, w: PackedInt8, silu: bool) -> CEntry:
-    """How a decode program calls `fn` (i8mm's or i8amx's `linear`, or with `silu` their fused entry) over `w` with
-    bf16 rows: N columns out, or N / 2 of silu(gate) * up."""
+class I8MMFloat32Rows(I8MM):
+    """The same compiled kernel whose grouped call takes and gives float32 rows (i8mm_grouped_f32: float32 math,
+    on any AVX512-VNNI CPU, with AVX512-BF16 or not; silu(gate) * up in float32), over i8mm's packed copies."""
+
+    rows = torch.float32  # the grouped call's rows (engine.quant.grouped.rows_dtype)
+
+    def __init__(self, kernel: I8MM) -> None:  # shares the library, whose entries I8MM set up
+        self.lib, self.has_silu_mul = kernel.lib, kernel.has_silu_mul
+        self.has_grouped = True
+
+    def grouped_entry(self) -> object:
+        return self.lib.i8mm_grouped_f32
+
+    def grouped(
+        self, x: torch.Tensor, counts: ctypes.Array, shape: tuple[int, int], weights: tuple[ctypes.Array, ...],
+        silu_mul: bool,
+    ) -> torch.Tensor:  # fmt: skip
+        """I8MM.grouped over float32 rows x [rows, K] → [rows, N] (N / 2 with silu_mul) float32."""
+        n, k = shape
+        y = torch.empty(x.shape[0], n // 2 if silu_mul else n, dtype=torch.float32)
+        rc = self.lib.i8mm_grouped_f32(
+            len(counts), counts, n, k, x.data_ptr(), *weights, y.data_ptr(), torch.get_num_threads(), int(silu_mul)
+        )
+        if rc != 0:
+            raise MemoryError("i8mm: no memory for the quantized rows")
+        return y
+
+
+def i8_entry(fn: ctypes._CFuncPtr, w: PackedInt8, silu: bool, dtype: torch.dtype = torch.bfloat16) -> CEntry:
+    """How a decode program calls `fn` (i8mm's or i8amx's `linear`, or with `silu` their fused entry, bf16 or
+    float32 as `dtype` says) over `w` with rows of `dtype` (the plain entry over bf16 takes float32 ones too: the
+    entry's `retyped`): N columns out, or N / 2 of silu(gate) * up."""
     bias = w.bias.data_ptr() if w.bias is not None else None
 
     def emit(builder: ProgramBuilder, k: int, x: int, y: int) -> None:
         ptrs = (w.packed.data_ptr(), w.colsum.data_ptr(), w.scale.data_ptr())
-        builder.i8mm(address(fn), w.n, w.k, x, *ptrs, bias, y, silu)
+        builder.i8mm(address(fn), w.n, w.k, x, *ptrs, bias, y, silu, dtype == torch.bfloat16)
+
+    def retyped(other: torch.dtype) -> CEntry | None:
+        return i8_entry(fn, w, silu, other) if not silu and other == torch.float32 else None
 
     keep = tuple(t for t in (w.packed, w.colsum, w.scale, w.bias) if t is not None)
-    return CEntry(w.n // 2 if silu else w.n, torch.bfloat16, emit, keep)
+    plain = not silu and dtype == torch.bfloat16
+    return CEntry(w.n // 2 if silu else w.n, dtype, emit, keep, retyped if plain else None)
 
 
 def self_check(kernel: I8MM) -> None:
@@ -228,6 +275,11 @@ _once_plain = Once(
 def kernel() -> I8MM | None:
     """The process-wide kernel; None without AVX512-VNNI, or (logged once) where it can't be built."""
     return _once() if supported() else None
+
+
+def float32_rows(k: I8MM | None) -> I8MMFloat32Rows | None:
+    """`k` (kernel() or kernel_without_prefetch()) with its grouped call over float32 rows; None without it."""
+    return I8MMFloat32Rows(k) if k is not None else None
 
 
 def kernel_without_prefetch() -> I8MM | None:

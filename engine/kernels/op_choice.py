@@ -314,13 +314,17 @@ def _quant_grouped_builds(weight: object, dtype: torch.dtype) -> dict[str, Quant
     ("grouped w4mm", ...): in bf16 math w4mm's (or i8mm's) builds with and without software prefetch (and w4mm's
     wide tiles), on AVX512-VNNI CPUs w4vnni's and on AMX CPUs w4amx's (or i8amx's), all over the same packed copy;
     in float32 math w4f32's (on AVX-512 CPUs its 16-wide and 8-wide tiles; or i8avx2's, with and without its
-    prefetch)."""
+    prefetch, and on AVX512-VNNI CPUs i8mm's over float32 rows)."""
     if dtype == torch.float32:
         if isinstance(weight, Int4Weight):
             f32 = (("grouped w4f32", w4f32.kernel()), ("grouped w4f32-ymm", w4f32.ymm_kernel()))
             return {name: k.for_scales(weight.scale) for name, k in f32 if k is not None}  # type: ignore[misc]
         plain = (("grouped i8avx2", i8avx2.kernel()), ("grouped i8avx2-noprefetch", i8avx2.kernel_without_prefetch()))
-        return {name: k for name, k in plain if k is not None}
+        # and i8mm's over float32 rows on AVX512-VNNI CPUs (its packed copies, its grouped entry's float32 form)
+        vnni = (("grouped i8mm", i8mm.kernel()), ("grouped i8mm-noprefetch", i8mm.kernel_without_prefetch()))
+        return {name: k for name, k in plain if k is not None} | {
+            name: f for name, k in vnni if (f := i8mm.float32_rows(k)) is not None
+        }
     modules = (w4mm, w4vnni, w4amx) if isinstance(weight, Int4Weight) else (i8mm, i8amx)
     builds: dict[str, QuantKernel | None] = {}
     for module in modules:

@@ -97,13 +97,14 @@ class ProgramBuilder:
 
     def i8mm(
         self, fn: int, n: int, k: int, x: int, packed: int, colsum: int, scale: int, bias: int | None, y: int,
-        silu: bool,
+        silu: bool, bf16: bool = True,
     ) -> None:  # fmt: skip
-        """W8A8 (i8mm.c / i8amx.c, bf16 rows): y = x W^T + b, or silu(gate) * up through the fused entry."""
+        """W8A8 (i8mm.c / i8amx.c): y = x W^T + b over bf16 rows (or float32 ones, `bf16` False: the plain entry
+        takes both), or silu(gate) * up through the fused entry (bf16 rows)."""
         if silu:
             self._op(OP_I8_SILU, fn, ROWS, n, k, x, packed, colsum, scale, bias, y, THREADS)
         else:
-            self._op(OP_I8, fn, ROWS, n, k, x, 1, packed, colsum, scale, bias, y, THREADS)
+            self._op(OP_I8, fn, ROWS, n, k, x, int(bf16), packed, colsum, scale, bias, y, THREADS)
 
     def w4mm(
         self, fn: int, n: int, k: int, group: int, x: int, nibbles: int, scales: int, bias: int | None, y: int

@@ -45,7 +45,8 @@ def program_step(
     for run in runs:
         inner, act = (run.run, run.act) if isinstance(run, WithAct) else (run, None)
         entry = inner.c_entry() if isinstance(inner, KernelRun | EntryRun) else None
-        if entry is None or entry.dtype != x.dtype:
+        entry = entry.of(x.dtype) if entry is not None else None
+        if entry is None:
             out = output(run(x).shape[-1])
             b.python(_hook(run, x, out))
             continue

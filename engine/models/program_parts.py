@@ -41,7 +41,8 @@ def _c_gemm(plan: object, cls: int, dtype: torch.dtype) -> Gemm | None:
     if isinstance(run, WithAct):
         run, act = run.run, run.act
     entry = run.c_entry() if isinstance(run, KernelRun | EntryRun) else None
-    if entry is None or entry.dtype != dtype:
+    entry = entry.of(dtype) if entry is not None else None
+    if entry is None:
         return None
     return Gemm(entry, act)
 

@@ -35,8 +35,8 @@ W4_KERNELS = (W4MM, W4AMX, W4VNNI, W4F32)
 
 
 def rows_dtype(kernel: QuantKernel) -> torch.dtype:
-    """The type of the rows a kernel's grouped call takes and gives."""
-    return torch.float32 if isinstance(kernel, W4F32 | I8AVX2) else torch.bfloat16
+    """The type of the rows a kernel's grouped call takes and gives (i8mm's float32-rows form says its own)."""
+    return torch.float32 if isinstance(kernel, W4F32 | I8AVX2) else getattr(kernel, "rows", torch.bfloat16)
 
 
 def _layout(kernel: QuantKernel) -> type:

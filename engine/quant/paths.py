@@ -205,8 +205,10 @@ class I8MMSiluPath:
 
     layout = "i8mm-silu"
 
-    def __init__(self, kernel: I8MM | I8AMX, name: str = "i8mm-silu-mul") -> None:
-        self.kernel, self.name, self.available = kernel, name, kernel.has_silu_mul
+    def __init__(self, kernel: I8MM | I8AMX, name: str = "i8mm-silu-mul", float32: bool = False) -> None:
+        """float32: the float32-rows entry (i8mm's alone: float32 math on AVX512-VNNI CPUs, with or without bf16)."""
+        self.kernel, self.name, self.float32 = kernel, name, float32
+        self.available = isinstance(kernel, I8MM) if float32 else kernel.has_silu_mul
 
     def accepts(self, weight: object, act: Act | None) -> bool:
         silu = getattr(act, "is_silu_and_mul", False)
@@ -220,7 +222,12 @@ class I8MMSiluPath:
             return I8MM.pack(w.q, w.scale, interleave_halves(bias) if bias is not None else None)  # type: ignore[union-attr]
 
         packed = packed_once(_PACKED_INT8_SILU, (id(weight.q), id(bias)), weight.q, pack)
-        kernel, fn = self.kernel, self.kernel.c_fn("linear_silu_mul")
+        kernel = self.kernel
+        if self.float32:
+            fn32 = kernel.c_fn("linear_silu_mul_f32")
+            entry32 = i8_entry(fn32, packed, True, torch.float32) if fn32 is not None else None
+            return EntryRun(lambda x: kernel.linear_silu_mul_f32(x, packed).to(x.dtype), entry32)  # type: ignore[union-attr]
+        fn = kernel.c_fn("linear_silu_mul")
         entry = i8_entry(fn, packed, silu=True) if fn is not None else None
         return EntryRun(lambda x: kernel.linear_silu_mul(x, packed).to(x.dtype), entry)
 
@@ -552,13 +559,13 @@ def quant_paths(dtype: torch.dtype) -> list[GemmPath]:
         Int4PackPath(dtype),
     ]
     if (k8 := i8mm.kernel()) is not None:
-        fast.append(I8MMPath(k8))
-        if dtype == torch.bfloat16:
-            fast.append(I8MMSiluPath(k8))
+        fused = dtype in (torch.bfloat16, torch.float32)  # float32: its entry over float32 rows, SiLU in float32
+        f32 = dtype == torch.float32
+        fast += [I8MMPath(k8)] + ([I8MMSiluPath(k8, float32=f32)] if fused else [])
         if (plain := i8mm.kernel_without_prefetch()) is not None:  # whether prefetching pays is measured
             fast.append(I8MMPath(plain, "i8mm-noprefetch"))
-            if dtype == torch.bfloat16:
-                fast.append(I8MMSiluPath(plain, "i8mm-silu-mul-noprefetch"))
+            if fused:
+                fast.append(I8MMSiluPath(plain, "i8mm-silu-mul-noprefetch", f32))
     if (k8x := i8amx.kernel()) is not None:
         fast.append(I8MMPath(k8x, "i8mm-amx"))
         if dtype == torch.bfloat16:

@@ -91,25 +91,34 @@ def test_a_quantized_float32_deepseek_step_runs_mlas_products_over_the_int4_rows
     assert all(m.absorbed[0].dtype == torch.float32 for m in mlas)
 
 
+@pytest.mark.parametrize("kernel", ["i8avx2", "i8mm"])
 def test_a_w8a8_float32_deepseek_step_runs_mlas_products_over_exact_bf16_halves(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kernel: str
 ) -> None:
     """W8A8 in float32 math: kv_b_proj's dequantized values (int8 times a bf16 scale) are no bf16 values but each
     is the sum of two (engine.kernels.grouped.bf16_pair), so W_UK and W_UV run through wbf16's grouped call over
-    those halves, the rows fed twice; with the experts through i8avx2's grouped call the decode steps run as
-    programs with no stop for Python, the same logits, bit for bit, as the layers compute with the same calls."""
+    those halves, the rows fed twice; with the experts through i8avx2's grouped call, or on AVX512-VNNI CPUs
+    i8mm's over float32 rows, the decode steps run as programs with no stop for Python, the same logits, bit for
+    bit, as the layers compute with the same calls."""
     import engine.kernels.bind
+    from engine.kernels import i8avx2, i8mm
     from engine.kernels.grouped import SplitGrouped
-    from engine.quant.paths import I8MMPath, _W8A8Path, quant_paths
+    from engine.layers.moe import MoE
+    from engine.quant.paths import I8MMPath, I8MMSiluPath, _W8A8Path, quant_paths
     from engine.quant.quantize import quantize
 
-    # every int8 layer through i8avx2 (oneDNN's int8 GEMM or i8mm, where this CPU has them, have no grouped call
-    # over float32 rows: the experts would run one call each and keep the layers)
-    monkeypatch.setattr(_W8A8Path, "accepts", lambda *_: False)
-    monkeypatch.setattr(I8MMPath, "accepts", lambda *_: False)
+    monkeypatch.setattr(_W8A8Path, "accepts", lambda *_: False)  # oneDNN's int8 GEMM: no grouped call
+    if kernel == "i8avx2":  # every int8 layer through it (i8mm, where this CPU has it, comes first untimed)
+        monkeypatch.setattr(I8MMPath, "accepts", lambda *_: False)
+        monkeypatch.setattr(I8MMSiluPath, "accepts", lambda *_: False)
+    else:
+        if i8mm.kernel() is None:
+            pytest.skip("this CPU has no AVX512-VNNI: i8mm does not run")
+        monkeypatch.setattr(i8avx2, "kernel", lambda: None)
+        monkeypatch.setattr(i8avx2, "kernel_without_prefetch", lambda: None)
 
     def ours(dtype: torch.dtype) -> list:
-        paths = [p for p in quant_paths(dtype) if p.name.startswith("i8avx2")]
+        paths = [p for p in quant_paths(dtype) if p.name.startswith(kernel)]
         return sorted(paths, key=lambda p: "silu" not in p.name)
 
     monkeypatch.setattr(engine.kernels.bind, "quant_paths", ours)
@@ -121,3 +130,6 @@ def test_a_w8a8_float32_deepseek_step_runs_mlas_products_over_exact_bf16_halves(
     assert mlas and all(
         isinstance(m.absorbed[0], SplitGrouped) and isinstance(m.absorbed[1], SplitGrouped) for m in mlas
     )
+    want = i8avx2.I8AVX2 if kernel == "i8avx2" else i8mm.I8MMFloat32Rows
+    moes = [m for m in core.runner.model.modules() if isinstance(m, MoE)]
+    assert moes and all(isinstance(m.grouped.gate_up.kernel, want) for m in moes)  # type: ignore[union-attr]

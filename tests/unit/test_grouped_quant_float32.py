@@ -12,7 +12,15 @@ import torch
 from engine.kernels import i8avx2, op_choice, w4f32
 from engine.layers.moe import MoE
 from engine.quant.grouped import GroupedQuantExperts, GroupedQuantLinear, rows_dtype
-from engine.quant.paths import I8AVX2Path, I8AVX2SiluPath, I8MMPath, W4F32Path, W4F32SiluPath, _W8A8Path
+from engine.quant.paths import (
+    I8AVX2Path,
+    I8AVX2SiluPath,
+    I8MMPath,
+    I8MMSiluPath,
+    W4F32Path,
+    W4F32SiluPath,
+    _W8A8Path,
+)
 from engine.quant.quantize import quantize
 from tests.int4_kernels import int4_weight
 from tests.int8_kernels import int8_weight
@@ -107,6 +115,7 @@ def test_a_quantized_deepseek_in_float32_runs_its_experts_grouped_and_answers_as
         # difference flips a per-token int8 rounding downstream (the logits then differ by ~0.5%, not by bits)
         monkeypatch.setattr(_W8A8Path, "accepts", lambda *_: False)
         monkeypatch.setattr(I8MMPath, "accepts", lambda *_: False)
+        monkeypatch.setattr(I8MMSiluPath, "accepts", lambda *_: False)
     quantize(build_deepseek("v2-grouped", tmp_path / "src"), tmp_path / "q", scheme, group_size=8)
     cfg = dict(dtype="float32", max_num_seqs=8, gemm_path="wbf16")
     grouped = make_core(tmp_path / "q", **cfg)  # untimed: the grouped call is taken
@@ -193,3 +202,38 @@ def test_float32_weights_of_up_to_16_bits_run_as_two_exact_bf16_halves() -> None
     assert SplitGrouped.make(kernel, [torch.randn(48, 64, generator=g)]) is None
     with pytest.raises(ValueError):
         split(x, [1, 1, 1])
+
+
+@pytest.mark.parametrize("counts", [[1, 0, 2, 1], [0, 5, 0, 40, 1, 0], [97, 2], [0, 0]])
+def test_i8mm_s_grouped_call_over_float32_rows_gives_its_linear_entry_per_expert(counts: list[int]) -> None:
+    """AVX512-VNNI CPUs in float32 math (Cascade Lake, or float32 forced): i8mm's grouped call over float32 rows
+    (i8mm_grouped_f32) gives, per expert, the bits of i8mm's own linear entry over float32 rows; with the fused
+    gated MLP, silu(gate) * up of those sums in float32, then down, as that entry and torch's SiLU give it (the C
+    library's exp against torch's), and within W8A8's error of the dequantized reference."""
+    from engine.kernels import i8mm
+    from engine.kernels.i8mm import I8MM
+
+    kernel = i8mm.float32_rows(i8mm.kernel())
+    if kernel is None:
+        pytest.skip("this CPU has no AVX512-VNNI: i8mm does not run (i8avx2's grouped call serves float32 math)")
+    assert rows_dtype(kernel) == torch.float32
+    gate_up, down = _experts("w8a8", len(counts))
+    x = torch.randn(sum(counts), HIDDEN, generator=torch.Generator().manual_seed(3))
+    got = GroupedQuantLinear(kernel, gate_up)(x, counts)  # [rows, 2I] float32, unfused
+    fused = GroupedQuantExperts(kernel, gate_up, down)(x, counts)
+    assert got.dtype == fused.dtype == torch.float32
+    start = 0
+    for e, n in enumerate(counts):
+        rows = x[start : start + n]
+        want = kernel.linear(rows, I8MM.pack(gate_up[e].q, gate_up[e].scale))
+        assert torch.equal(got[start : start + n], want), f"expert {e} of {n} rows"
+        if n:
+            gate, up = want.chunk(2, dim=-1)
+            h = torch.nn.functional.silu(gate) * up
+            hw = kernel.linear(h, I8MM.pack(down[e].q, down[e].scale))
+            # the C library's exp against torch's may move h by an ulp, and that an int8 step of h's quantization
+            torch.testing.assert_close(fused[start : start + n], hw, rtol=1e-2, atol=1e-2 * hw.abs().max().item())
+            g2, u2 = gate_up[e].reference(rows, None).chunk(2, dim=-1)
+            ref = down[e].reference(torch.nn.functional.silu(g2) * u2, None)
+            torch.testing.assert_close(fused[start : start + n], ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+        start += n

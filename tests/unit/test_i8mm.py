@@ -77,7 +77,30 @@ def test_the_fused_silu_entry_equals_the_unfused_entry_then_the_torch_code(kerne
         assert got.dtype == torch.bfloat16 and got.shape == (rows, n // 2)
         assert torch.allclose(got.float(), want, rtol=1 / 128, atol=1e-3 * want.abs().max().item())
     assert {"i8mm-silu-mul", "i8mm-silu-mul-noprefetch"} <= {p.name for p in quant_paths(torch.bfloat16)}
-    assert "i8mm-silu-mul" not in {p.name for p in quant_paths(torch.float32)}  # its epilogue rounds to bf16
+    # in float32 math the path of that name runs the entry over float32 rows (the test below)
+    assert all(p.float32 for p in quant_paths(torch.float32) if isinstance(p, I8MMSiluPath))
+
+
+@pytest.mark.parametrize(("n", "k"), [(128, 256), (192, 33)])
+def test_the_float32_fused_silu_entry_equals_the_unfused_entry_then_the_float32_torch_code(
+    kernel: I8MM, n: int, k: int
+) -> None:
+    """Float32 math on any AVX512-VNNI CPU (no AVX512-BF16 needed): i8mm_linear_silu_mul_f32 gives silu(gate) * up
+    of the plain entry's float32 sums, in float32 (the C library's exp against torch's: float rounding apart)."""
+    w = int8_weight(n, k)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(2))
+    act = ActAndMul("silu")
+    path = I8MMSiluPath(kernel, float32=True)
+    assert path.available and path.accepts(w, act) and not path.accepts(w, None)
+    run, plain = path.prepare(w, bias, act), I8MMPath(kernel).prepare(w, bias, None)
+    for rows in (1, 5, 7, 33, 200):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+        gate, up = plain(x).chunk(2, dim=-1)  # float32 sums
+        want = F.silu(gate) * up
+        got = run(x)
+        assert got.dtype == torch.float32 and got.shape == (rows, n // 2)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    assert {"i8mm-silu-mul", "i8mm-silu-mul-noprefetch"} <= {p.name for p in quant_paths(torch.float32)}
 
 
 def test_products_at_the_int8_extremes_are_exact(kernel: I8MM) -> None:
