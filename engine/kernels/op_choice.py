@@ -50,7 +50,7 @@ from engine.layers.mla import MLAttention, bmm_absorbed, latent_attention, per_h
 from engine.layers.moe import MoE
 from engine.layers.norm import RMSNorm
 from engine.quant.absorbed_key import GroupScaledKey, KeyPieces
-from engine.quant.grouped import GroupedQuantExperts, GroupedQuantLinear, QuantKernel
+from engine.quant.grouped import GroupedQuantExperts, GroupedQuantLinear, QuantKernel, shares_packing
 from engine.quant.paths import quant_paths
 from engine.quant.weights import Int4Weight
 from engine.sampler import inverse_cdf
@@ -295,7 +295,10 @@ def choose_quant_experts(
     # on a 2-core Zen 5 w4vnni's grouped call took 39 µs a DeepSeek-V2-tiny layer there against w4mm's 44, and
     # 641 against 408 at 32 tokens
     counts1, x1 = _routed(1, e, top_k, down[0].shape[0], dtype, torch.Generator().manual_seed(1))
-    ones = {c: lambda grouped=g, x=x1, counts=counts1: grouped(x, counts) for c, g in groupeds.items()}  # type: ignore[misc]
+    # only over the chosen kernel's packed copies, which the one-token call shares (float32 math has two layouts:
+    # i8avx2's and, on AVX512-VNNI CPUs, i8mm's)
+    same = {c: g for c, g in groupeds.items() if shares_packing(kernels[c], chosen)}
+    ones = {c: lambda grouped=g, x=x1, counts=counts1: grouped(x, counts) for c, g in same.items()}  # type: ignore[misc]
     one = kernels[fastest(f"{key} one token", ones, timer, cache, flush)]
 
     per_token = getattr(moe.gate, "top_k", 1)  # the model's (top_k above is capped at the probe's experts)

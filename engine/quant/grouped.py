@@ -46,6 +46,11 @@ def _layout(kernel: QuantKernel) -> type:
     return W4MM if isinstance(kernel, W4MM | W4AMX | W4VNNI) else I8MM
 
 
+def shares_packing(a: QuantKernel, b: QuantKernel) -> bool:
+    """Whether two kernels' grouped calls run over one packed copy (a GroupedQuantLinear `like` the other)."""
+    return _layout(a) is _layout(b) and is_compact(a) == is_compact(b)
+
+
 def _pointers(tensors: list[torch.Tensor]) -> ctypes.Array:
     return (ctypes.c_void_p * len(tensors))(*(t.data_ptr() for t in tensors))
 
@@ -62,7 +67,7 @@ class GroupedQuantLinear:
         self.kernel, self.silu_mul = kernel, silu_mul
         self.n, self.k = weights[0].shape
         if like is not None:
-            assert _layout(kernel) is _layout(like.kernel) and is_compact(kernel) == is_compact(like.kernel)
+            assert shares_packing(kernel, like.kernel)
             self.packed, self.shape, self.pointers = like.packed, like.shape, like.pointers
             return
         ws = [interleaved(w) if silu_mul else w for w in weights]

@@ -237,3 +237,32 @@ def test_i8mm_s_grouped_call_over_float32_rows_gives_its_linear_entry_per_expert
             ref = down[e].reference(torch.nn.functional.silu(g2) * u2, None)
             torch.testing.assert_close(fused[start : start + n], ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
         start += n
+
+
+def test_the_one_token_kernel_shares_the_chosen_kernel_s_packed_copies(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Float32 math on an AVX512-VNNI CPU has grouped W8A8 calls over two packed layouts (i8mm's and i8avx2's):
+    where the timer makes i8mm's fastest at a batch's rows and i8avx2's at one token's, the one-token call is
+    chosen among i8mm's builds only (it runs over the batch call's packed copies), and the engine starts."""
+    from engine.kernels import i8mm
+
+    if i8mm.kernel() is None:
+        pytest.skip("this CPU has no AVX512-VNNI: float32 math has i8avx2's layout alone")
+    choose = op_choice.choose_quant_experts
+
+    def timer(fn: object) -> float:
+        d = getattr(fn, "__defaults__", None) or ()
+        if len(d) < 2 or not isinstance(d[0], GroupedQuantExperts):
+            return 1.0
+        one = d[1].shape[0] <= 8  # the probe's one token: its top-k rows; a batch's: 32 tokens' (ROWS)
+        want = i8avx2.I8AVX2 if one else i8mm.I8MMFloat32Rows
+        return 1e-3 if isinstance(d[0].gate_up.kernel, want) else 1.0
+
+    monkeypatch.setattr(op_choice, "choose_quant_experts", lambda moe, dtype, *_: choose(moe, dtype, timer, None))
+    quantize(build_deepseek("v2-grouped", tmp_path / "src"), tmp_path / "q", "w8a8")
+    core = make_core(tmp_path / "q", dtype="float32", max_num_seqs=8, gemm_path="wbf16")
+    moes = [m for m in core.runner.model.modules() if isinstance(m, MoE)]
+    assert moes and all(isinstance(m.grouped.gate_up.kernel, i8mm.I8MMFloat32Rows) for m in moes)  # type: ignore[union-attr]
+    assert all(m.grouped.one is None or isinstance(m.grouped.one[0].kernel, i8mm.I8MMFloat32Rows) for m in moes)  # type: ignore[union-attr]
+    assert step_logits(core, mixed_prompts(1), 2)
