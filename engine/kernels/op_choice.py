@@ -429,6 +429,48 @@ def choose_absorbed_float32(
     return kernels.get(fastest(key, candidates, timer, cache, flush))
 
 
+def split_wins(
+    kernel: GroupedKernel, mla: MLAttention, dtype: torch.dtype, timer: Timer | None, cache: PlanCache | None,
+    flush: Callable[[], None] | None = None,
+) -> bool:  # fmt: skip
+    """In float32 math, where kv_b_proj's values are no bf16 values: whether MLA's two products through
+    grouped.SplitGrouped (`kernel`'s grouped call over each weight's two exact bf16 halves, the rows fed twice) ran
+    one row faster than torch.bmm over the float32 weight, from memory, the split timed as a decode program runs it.
+    False where the math is bf16, the values are bf16 values (plain grouped calls take them), no exact halves exist
+    or no program runs here; untimed (a forced configuration), True where the halves exist."""
+    if dtype != torch.float32 or kernel.dtype != dtype or program.library() is None:
+        return False
+    weights = mla.absorbed_weights()
+    if all(_bf16_exact(w) for w in weights):
+        return False
+    uk, uv = (SplitGrouped.make(kernel, w) for w in weights)
+    if uk is None or uv is None:
+        return False
+    if timer is None:
+        return True
+    h, n, lat, v = mla.num_heads, mla.nope, mla.kv_lora_rank, mla.v_dim
+    g = torch.Generator().manual_seed(0)
+    q, o = torch.randn(h, n, generator=g), torch.randn(h, lat, generator=g)
+    y_k, y_v, counts = torch.empty(h, lat), torch.empty(h, v), torch.empty(h, dtype=torch.int64)
+    ptr = torch.Tensor.data_ptr
+
+    def build(b: ProgramBuilder) -> object:
+        b.fill_rows(h, ptr(counts))
+        uk.emit(b, ptr(counts), ptr(q), ptr(y_k), h, 1)
+        uv.emit(b, ptr(counts), ptr(o), ptr(y_v), h, 1)
+        return uk
+
+    w_uk, w_uv = bmm_absorbed(mla.kv_b_proj.weight.detach().view(h, n + v, lat), n)  # the layer's own bmm operands
+
+    def bmm() -> object:
+        torch.bmm(q.view(h, 1, n), w_uk)
+        return torch.bmm(o.view(h, 1, lat), w_uv)
+
+    candidates: dict[str, Callable[[], object]] = {"split": _ProgramCall(build, y_v), "torch": bmm}
+    key = f"op absorbed_split 1 h{h} n{n} l{lat} v{v} {dtype} program vs torch"
+    return fastest(key, candidates, timer, cache, flush) == "split"
+
+
 class _ProgramCall:
     """A candidate run as a decode program runs it: its ops in one C call, no Python between. Built at its first
     call, so a choice the plan cache already holds builds nothing; `what`: the object `build` emitted the ops of."""
@@ -607,11 +649,13 @@ def absorbed_gemm(
     quantized: QuantKernel | None = None,
     key: QuantKernel | None = None,
     float32: QuantKernel | None = None,
+    split: bool = False,
 ) -> Callable[[MLAttention], Absorbed | None]:
     """For a layer: its W_UK and W_UV per head as two grouped calls, None where the shapes do not fit; W_UV over
     the checkpoint's quantized rows through `quantized`, and W_UK over its int4 key rows through `key`, where
     given and they fit. `float32` (float32 math, choose_absorbed_float32): both over the checkpoint's int4 rows
-    through it, at every row count, where they fit (else `kernel`'s calls as above)."""
+    through it, at every row count, where they fit (else `kernel`'s calls as above). `split` (split_wins): in
+    float32 math over values bf16 cannot hold, both through `kernel` over each weight's two exact bf16 halves."""
 
     def make(mla: MLAttention) -> Absorbed | None:
         if float32 is not None:
@@ -622,6 +666,8 @@ def absorbed_gemm(
             return None
         if kernel.dtype == torch.float32 and not all(_bf16_exact(w) for w in mla.absorbed_weights()):
             # float32 math over values bf16 cannot hold (a quantized kv_b_proj's): each weight as two exact halves
+            if not split:
+                return None
             uk_split, uv_split = (SplitGrouped.make(kernel, w) for w in mla.absorbed_weights())
             return (uk_split, uv_split) if uk_split is not None and uv_split is not None else None
         uk, uv = (_bf16_exact(w) for w in mla.absorbed_weights())
@@ -900,7 +946,8 @@ def choose_kernels(
         uv = choose_absorbed_quant(gk, mla, dtype, timer, cache, flush) if gk is not None else None
         uk = choose_absorbed_key(gk, mla, dtype, timer, cache, flush) if gk is not None else None
         f32 = choose_absorbed_float32(mla, dtype, timer, cache, flush)
-        k.absorbed = absorbed_gemm(gk, uv, uk, f32) if gk is not None or f32 is not None else None
+        split = split_wins(gk, mla, dtype, timer, cache, flush) if gk is not None and f32 is None else False
+        k.absorbed = absorbed_gemm(gk, uv, uk, f32, split) if gk is not None or f32 is not None else None
     if grouped and moe is not None:
         k.moe_experts = choose_grouped_experts(grouped, moe, dtype, timer, cache, flush)
     if moe is not None:

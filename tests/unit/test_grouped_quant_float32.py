@@ -266,3 +266,29 @@ def test_the_one_token_kernel_shares_the_chosen_kernel_s_packed_copies(
     assert moes and all(isinstance(m.grouped.gate_up.kernel, i8mm.I8MMFloat32Rows) for m in moes)  # type: ignore[union-attr]
     assert all(m.grouped.one is None or isinstance(m.grouped.one[0].kernel, i8mm.I8MMFloat32Rows) for m in moes)  # type: ignore[union-attr]
     assert step_logits(core, mixed_prompts(1), 2)
+
+
+@pytest.mark.parametrize("faster", ["split", "torch"])
+def test_mlas_products_over_exact_bf16_halves_only_where_that_timed_faster(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, faster: str
+) -> None:
+    """W8A8 in float32 math: MLA's two products through wbf16's grouped call over each dequantized weight's two
+    exact bf16 halves (grouped.SplitGrouped) where that pair, timed as a program runs it, beat torch.bmm over the
+    float32 weight; else the layer keeps bmm."""
+    from engine.kernels.grouped import SplitGrouped
+    from tests.parity.test_deepseek_program import _save
+
+    def timer(fn: object) -> float:
+        split = isinstance(getattr(fn, "what", None), SplitGrouped)
+        return 1e-3 if split == (faster == "split") else 1.0
+
+    wins = op_choice.split_wins
+    monkeypatch.setattr(op_choice, "split_wins", lambda k, mla, dtype, *_: wins(k, mla, dtype, timer, None))
+    quantize(_save(tmp_path / "src"), tmp_path / "q", "w8a8")  # a bf16 model: its scales are bf16 values
+    core = make_core(tmp_path / "q", dtype="float32", max_num_seqs=8, gemm_path="wbf16")
+    mlas = [m for m in core.runner.model.modules() if type(m).__name__ == "MLAttention"]
+    assert mlas
+    if faster == "torch":
+        assert all(m.absorbed is None for m in mlas)
+        return
+    assert all(isinstance(m.absorbed[0], SplitGrouped) and isinstance(m.absorbed[1], SplitGrouped) for m in mlas)
