@@ -137,11 +137,12 @@ class I8MM:
     @staticmethod
     def run_grouped(
         fn: ctypes._CFuncPtr, x: torch.Tensor, counts: ctypes.Array, shape: tuple[int, int],
-        weights: tuple[ctypes.Array, ...], silu_mul: bool, name: str,
+        weights: tuple[ctypes.Array, ...], silu_mul: bool, name: str, dtype: torch.dtype = torch.bfloat16,
     ) -> torch.Tensor:  # fmt: skip
-        """Calls a grouped entry point over this layout (i8mm_grouped, i8amx_grouped: `grouped`'s arguments)."""
+        """Calls a grouped entry point over this layout (i8mm_grouped, i8amx_grouped, i8mm_grouped_f32: `grouped`'s
+        arguments), rows of `dtype` out."""
         n, k = shape
-        y = torch.empty(x.shape[0], n // 2 if silu_mul else n, dtype=torch.bfloat16)
+        y = torch.empty(x.shape[0], n // 2 if silu_mul else n, dtype=dtype)
         rc = fn(len(counts), counts, n, k, x.data_ptr(), *weights, y.data_ptr(), torch.get_num_threads(), int(silu_mul))
         if rc != 0:
             raise MemoryError(f"{name}: no memory for the quantized rows")
@@ -182,14 +183,7 @@ class I8MMFloat32Rows(I8MM):
         silu_mul: bool,
     ) -> torch.Tensor:  # fmt: skip
         """I8MM.grouped over float32 rows x [rows, K] → [rows, N] (N / 2 with silu_mul) float32."""
-        n, k = shape
-        y = torch.empty(x.shape[0], n // 2 if silu_mul else n, dtype=torch.float32)
-        rc = self.lib.i8mm_grouped_f32(
-            len(counts), counts, n, k, x.data_ptr(), *weights, y.data_ptr(), torch.get_num_threads(), int(silu_mul)
-        )
-        if rc != 0:
-            raise MemoryError("i8mm: no memory for the quantized rows")
-        return y
+        return self.run_grouped(self.lib.i8mm_grouped_f32, x, counts, shape, weights, silu_mul, "i8mm", torch.float32)
 
 
 def i8_entry(fn: ctypes._CFuncPtr, w: PackedInt8, silu: bool, dtype: torch.dtype = torch.bfloat16) -> CEntry:

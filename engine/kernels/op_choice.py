@@ -664,13 +664,14 @@ def absorbed_gemm(
                 return GroupScaledKey(float32, pieces, None), GroupedQuantLinear(float32, rows)  # type: ignore[arg-type]
         if kernel is None:
             return None
-        if kernel.dtype == torch.float32 and not all(_bf16_exact(w) for w in mla.absorbed_weights()):
+        weights = mla.absorbed_weights()
+        uk, uv = (_bf16_exact(w) for w in weights)
+        if kernel.dtype == torch.float32 and (uk is None or uv is None):
             # float32 math over values bf16 cannot hold (a quantized kv_b_proj's): each weight as two exact halves
             if not split:
                 return None
-            uk_split, uv_split = (SplitGrouped.make(kernel, w) for w in mla.absorbed_weights())
+            uk_split, uv_split = (SplitGrouped.make(kernel, w) for w in weights)
             return (uk_split, uv_split) if uk_split is not None and uv_split is not None else None
-        uk, uv = (_bf16_exact(w) for w in mla.absorbed_weights())
         if uk is None or uv is None or not (GroupedLinear.accepts(kernel, uk) and GroupedLinear.accepts(kernel, uv)):
             return None
         q = mla.absorbed_quantized() if quantized is not None else None

@@ -92,31 +92,22 @@ static uint16_t to_bf16(float f) {
 
 // out[h][g][r][:] = x[h][r][:] * scales[h][g][:] for `n` inputs, scales float: x and out bf16 (the product
 // rounded to bf16) or, with f32, float (float32 math's rows: the product as it is)
-static void scale_groups(int64_t rows, int64_t heads, int64_t groups, int64_t n, const void *xv,
-                         const float *scales, void *outv, int f32) {
-    if (f32) {
-        for (int64_t h = 0; h < heads; h++)
-            for (int64_t g = 0; g < groups; g++)
-                for (int64_t r = 0; r < rows; r++) {
-                    const float *xr = (const float *)xv + (h * rows + r) * n, *s = scales + (h * groups + g) * n;
-                    float *o = (float *)outv + ((h * groups + g) * rows + r) * n;
-                    for (int64_t i = 0; i < n; i++) o[i] = xr[i] * s[i];
-                }
-        return;
-    }
-    const uint16_t *x = xv;
-    uint16_t *out = outv;
+static void scale_groups(int64_t rows, int64_t heads, int64_t groups, int64_t n, const void *x,
+                         const float *scales, void *out, int f32) {
     for (int64_t h = 0; h < heads; h++)
         for (int64_t g = 0; g < groups; g++)
             for (int64_t r = 0; r < rows; r++) {
-                const uint16_t *xr = x + (h * rows + r) * n;
+                const int64_t xi = (h * rows + r) * n, oi = ((h * groups + g) * rows + r) * n;
                 const float *s = scales + (h * groups + g) * n;
-                uint16_t *o = out + ((h * groups + g) * rows + r) * n;
+                if (f32) {
+                    for (int64_t i = 0; i < n; i++) ((float *)out)[oi + i] = ((const float *)x)[xi + i] * s[i];
+                    continue;
+                }
                 for (int64_t i = 0; i < n; i++) {
-                    uint32_t u = (uint32_t)xr[i] << 16;
+                    uint32_t u = (uint32_t)((const uint16_t *)x)[xi + i] << 16;
                     float v;
                     memcpy(&v, &u, sizeof v);
-                    o[i] = to_bf16(v * s[i]);
+                    ((uint16_t *)out)[oi + i] = to_bf16(v * s[i]);
                 }
             }
 }
