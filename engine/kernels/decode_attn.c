@@ -11,22 +11,13 @@
 #include "vec16.h"
 #define CHUNK 32     // tokens per softmax update
 #define MAX_G 16     // query heads per KV head
-// The K/V rows, queries and outputs are vectors of AL lanes: 16 where there are 32 512-bit registers; 8 on
+// The K/V rows, queries and outputs are vectors of AL lanes (vec16.h): 16 where there are 32 512-bit registers; 8 on
 // AVX2 (and other 16-register machines), where 16-lane vectors are split in two: with that and the P.V
 // chains below, measured on a Zen 3 (2026-12-02) 2.9x faster at one sequence of 200 tokens, 3.5x at 32.
 // The softmax over a chunk's scores stays in 16-lane vectors (vec16.h).
-#ifdef __AVX512F__
-#define AL 16
-#else
-#define AL 8
-#endif
 #define MAX_NV (256 / AL)  // head_dim <= 256
 static const float ZERO_ROW[256] __attribute__((aligned(64)));  // a float32 row past a context's end
 #define PV_J 8             // output vectors accumulated at once in P.V (8 of 16 registers on AVX2)
-typedef float vf __attribute__((vector_size(AL * 4)));
-typedef int32_t vi __attribute__((vector_size(AL * 4)));
-typedef uint32_t vu __attribute__((vector_size(AL * 4)));
-typedef uint16_t vh __attribute__((vector_size(AL * 2)));
 
 static inline vf load(const void *p, int bf16) {
     vf f;

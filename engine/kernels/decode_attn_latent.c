@@ -18,16 +18,13 @@
 #define MAX_H 16  // query heads: one v16f (fewer are padded with zero queries)
 #define CH 32  // tokens per softmax update
 #define HB 4  // heads per value tile
-#ifdef __AVX512F__
-#define AL 16
+#ifdef __AVX512F__  // AL (vec16.h) 16
 #define TT 12  // tokens per score tile: accumulators of one v16f each
 #define JB 4  // vectors of AL columns per value tile: HB * JB accumulators
-#else
-#define AL 8
+#else  // AL 8
 #define TT 6  // a v16f is two registers on AVX2: 12 accumulators of 16
 #define JB 2
 #endif
-typedef float vf __attribute__((vector_size(AL * 4)));
 
 static inline vf loadv(const float *p) {
     vf v;

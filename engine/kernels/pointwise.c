@@ -18,51 +18,51 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "vec16.h"
+#include "vec16.h"  // AL-lane vectors (vf): a 16-lane one carried around a loop spills on AVX2
 
-static inline v16f widen(const uint16_t *p) {
-    v16h h;
+static inline vf widen(const uint16_t *p) {
+    vh h;
     memcpy(&h, p, sizeof(h));
-    v16u u = __builtin_convertvector(h, v16u) << 16;
-    v16f f;
+    vu u = __builtin_convertvector(h, vu) << 16;
+    vf f;
     memcpy(&f, &u, sizeof(f));
     return f;
 }
 
-static inline v16u bits_of(v16f f) {
-    v16u u;
+static inline vu bits_of(vf f) {
+    vu u;
     memcpy(&u, &f, sizeof(u));
     return u;
 }
 
-static inline v16f float_of(v16u u) {
-    v16f f;
+static inline vf float_of(vu u) {
+    vf f;
     memcpy(&f, &u, sizeof(f));
     return f;
 }
 
 // Round to nearest even, as round_bits does for every value but a NaN with bits in its low half (rmsnorm_bf16 says
 // why it never meets one), in a third of the operations: the NaN test is what costs.
-static inline v16u round_bits_number(v16f f) {
-    const v16u u = bits_of(f);
+static inline vu round_bits_number(vf f) {
+    const vu u = bits_of(f);
     return (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
 }
 
 // Round to nearest even, keeping the result as float32 bits with the low half zero; NaN stays a quiet NaN.
-static inline v16u round_bits(v16f f) {
-    const v16u u = bits_of(f);
-    const v16i mag = (v16i)(u & 0x7FFFFFFFu);
-    const v16u nan = (v16u)(mag > 0x7F800000);
+static inline vu round_bits(vf f) {
+    const vu u = bits_of(f);
+    const vi mag = (vi)(u & 0x7FFFFFFFu);
+    const vu nan = (vu)(mag > 0x7F800000);
     return (nan & ((u & 0xFFFF0000u) | 0x400000u)) | (~nan & round_bits_number(f));
 }
 
 // float32 bits whose low half is zero (a bf16 value): their upper halves.
-static inline void store_upper(uint16_t *p, v16u u) {
-    const v16h h = __builtin_convertvector(u >> 16, v16h);
+static inline void store_upper(uint16_t *p, vu u) {
+    const vh h = __builtin_convertvector(u >> 16, vh);
     memcpy(p, &h, sizeof(h));
 }
 
-static inline void narrow(uint16_t *p, v16f f) { store_upper(p, round_bits(f)); }
+static inline void narrow(uint16_t *p, vf f) { store_upper(p, round_bits(f)); }
 
 static inline float widen1(uint16_t h) {
     const uint32_t u = (uint32_t)h << 16;
@@ -80,7 +80,7 @@ static inline uint16_t narrow1(float f) {
 
 static inline float round_bf16(float f) { return widen1(narrow1(f)); }
 
-static inline v16f round_bf16v(v16f f) { return float_of(round_bits(f)); }
+static inline vf round_bf16v(vf f) { return float_of(round_bits(f)); }
 
 static inline float rstd(float sumsq, int64_t dim, float eps) {
     return 1.0f / __builtin_sqrtf(sumsq / (float)dim + eps);
@@ -98,14 +98,14 @@ void rmsnorm_f32(int64_t rows, int64_t dim, const float *x, const float *residua
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * dim, *rr = residual ? residual + r * dim : NULL;
         float *sr = residual ? sum_out + r * dim : (float *)xr, *o = out + r * dim;
-        v16f acc = {0};
+        vf acc = {0};
         float tail = 0.0f;
         int64_t j = 0;
-        for (; j + VL <= dim; j += VL) {
-            v16f s;
+        for (; j + AL <= dim; j += AL) {
+            vf s;
             memcpy(&s, xr + j, sizeof(s));
             if (rr) {
-                v16f a;
+                vf a;
                 memcpy(&a, rr + j, sizeof(a));
                 s += a;
                 memcpy(sr + j, &s, sizeof(s));
@@ -118,10 +118,10 @@ void rmsnorm_f32(int64_t rows, int64_t dim, const float *x, const float *residua
             tail += s * s;
         }
         float sumsq = tail;
-        for (int i = 0; i < VL; i++) sumsq += acc[i];
+        for (int i = 0; i < AL; i++) sumsq += acc[i];
         const float k = rstd(sumsq, dim, eps);
-        for (j = 0; j + VL <= dim; j += VL) {
-            v16f s, g;
+        for (j = 0; j + AL <= dim; j += AL) {
+            vf s, g;
             memcpy(&s, sr + j, sizeof(s));
             memcpy(&g, w + j, sizeof(g));
             s = g * (s * k);
@@ -131,10 +131,10 @@ void rmsnorm_f32(int64_t rows, int64_t dim, const float *x, const float *residua
     }
 }
 
-static inline v16f round_number(v16f f) { return float_of(round_bits_number(f)); }
+static inline vf round_number(vf f) { return float_of(round_bits_number(f)); }
 
 // f already a bf16 value: its upper half.
-static inline void narrow_exact(uint16_t *p, v16f f) { store_upper(p, bits_of(f)); }
+static inline void narrow_exact(uint16_t *p, vf f) { store_upper(p, bits_of(f)); }
 
 // bf16: the same, every intermediate the torch code materialises rounded to bf16 where it does. The vector loops
 // round without round_bits' NaN test: every value rounded here comes from float arithmetic on bf16 values, whose
@@ -149,11 +149,11 @@ void rmsnorm_bf16(int64_t rows, int64_t dim, const uint16_t *x, const uint16_t *
         const uint16_t *xr = x + r * dim, *rr = residual ? residual + r * dim : NULL;
         const uint16_t *sr = residual ? sum_out + r * dim : xr;
         uint16_t *o = out + r * dim;
-        v16f acc = {0};
+        vf acc = {0};
         float tail = 0.0f;
         int64_t j = 0;
-        for (; j + VL <= dim; j += VL) {
-            v16f s = widen(xr + j);
+        for (; j + AL <= dim; j += AL) {
+            vf s = widen(xr + j);
             if (rr) {
                 s = round_number(s + widen(rr + j));
                 narrow_exact(sum_out + r * dim + j, s);
@@ -166,9 +166,9 @@ void rmsnorm_bf16(int64_t rows, int64_t dim, const uint16_t *x, const uint16_t *
             tail += s * s;
         }
         float sumsq = tail;
-        for (int i = 0; i < VL; i++) sumsq += acc[i];
+        for (int i = 0; i < AL; i++) sumsq += acc[i];
         const float k = rstd(sumsq, dim, eps);
-        for (j = 0; j + VL <= dim; j += VL)
+        for (j = 0; j + AL <= dim; j += AL)
             narrow_exact(o + j, round_number(widen(w + j) * round_number(widen(sr + j) * k)));
         for (; j < dim; j++) o[j] = narrow1(widen1(w[j]) * round_bf16(widen1(sr[j]) * k));
     }
@@ -200,10 +200,10 @@ void rope_bf16(int64_t T, int64_t heads, int64_t D, uint16_t *x, int64_t ld, con
             uint16_t *a = x + t * ld + h * D, *b = a + half;
             const uint16_t *c = cos + t * D, *s = sin + t * D;
             int64_t i = 0;
-            for (; i + VL <= half; i += VL) {
-                const v16f x1 = widen(a + i), x2 = widen(b + i);
-                const v16f lo = round_bf16v(x1 * widen(c + i)) + round_bf16v(-x2 * widen(s + i));
-                const v16f hi = round_bf16v(x2 * widen(c + half + i)) + round_bf16v(x1 * widen(s + half + i));
+            for (; i + AL <= half; i += AL) {
+                const vf x1 = widen(a + i), x2 = widen(b + i);
+                const vf lo = round_bf16v(x1 * widen(c + i)) + round_bf16v(-x2 * widen(s + i));
+                const vf hi = round_bf16v(x2 * widen(c + half + i)) + round_bf16v(x1 * widen(s + half + i));
                 narrow(a + i, lo);
                 narrow(b + i, hi);
             }
@@ -246,15 +246,15 @@ void rope_interleaved_bf16(int64_t T, int64_t heads, int64_t D, uint16_t *x, int
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (T * heads * D >= PARALLEL_ELEMS)
     for (int64_t t = 0; t < T; t++)
         for (int64_t h = 0; h < heads; h++) {
-            uint16_t *a = x + t * ld + h * hs, first[half + VL], second[half + VL];
+            uint16_t *a = x + t * ld + h * hs, first[half + AL], second[half + AL];
             const uint16_t *c = cos + t * D, *s = sin + t * D;
             for (int64_t i = 0; i < half; i++) {
                 first[i] = a[2 * i];
                 second[i] = a[2 * i + 1];
             }
             int64_t i = 0;
-            for (; i + VL <= half; i += VL) {
-                const v16f x1 = widen(first + i), x2 = widen(second + i), ci = widen(c + i), si = widen(s + i);
+            for (; i + AL <= half; i += AL) {
+                const vf x1 = widen(first + i), x2 = widen(second + i), ci = widen(c + i), si = widen(s + i);
                 narrow(a + i, round_bf16v(x1 * ci) + round_bf16v(-x2 * si));
                 narrow(a + half + i, round_bf16v(x2 * ci) + round_bf16v(x1 * si));
             }
@@ -320,8 +320,8 @@ int moe_combine_bf16(int64_t T, int64_t K, int64_t H, int64_t P, const int64_t *
         uint16_t *o = out + t * H;
         const uint16_t *sh = shared ? shared + t * H : NULL;
         int64_t j = 0;
-        for (; j + VL <= H; j += VL) {
-            v16f acc = {0};
+        for (; j + AL <= H; j += AL) {
+            vf acc = {0};
             for (int64_t n = 0; n < count[t]; n++) {
                 const int64_t r = rows[t * K + n];
                 acc += round_bf16v(widen(ys + r * H + j) * w[order[r]]);
@@ -347,7 +347,7 @@ int moe_combine_bf16(int64_t T, int64_t K, int64_t H, int64_t P, const int64_t *
 
 // A MoE layer's routing and its grouping by expert, in one pass (transformers' DeepseekV2TopkRouter and
 // DeepseekV3TopkRouter; then what engine/layers/moe.py did with a dozen torch ops at every layer and step):
-//   logits[t][e] = x[t] . W[e] in float32 (x widened; sixteen lanes of partial sums, then a shuffle tree),
+//   logits[t][e] = x[t] . W[e] in float32 (x widened; AL lanes of partial sums, then a shuffle tree),
 //   scores = softmax over e, or sigmoid (`route_t.sigmoid`); choice = scores (+ bias[e] with a bias, V3's
 //   e_score_correction_bias);
 //   with groups > 1, the experts in `groups` equal groups, each ranked by its best choice (softmax) or its two best
@@ -380,28 +380,28 @@ static void route_token(int64_t H, int64_t E, int64_t K, const void *x, int bf16
     float score[E], choice[E];
     for (int64_t e = 0; e < E; e++) {
         const float *w = W + e * H;
-        v16f acc = {0};
+        vf acc = {0};
         float tail = 0.0f;
         int64_t j = 0;
         if (bf16) {
             const uint16_t *xb = x;
-            for (; j + VL <= H; j += VL) {
-                v16f wv;
+            for (; j + AL <= H; j += AL) {
+                vf wv;
                 memcpy(&wv, w + j, sizeof(wv));
                 acc += widen(xb + j) * wv;
             }
             for (; j < H; j++) tail += widen1(xb[j]) * w[j];
         } else {
             const float *xf = x;
-            for (; j + VL <= H; j += VL) {
-                v16f xv, wv;
+            for (; j + AL <= H; j += AL) {
+                vf xv, wv;
                 memcpy(&xv, xf + j, sizeof(xv));
                 memcpy(&wv, w + j, sizeof(wv));
                 acc += xv * wv;
             }
             for (; j < H; j++) tail += xf[j] * w[j];
         }
-        score[e] = hsum(acc) + tail;
+        score[e] = hsum_v(acc) + tail;
     }
     if (cfg->sigmoid) {
         for (int64_t e = 0; e < E; e++) score[e] = 1.0f / (1.0f + expf(-score[e]));
@@ -480,32 +480,33 @@ static inline float logit_at(const void *x, int64_t j, int bf16) {
     return bf16 ? widen1(((const uint16_t *)x)[j]) : ((const float *)x)[j];
 }
 
-static inline v16f logits16(const void *x, int64_t j, int bf16) {
+static inline vf logits_v(const void *x, int64_t j, int bf16) {
     if (bf16) return widen((const uint16_t *)x + j);
-    v16f v;
+    vf v;
     memcpy(&v, (const float *)x + j, sizeof(v));
     return v;
 }
 
 static int64_t argmax_row(const void *x, int64_t n, int bf16) {
-    v16f best = (v16f){0} - INFINITY;
-    v16i at = (v16i){0} - 1;
-    v16i nan = {0};
-    v16i idx = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    vf best = (vf){0} - INFINITY;
+    vi at = (vi){0} - 1;
+    vi nan = {0};
+    vi idx;
+    for (int i = 0; i < AL; i++) idx[i] = i;
     int64_t j = 0;
-    for (; j + VL <= n && j + VL <= INT32_MAX; j += VL, idx += VL) {
-        const v16f v = logits16(x, j, bf16);
-        const v16i gt = v > best;  // strict: a lane keeps its first maximum
-        best = (v16f)(((v16i)v & gt) | ((v16i)best & ~gt));
+    for (; j + AL <= n && j + AL <= INT32_MAX; j += AL, idx += AL) {
+        const vf v = logits_v(x, j, bf16);
+        const vi gt = v > best;  // strict: a lane keeps its first maximum
+        best = (vf)(((vi)v & gt) | ((vi)best & ~gt));
         at = (idx & gt) | (at & ~gt);
         nan |= v != v;
     }
     int64_t bi = -1;
     float bv = -INFINITY;
-    for (int i = 0; i < VL; i++)  // across lanes: the largest value, then the smallest index
+    for (int i = 0; i < AL; i++)  // across lanes: the largest value, then the smallest index
         if (at[i] >= 0 && (best[i] > bv || (best[i] == bv && at[i] < bi))) bv = best[i], bi = at[i];
     int has_nan = 0;
-    for (int i = 0; i < VL; i++) has_nan |= nan[i] != 0;
+    for (int i = 0; i < AL; i++) has_nan |= nan[i] != 0;
     for (; j < n; j++) {
         const float v = logit_at(x, j, bf16);
         if (v != v) has_nan = 1;
@@ -534,16 +535,16 @@ void argmax_bf16(int64_t rows, int64_t n, const uint16_t *logits, int64_t *out, 
 
 // logits: [rows][n] float32 (already tempered and masked, -inf = excluded), u: [rows] in [0, 1) -> out[rows]: the
 // first token whose cumulative weight exceeds u * total, weights exp(x - max) in float32. Sums are float64 over
-// 16-token blocks in order: each block's sum is kept, so the search walks the same sums that made the total and
+// blocks of AL tokens in order: each block's sum is kept, so the search walks the same sums that made the total and
 // then one block's tokens. A token of zero weight is never drawn; where rounding leaves u * total at or past
 // the end, the last token with weight is. A row with no finite logit gives token 0.
-static inline v16f block_of(const float *x, int64_t b, int64_t n) {  // tokens [16b, 16b + 16); -inf past n
-    v16f v;
-    if (b * VL + VL <= n) {
-        memcpy(&v, x + b * VL, sizeof(v));  // a fixed size: one vector load
+static inline vf block_of(const float *x, int64_t b, int64_t n) {  // tokens [AL b, AL b + AL); -inf past n
+    vf v;
+    if (b * AL + AL <= n) {
+        memcpy(&v, x + b * AL, sizeof(v));  // a fixed size: one vector load
     } else {
-        v = (v16f){0} - INFINITY;
-        memcpy(&v, x + b * VL, (size_t)((n - b * VL) * 4));
+        v = (vf){0} - INFINITY;
+        memcpy(&v, x + b * AL, (size_t)((n - b * AL) * 4));
     }
     return v;
 }
@@ -551,17 +552,17 @@ static inline v16f block_of(const float *x, int64_t b, int64_t n) {  // tokens [
 void sample_f32(int64_t rows, int64_t n, const float *logits, const double *u, int64_t *out, int nthreads) {
 #pragma omp parallel num_threads(nthreads) if (rows * n >= PARALLEL_ELEMS)
     {
-        const int64_t nb = (n + VL - 1) / VL;
+        const int64_t nb = (n + AL - 1) / AL;
         double *sums = malloc((size_t)(nb > 0 ? nb : 1) * sizeof(double));
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
             const float *x = logits + r * n;
-            v16f best = (v16f){0} - INFINITY;
+            vf best = (vf){0} - INFINITY;
             for (int64_t b = 0; b < nb; b++) {
-                const v16f v = block_of(x, b, n);
-                best = (v16f)(((v16i)v & (v16i)(v > best)) | ((v16i)best & ~(v16i)(v > best)));
+                const vf v = block_of(x, b, n);
+                best = (vf)(((vi)v & (vi)(v > best)) | ((vi)best & ~(vi)(v > best)));
             }
-            const float mx = hmax(best);
+            const float mx = hmax_v(best);
             if (!(mx > -INFINITY) || sums == NULL) {
                 out[r] = 0;
                 continue;
@@ -569,7 +570,7 @@ void sample_f32(int64_t rows, int64_t n, const float *logits, const double *u, i
             double total = 0.0;
             int64_t last = 0;  // the last block with weight (the maximum's has some)
             for (int64_t b = 0; b < nb; b++) {
-                const double s = hsum(vexp(block_of(x, b, n) - mx));
+                const double s = hsum_v(vexp_v(block_of(x, b, n) - mx));
                 sums[b] = s;
                 total += s;
                 if (s > 0.0) last = b;
@@ -580,11 +581,11 @@ void sample_f32(int64_t rows, int64_t n, const float *logits, const double *u, i
             while (b < nb && !(before + sums[b] > target)) before += sums[b++];
             const int past = b == nb;  // u * total rounded up to the total: the last token with weight
             if (past) b = last;
-            const v16f w = vexp(block_of(x, b, n) - mx);
+            const vf w = vexp_v(block_of(x, b, n) - mx);
             int64_t pick = -1;
-            for (int i = 0; i < VL; i++) {
+            for (int i = 0; i < AL; i++) {
                 if (!(w[i] > 0.0f)) continue;
-                pick = b * VL + i;  // the last token with weight so far: the answer if rounding leaves none past
+                pick = b * AL + i;  // the last token with weight so far: the answer if rounding leaves none past
                 before += w[i];
                 if (!past && before > target) break;
             }
