@@ -104,8 +104,12 @@ static inline __attribute__((always_inline)) void quarter_tile(const int mr, int
     }
 }
 
-static void quarters(const int mr, int64_t K, const float *x, int64_t ldx, const uint16_t *w, float *out,
-                     int64_t ldo, const char *pf) {
+// always_inline (and block_rows_first): each caller gets its own copy. WHY: as one out-of-line clone gcc (12) kept
+// the 6-row tile's accumulators on the stack (a store each step), and the fused entry, which called that clone
+// where wbf16_linear inlined its own, ran 2.5x its time at 32 rows (a Zen 3, 2026-12-07).
+static inline __attribute__((always_inline)) void quarters(const int mr, int64_t K, const float *x, int64_t ldx,
+                                                           const uint16_t *w, float *out, int64_t ldo,
+                                                           const char *pf) {
     if (pf) {
         switch (mr) {  // a constant row count keeps every accumulator in a register
         case 1: quarter_tile(1, K, x, ldx, w, out, ldo, pf); break;
@@ -130,7 +134,8 @@ static void quarters(const int mr, int64_t K, const float *x, int64_t ldx, const
 // A whole 64-column block for all M rows, straight into y: each quarter's K x 32 bytes of weights stay in L1
 // while every 6-row group of x passes over them.
 #define BLOCK_ROWS_FIRST 1
-static void block_rows_first(int64_t M, int64_t N, int64_t K, const float *x, const uint16_t *wb, float *y) {
+static inline __attribute__((always_inline)) void block_rows_first(int64_t M, int64_t N, int64_t K, const float *x,
+                                                                   const uint16_t *wb, float *y) {
     // rows split evenly into groups of at most QR: 32 rows as 6 + 6 + 5 + 5 + 5 + 5, not 6 x 5 + 2, whose
     // 4 accumulators would wait on the FMA latency
     const int64_t groups = (M + QR - 1) / QR, base = M / groups, extra = M % groups;
@@ -216,32 +221,6 @@ void wbf16_linear(int64_t M, int64_t N, int64_t K, const float *x, const uint16_
     }
 }
 
-// A gated MLP's [gate; up] projection with silu(gate) * up in the epilogue: W's N = 2I rows interleaved in blocks
-// of 32 (engine.kernels.gemm.interleave_halves; N a multiple of 64), b likewise; y [M][N / 2] gets
-// silu(x Wg^T + bg) * (x Wu^T + bu) in float32, SiLU as x / (1 + exp(-x)) (wbf16_grouped's). WHY: no [M][2I]
-// intermediate, no separate SiLU and multiply, and a decode program (engine.kernels.program) can call it.
-void wbf16_linear_silu_mul(int64_t M, int64_t N, int64_t K, const float *x, const uint16_t *w, const float *b,
-                           float *y, int nthreads) {
-    const int64_t nblocks = N / NB, width = N / 2;
-#pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int64_t nb = 0; nb < nblocks; nb++) {
-        const uint16_t *wb = w + nb * K * NB;
-        float out[MR * NB];
-        for (int64_t m0 = 0; m0 < M; m0 += MR) {
-            const int mr = M - m0 < MR ? (int)(M - m0) : MR;
-            tile_any(mr, K, x + m0 * K, K, wb, out);
-            for (int r = 0; r < mr; r++) {
-                const float *o = out + r * NB;
-                float *yr = y + (m0 + r) * width + nb * NB / 2;
-                for (int64_t j = 0; j < NB / 2; j++) {
-                    const float g = o[j] + (b ? b[nb * NB + j] : 0.0f), u = o[NB / 2 + j] + (b ? b[nb * NB + NB / 2 + j] : 0.0f);
-                    yr[j] = g / (1.0f + expf(-g)) * u;
-                }
-            }
-        }
-    }
-}
-
 // One whole 64-column block (wb: its packed K x 64) for m rows of x (row stride K) into out[m][64].
 static void block_into(int64_t m, int64_t K, const float *x, const uint16_t *wb, float *out) {
 #ifdef BLOCK_ROWS_FIRST
@@ -251,6 +230,37 @@ static void block_into(int64_t m, int64_t K, const float *x, const uint16_t *wb,
     }
 #endif
     for (int64_t m0 = 0; m0 < m; m0 += MR) tile_any(m - m0 < MR ? (int)(m - m0) : MR, K, x + m0 * K, K, wb, out + m0 * NB);
+}
+
+// A gated MLP's [gate; up] projection with silu(gate) * up in the epilogue: W's N = 2I rows interleaved in blocks
+// of 32 (engine.kernels.gemm.interleave_halves; N a multiple of 64), b likewise; y [M][N / 2] gets
+// silu(x Wg^T + bg) * (x Wu^T + bu) in float32, SiLU as x / (1 + exp(-x)) (wbf16_grouped's). WHY: no [M][2I]
+// intermediate, no separate SiLU and multiply, and a decode program (engine.kernels.program) can call it.
+// A block's rows go through block_into SR at a time, as wbf16_linear's do: with 6-row tiles over the whole block
+// each group of rows read the block again from L2, and on a Zen 3 (2026-12-07) this entry ran 2.4x wbf16_linear's
+// time at 32 rows, so the plan kept the plain one (one layout a weight) and a decode program stopped for Python
+// at every gated MLP to run the act in torch.
+#define SR 64  // rows of a block at a time: SR x 64 floats of output on the stack
+void wbf16_linear_silu_mul(int64_t M, int64_t N, int64_t K, const float *x, const uint16_t *w, const float *b,
+                           float *y, int nthreads) {
+    const int64_t nblocks = N / NB, width = N / 2;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t nb = 0; nb < nblocks; nb++) {
+        const uint16_t *wb = w + nb * K * NB;
+        float out[SR * NB];
+        for (int64_t m0 = 0; m0 < M; m0 += SR) {
+            const int64_t mr = M - m0 < SR ? M - m0 : SR;
+            block_into(mr, K, x + m0 * K, wb, out);
+            for (int64_t r = 0; r < mr; r++) {
+                const float *o = out + r * NB;
+                float *yr = y + (m0 + r) * width + nb * NB / 2;
+                for (int64_t j = 0; j < NB / 2; j++) {
+                    const float g = o[j] + (b ? b[nb * NB + j] : 0.0f), u = o[NB / 2 + j] + (b ? b[nb * NB + NB / 2 + j] : 0.0f);
+                    yr[j] = g / (1.0f + expf(-g)) * u;
+                }
+            }
+        }
+    }
 }
 
 // E linear layers of one shape (no bias) in one call: layer e takes counts[e] consecutive rows of x (layers in

@@ -132,7 +132,7 @@ class SiluMulWBF16(SiluMulKernel):
 def check_silu_mul_f32(kernel: SiluMulWBF16) -> None:
     """The fused entry against float32 torch (projection, SiLU, product) on awkward row counts, with a bias."""
     g = torch.Generator().manual_seed(2)
-    for m, n, k in ((1, 64, 33), (7, 128, 64), (13, 192, 5)):
+    for m, n, k in ((1, 64, 33), (7, 128, 64), (13, 192, 5), (67, 128, 33)):  # 67: past a pass of SR rows (wbf16.c)
         w = torch.randn(n, k, generator=g).bfloat16().float()
         x, b = torch.randn(m, k, generator=g), torch.randn(n, generator=g)
         gate, up = torch.addmm(b, x, w.t()).chunk(2, dim=-1)

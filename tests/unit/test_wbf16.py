@@ -113,7 +113,7 @@ def test_self_check_catches_a_wrong_kernel(monkeypatch: pytest.MonkeyPatch) -> N
         wbf16.self_check(k)
 
 
-@pytest.mark.parametrize("m", [1, 5, 6, 7, 13, 33])
+@pytest.mark.parametrize("m", [1, 5, 6, 7, 13, 33, 70])  # 70: past a pass of wbf16.c's SR rows
 @pytest.mark.parametrize(("n", "k", "bias"), [(64, 17, True), (192, 96, False), (128, 5, True)])
 def test_fused_silu_mul_equals_float32_math(kernel: WBF16, m: int, n: int, k: int, bias: bool) -> None:
     """The gated MLP's [gate; up] projection with silu(gate) * up in the epilogue (its rows interleaved in blocks
