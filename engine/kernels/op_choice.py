@@ -708,14 +708,7 @@ def choose_absorbed_gemm(
     g = torch.Generator().manual_seed(0)
     w3 = torch.randn(h, n + v, lat, generator=g).to(torch.bfloat16)
     uk, uv = per_head_absorbed(w3, n)
-    fits = {
-        name: k
-        for name, k in kernels.items()
-        if k.dtype == dtype
-        and dtype in (torch.bfloat16, torch.float32)
-        and GroupedLinear.accepts(k, uk)
-        and GroupedLinear.accepts(k, uv)
-    }
+    fits = _absorbed_fits(kernels, mla, dtype)
     if not fits:
         return None
     bmm_uk, bmm_uv = bmm_absorbed(w3.to(dtype), n)
@@ -737,6 +730,22 @@ def choose_absorbed_gemm(
     candidates = {name: grouped(k) for name, k in fits.items()} | {"torch": bmm}
     key = f"op absorbed_gemm {ROWS} h{h} n{n} v{v} l{lat} {dtype} {'+'.join(fits)}"
     return fits.get(fastest(key, candidates, timer, cache, flush))
+
+
+def _absorbed_fits(
+    kernels: dict[str, GroupedKernel], mla: MLAttention, dtype: torch.dtype
+) -> dict[str, GroupedKernel]:  # fmt: skip
+    """The grouped kernels whose calls take MLA's per-head W_UK and W_UV (bf16 weights) with rows of `dtype`."""
+    uk, uv = per_head_absorbed(torch.zeros(mla.num_heads, mla.nope + mla.v_dim, mla.kv_lora_rank, dtype=torch.bfloat16),
+                               mla.nope)  # fmt: skip
+    return {
+        name: k
+        for name, k in kernels.items()
+        if k.dtype == dtype
+        and dtype in (torch.bfloat16, torch.float32)
+        and GroupedLinear.accepts(k, uk)
+        and GroupedLinear.accepts(k, uv)
+    }
 
 
 def _each_expert(
@@ -944,11 +953,19 @@ def choose_kernels(
         )
     if mla is not None:
         gk = choose_absorbed_gemm(grouped, mla, dtype, timer, cache, flush) if grouped else None
+        k.absorbed_in_layers = gk is not None
+        if gk is None and grouped and program.library() is not None:
+            # torch.bmm won the layers' timing (at 32 rows, often by a hair): the grouped calls still serve the
+            # decode programs, which cannot run bmm and are measured against the layers per batch class on the
+            # engine's own steps (engine.models.decode_program). WHY: on a Zen 3 (2026-12-07) a 4% loss at 32
+            # rows kept DeepSeek's every decode step out of programs, 1.6x its batch-1 time.
+            gk = next(iter(_absorbed_fits(grouped, mla, dtype).values()), None)
         uv = choose_absorbed_quant(gk, mla, dtype, timer, cache, flush) if gk is not None else None
         uk = choose_absorbed_key(gk, mla, dtype, timer, cache, flush) if gk is not None else None
         f32 = choose_absorbed_float32(mla, dtype, timer, cache, flush)
         split = split_wins(gk, mla, dtype, timer, cache, flush) if gk is not None and f32 is None else False
         k.absorbed = absorbed_gemm(gk, uv, uk, f32, split) if gk is not None or f32 is not None else None
+        k.absorbed_in_layers = k.absorbed_in_layers or f32 is not None or split  # those two were timed against bmm
     if grouped and moe is not None:
         k.moe_experts = choose_grouped_experts(grouped, moe, dtype, timer, cache, flush)
     if moe is not None:
