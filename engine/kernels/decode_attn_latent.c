@@ -11,6 +11,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "thread_buffer.h"
 #include "vec16.h"
 
 #define LD 576  // a cached row: kv_lora_rank 512 + qk_rope_head_dim 64 (DeepSeek-V2/V3)
@@ -99,60 +100,133 @@ static inline void value_tile(int64_t n, const float *const *rows, const float *
         for (int j = 0; j < JB; j++) memcpy(o + (h0 + h) * LV + j0 + j * AL, &acc[h][j], sizeof(vf));
 }
 
+#define MAX_PARTS 8  // parts a sequence's tokens are split in at most
+#define MIN_PART 64  // tokens a part at least where a sequence's tokens are split over threads
+
+// A task's result over part of a sequence's tokens, before normalising: the values' sums o, and per head the
+// running maximum m and the softmax denominator l.
+typedef struct {
+    float o[MAX_H * LV];
+    float m[MAX_H], l[MAX_H];
+} partial_t;
+
+// Sequence b's heads [first, first + H) over its tokens [t0, t1): normalised into out, or with `part` that part's
+// sums, maximum and denominator into it.
+static void task(int64_t b, int64_t first, int64_t H, int64_t H_all, const float *q, const float *kc, int64_t bs,
+                 const int64_t *table, int64_t t0, int64_t t1, float scale, float *out, partial_t *part) {
+    float qt[LD * MAX_H] __attribute__((aligned(64))), s[CH * MAX_H] __attribute__((aligned(64)));
+    float o[MAX_H * LV] __attribute__((aligned(64))), alpha[MAX_H], l[MAX_H];
+    const float *rows[CH];
+    memset(qt, 0, sizeof(qt));
+    for (int64_t h = 0; h < H; h++)
+        for (int64_t k = 0; k < LD; k++) qt[k * MAX_H + h] = q[(b * H_all + first + h) * LD + k] * scale;
+    memset(o, 0, sizeof(float) * H * LV);
+    v16f mv = (v16f){0} - INFINITY, lv = (v16f){0};
+    for (int64_t c = t0; c < t1; c += CH) {
+        const int64_t n = t1 - c < CH ? t1 - c : CH;
+        for (int64_t t = 0; t < n; t++) {
+            const int64_t pos = c + t;
+            rows[t] = kc + (table[pos / bs] * bs + pos % bs) * LD;
+        }
+        scores(n, rows, qt, s);
+        v16f st[CH];  // the chunk's scores, one vector of heads per token
+        memcpy(st, s, sizeof(v16f) * n);
+        v16f mx = st[0];
+        for (int64_t t = 1; t < n; t++) mx = vmax(mx, st[t]);
+        const v16f mn = vmax(mv, mx);
+        const v16f a = vexp(mv - mn);  // 0 at the first chunk (mv = -inf)
+        v16f sum = (v16f){0};
+        for (int64_t t = 0; t < n; t++) {
+            st[t] = vexp(st[t] - mn);
+            sum += st[t];
+        }
+        memcpy(s, st, sizeof(v16f) * n);
+        lv = lv * a + sum;
+        mv = mn;
+        memcpy(alpha, &a, sizeof(a));
+        for (int64_t j0 = 0; j0 < LV; j0 += JB * AL)
+            for (int64_t h0 = 0; h0 < H; h0 += HB) value_tile(n, rows, s, h0, j0, o, alpha);
+    }
+    memcpy(l, &lv, sizeof(l));
+    if (part) {
+        memcpy(part->o, o, sizeof(float) * H * LV);
+        memcpy(part->m, &mv, sizeof(part->m));
+        memcpy(part->l, l, sizeof(part->l));
+        return;
+    }
+    for (int64_t h = 0; h < H; h++) {
+        float *orow = out + (b * H_all + first + h) * LD;
+        const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
+        for (int64_t j = 0; j < LV; j++) orow[j] = o[h * LV + j] * inv;
+        memset(orow + LV, 0, sizeof(float) * (LD - LV));
+    }
+}
+
+// Sequence b's heads [first, first + H) from its n parts' results: each part's sums and denominator weighed by
+// exp(its maximum - the largest), then normalised into out.
+static void combine(int64_t b, int64_t first, int64_t H, int64_t H_all, const partial_t *parts, int64_t n,
+                    float *out) {
+    for (int64_t h = 0; h < H; h++) {
+        float mx = parts[0].m[h], w[MAX_PARTS], l = 0.0f;
+        for (int64_t p = 1; p < n; p++) mx = parts[p].m[h] > mx ? parts[p].m[h] : mx;
+        for (int64_t p = 0; p < n; p++) {
+            w[p] = parts[p].m[h] == -INFINITY ? 0.0f : expf(parts[p].m[h] - mx);  // a part with no tokens: 0
+            l += parts[p].l[h] * w[p];
+        }
+        const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+        float *orow = out + (b * H_all + first + h) * LD;
+        for (int64_t j = 0; j < LV; j++) {
+            float acc = 0.0f;
+            for (int64_t p = 0; p < n; p++) acc += parts[p].o[h * LV + j] * w[p];
+            orow[j] = acc * inv;
+        }
+        memset(orow + LV, 0, sizeof(float) * (LD - LV));
+    }
+}
+
+static __thread thread_buffer parts_buf;
+
 // q, out: [B][H][LD]; cache: [blocks][bs][LD] (kc == vc: K and V are the same rows); tables: [B][W] block ids;
 // ctx_lens: [B]. Writes out[b][h][0 .. LV) and zeros the rest. The family's signature (decode_attn.py): KV must be
 // 1 and D == LD, H a multiple of HB (the caller checks: decode_attn_latent.py); one task per sequence and group of
-// up to MAX_H heads.
+// up to MAX_H heads, or with fewer such tasks than threads, one per part of a sequence's tokens (whole CH-token
+// chunks, at least MIN_PART tokens a part), the parts combined after (decode_attn_latent_dp.c's split). WHY: at
+// batch 1 one thread attended while the other waited (DeepSeek-V2-tiny W4A16 on a Zen 3, 2026-12-07: 0.75 ms of a
+// 10.1 ms token). Without memory for the parts it runs one task a sequence.
 void decode_attn_latent_f32(int64_t B, int64_t H_all, int64_t KV, int64_t D, const float *q, const float *kc,
                             const float *vc, int64_t bs, const int64_t *tables, int64_t W, const int64_t *ctx_lens,
                             float scale, float *out, int nthreads) {
     (void)KV, (void)D, (void)vc;
-    const int64_t groups = (H_all + MAX_H - 1) / MAX_H;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
-    for (int64_t task = 0; task < B * groups; task++) {
-        // this task's heads: a group of at most MAX_H (DeepSeek-V2/V3 have 128: eight groups read the same rows)
-        const int64_t b = task / groups, first = task % groups * MAX_H;
-        const int64_t H = H_all - first < MAX_H ? H_all - first : MAX_H;
-        float qt[LD * MAX_H] __attribute__((aligned(64))), s[CH * MAX_H] __attribute__((aligned(64)));
-        float o[MAX_H * LV] __attribute__((aligned(64))), alpha[MAX_H], l[MAX_H];
-        const float *rows[CH];
-        memset(qt, 0, sizeof(qt));
-        for (int64_t h = 0; h < H; h++)
-            for (int64_t k = 0; k < LD; k++) qt[k * MAX_H + h] = q[(b * H_all + first + h) * LD + k] * scale;
-        memset(o, 0, sizeof(float) * H * LV);
-        v16f mv = (v16f){0} - INFINITY, lv = (v16f){0};
-        const int64_t L = ctx_lens[b];
-        for (int64_t c = 0; c < L; c += CH) {
-            const int64_t n = L - c < CH ? L - c : CH;
-            for (int64_t t = 0; t < n; t++) {
-                const int64_t pos = c + t;
-                rows[t] = kc + (tables[b * W + pos / bs] * bs + pos % bs) * LD;
-            }
-            scores(n, rows, qt, s);
-            v16f st[CH];  // the chunk's scores, one vector of heads per token
-            memcpy(st, s, sizeof(v16f) * n);
-            v16f mx = st[0];
-            for (int64_t t = 1; t < n; t++) mx = vmax(mx, st[t]);
-            const v16f mn = vmax(mv, mx);
-            const v16f a = vexp(mv - mn);  // 0 at the first chunk (mv = -inf)
-            v16f sum = (v16f){0};
-            for (int64_t t = 0; t < n; t++) {
-                st[t] = vexp(st[t] - mn);
-                sum += st[t];
-            }
-            memcpy(s, st, sizeof(v16f) * n);
-            lv = lv * a + sum;
-            mv = mn;
-            memcpy(alpha, &a, sizeof(a));
-            for (int64_t j0 = 0; j0 < LV; j0 += JB * AL)
-                for (int64_t h0 = 0; h0 < H; h0 += HB) value_tile(n, rows, s, h0, j0, o, alpha);
-        }
-        memcpy(l, &lv, sizeof(l));
-        for (int64_t h = 0; h < H; h++) {
-            float *orow = out + (b * H_all + first + h) * LD;
-            const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
-            for (int64_t j = 0; j < LV; j++) orow[j] = o[h * LV + j] * inv;
-            memset(orow + LV, 0, sizeof(float) * (LD - LV));
-        }
+    const int64_t groups = (H_all + MAX_H - 1) / MAX_H, tasks = B * groups;
+    if (tasks <= 0) return;
+    int64_t split = tasks < nthreads ? nthreads / tasks : 1;
+    split = split > MAX_PARTS ? MAX_PARTS : split;
+    partial_t *parts = split > 1 ? grow_aligned(&parts_buf, sizeof(partial_t) * (size_t)(tasks * split)) : NULL;
+    if (!parts) split = 1;
+    int64_t n_parts[tasks];
+    for (int64_t t = 0; t < tasks; t++) {
+        const int64_t chunks = (ctx_lens[t / groups] + CH - 1) / CH, most = ctx_lens[t / groups] / MIN_PART;
+        const int64_t n = split < most ? split : most;
+        n_parts[t] = n > 1 && chunks >= n ? n : 1;
     }
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
+    for (int64_t i = 0; i < tasks * split; i++) {
+        // this task's heads: a group of at most MAX_H (DeepSeek-V2/V3 have 128: eight groups read the same rows)
+        const int64_t t = i / split, p = i % split, n = n_parts[t];
+        if (p >= n) continue;
+        const int64_t b = t / groups, first = t % groups * MAX_H;
+        const int64_t H = H_all - first < MAX_H ? H_all - first : MAX_H, L = ctx_lens[b], chunks = (L + CH - 1) / CH;
+        if (n == 1) {
+            task(b, first, H, H_all, q, kc, bs, tables + b * W, 0, L, scale, out, NULL);
+            continue;
+        }
+        const int64_t end = chunks * (p + 1) / n * CH;
+        task(b, first, H, H_all, q, kc, bs, tables + b * W, chunks * p / n * CH, end < L ? end : L, scale, out,
+             parts + i);
+    }
+    for (int64_t t = 0; t < tasks; t++)
+        if (n_parts[t] > 1) {
+            const int64_t first = t % groups * MAX_H, H = H_all - first < MAX_H ? H_all - first : MAX_H;
+            combine(t / groups, first, H, H_all, parts + t * split, n_parts[t], out);
+        }
 }

@@ -27,6 +27,7 @@
 #include <string.h>
 
 #include "grouped_tasks.h"
+#include "silu.h"
 #include "thread_buffer.h"
 
 #ifndef __AVX2__
@@ -223,17 +224,14 @@ int i8avx2_linear_panel(int64_t M, int64_t N, int64_t K, const float *x, const i
 // A gated MLP's [gate; up] projection with silu(gate) * up in the epilogue: W's N = 2I rows (and ws, b) interleaved
 // in blocks of 32 (engine.kernels.gemm.interleave_halves; N % 64 == 0, checked by the caller), so a unit of 64
 // columns holds 32 gate and their 32 up columns; y [M][N / 2]. gate and up are the floats i8avx2_linear writes
-// (the same sums and store4), and SiLU is written as wbf16.c writes it (x / (1 + exp(-x))): a decode program and the
+// (the same sums and store4), and SiLU is silu.h's (x / (1 + exp(-x)), as wbf16.c's): a decode program and the
 // layers agree bit for bit. WHY: no [M][2I] intermediate to memory and back, no separate SiLU and product.
 #define SU 64  // columns a silu unit
 #define SR 32  // rows of a unit at a time in the per-row entry: SR x SU floats on the stack
 
 // One row's 64 floats of a unit (32 gate, 32 up) → its 32 outputs.
 static inline void silu_mul_row(const float *o, float *y) {
-    for (int j = 0; j < SU / 2; j++) {
-        const float g = o[j], u = o[SU / 2 + j];
-        y[j] = g / (1.0f + expf(-g)) * u;
-    }
+    silu_mul_f32(o, o + SU / 2, y, SU / 2);
 }
 
 // The per-row (decode) entry, i8avx2_linear's arguments. Returns 0, or -1 without memory for the quantized rows.

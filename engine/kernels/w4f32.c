@@ -34,6 +34,7 @@
 #include <string.h>
 
 #include "grouped_tasks.h"
+#include "silu.h"
 #include "thread_buffer.h"
 
 #define NB 32  // columns per packed block
@@ -395,13 +396,15 @@ static void store_row(const float *o, const float *b, float *yr, int64_t nn) {
 }
 
 // A fused gated MLP's 32 outputs from its unit's two blocks (the gate's sums og, the up's ou, each block's bias or
-// NULL): silu(g) * u in float32, SiLU as g / (1 + exp(-g)) (wbf16_linear_silu_mul's, the float32 torch code's
+// NULL): silu(g) * u in float32, SiLU as g / (1 + exp(-g)) (silu.h: wbf16_linear_silu_mul's, the float32 torch code's
 // formula).
 static void store_silu_mul(const float *og, const float *ou, const float *bg, const float *bu, float *yr) {
+    float g[NB], u[NB];
     for (int j = 0; j < NB; j++) {
-        const float g = og[j] + (bg ? bg[j] : 0.0f), u = ou[j] + (bu ? bu[j] : 0.0f);
-        yr[j] = g / (1.0f + expf(-g)) * u;
+        g[j] = og[j] + (bg ? bg[j] : 0.0f);
+        u[j] = ou[j] + (bu ? bu[j] : 0.0f);
     }
+    silu_mul_f32(g, u, yr, NB);
 }
 
 // Rows m .. m + rows of y from their sums, row r at o0 + r * NB (and the up block's at o1 + r * NB with silu_mul):

@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "grouped_tasks.h"
+#include "silu.h"
 #define NB 64
 #define MR 6
 
@@ -234,7 +235,7 @@ static void block_into(int64_t m, int64_t K, const float *x, const uint16_t *wb,
 
 // A gated MLP's [gate; up] projection with silu(gate) * up in the epilogue: W's N = 2I rows interleaved in blocks
 // of 32 (engine.kernels.gemm.interleave_halves; N a multiple of 64), b likewise; y [M][N / 2] gets
-// silu(x Wg^T + bg) * (x Wu^T + bu) in float32, SiLU as x / (1 + exp(-x)) (wbf16_grouped's). WHY: no [M][2I]
+// silu(x Wg^T + bg) * (x Wu^T + bu) in float32, SiLU as x / (1 + exp(-x)) (silu.h, as wbf16_grouped's). WHY: no [M][2I]
 // intermediate, no separate SiLU and multiply, and a decode program (engine.kernels.program) can call it.
 // A block's rows go through block_into SR at a time, as wbf16_linear's do: with 6-row tiles over the whole block
 // each group of rows read the block again from L2, and on a Zen 3 (2026-12-07) this entry ran 2.4x wbf16_linear's
@@ -253,11 +254,12 @@ void wbf16_linear_silu_mul(int64_t M, int64_t N, int64_t K, const float *x, cons
             block_into(mr, K, x + m0 * K, wb, out);
             for (int64_t r = 0; r < mr; r++) {
                 const float *o = out + r * NB;
-                float *yr = y + (m0 + r) * width + nb * NB / 2;
+                float g[NB / 2], u[NB / 2];
                 for (int64_t j = 0; j < NB / 2; j++) {
-                    const float g = o[j] + (b ? b[nb * NB + j] : 0.0f), u = o[NB / 2 + j] + (b ? b[nb * NB + NB / 2 + j] : 0.0f);
-                    yr[j] = g / (1.0f + expf(-g)) * u;
+                    g[j] = o[j] + (b ? b[nb * NB + j] : 0.0f);
+                    u[j] = o[NB / 2 + j] + (b ? b[nb * NB + NB / 2 + j] : 0.0f);
                 }
+                silu_mul_f32(g, u, y + (m0 + r) * width + nb * NB / 2, NB / 2);
             }
         }
     }
@@ -295,7 +297,7 @@ static void wgroup_task(const void *ctx, int64_t piece, int64_t nb, int64_t end)
         const float *o = out + r * NB;
         float *yr = p->y + r * width;
         if (g->silu_mul) {
-            for (int64_t j = 0; j < NB / 2; j++) yr[nb * NB / 2 + j] = o[j] / (1.0f + expf(-o[j])) * o[NB / 2 + j];
+            silu_mul_f32(o, o + NB / 2, yr + nb * NB / 2, NB / 2);
         } else {
             const int64_t nn = N - nb * NB < NB ? N - nb * NB : NB;
             memcpy(yr + nb * NB, o, nn * sizeof(float));

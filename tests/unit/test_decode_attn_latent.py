@@ -51,6 +51,30 @@ def test_scores_far_apart_keep_their_running_maximum(kernel: LatentDecodeAttenti
     torch.testing.assert_close(got, reference(q, rows, rows, tables, used, WIDTH**-0.5)[..., :VALUES])
 
 
+@pytest.mark.parametrize("threads", [2, 3, 4])
+def test_one_sequence_split_over_threads_equals_the_reference(kernel: LatentDecodeAttention, threads: int) -> None:
+    """Fewer sequences x head groups than threads: each sequence's tokens run in parts of whole chunks (at least 64
+    tokens a part), combined after. Lengths below one part, at the split's edges, past whole chunks; one sequence,
+    two of very different lengths (one split, one not); the largest score in the last part of one sequence and the
+    first of another, so the parts' maxima differ by far."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for lens in ((127,), (128,), (200,), (1000,), (513,), (1000, 40)):
+            rows, tables = latent_cache(lens, 16, seed=len(lens))
+            rows *= 0.05
+            q = torch.randn(len(lens), 16, WIDTH, generator=torch.Generator().manual_seed(7)) * 2
+            for b, at in enumerate((lens[0] - 3, 5)[: len(lens)]):
+                rows.view(-1, WIDTH)[tables[b, at // 16] * 16 + at % 16] = q[b, 0] * 2
+            used = torch.tensor(lens)
+            got = kernel(q, rows, rows, tables, used, WIDTH**-0.5)
+            assert torch.isfinite(got).all() and not got[..., VALUES:].any(), lens
+            want = reference(q, rows, rows, tables, used, WIDTH**-0.5)[..., :VALUES]
+            torch.testing.assert_close(got[..., :VALUES], want, rtol=1e-4, atol=1e-5)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_takes_only_float32_latent_rows_of_its_width_and_head_counts(kernel: LatentDecodeAttention) -> None:
     assert kernel.takes_latent(16, WIDTH, torch.float32) and kernel.takes_latent(4, WIDTH, torch.float32, 32)
     assert not kernel.takes_latent(16, WIDTH, torch.bfloat16)
