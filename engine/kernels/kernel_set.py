@@ -66,8 +66,5 @@ class CpuKernels:
     absorbed: Callable[[MLAttention], tuple[GroupedLinear | GroupScaledKey | SplitGrouped, Grouped] | None] | None = (
         None
     )
-    # whether MLA's own decode (the layers) runs `absorbed` too; False where torch.bmm timed faster there, and the
-    # calls then serve the decode programs alone (which are measured against the layers per batch class)
-    absorbed_in_layers: bool = True
     # decode steps as one C call over the kernels above (engine.models.decode_program): auto | program | layers
     decode_program: str = "auto"

@@ -953,19 +953,18 @@ def choose_kernels(
         )
     if mla is not None:
         gk = choose_absorbed_gemm(grouped, mla, dtype, timer, cache, flush) if grouped else None
-        k.absorbed_in_layers = gk is not None
         if gk is None and grouped and program.library() is not None:
-            # torch.bmm won the layers' timing (at 32 rows, often by a hair): the grouped calls still serve the
-            # decode programs, which cannot run bmm and are measured against the layers per batch class on the
-            # engine's own steps (engine.models.decode_program). WHY: on a Zen 3 (2026-12-07) a 4% loss at 32
-            # rows kept DeepSeek's every decode step out of programs, 1.6x its batch-1 time.
+            # torch.bmm won this timing (at 32 rows, often by a hair), but a decode program cannot run bmm: the
+            # grouped calls are bound anyway, for the layers too, so that a step gives the same bits as a program
+            # or through the layers, and programs against the layers are measured per batch class on the engine's
+            # own steps (engine.models.decode_program). WHY: on a Zen 3 (2026-12-07) a 4% loss here at 32 rows
+            # kept DeepSeek's every decode step out of programs, 1.6x its batch-1 time.
             gk = next(iter(_absorbed_fits(grouped, mla, dtype).values()), None)
         uv = choose_absorbed_quant(gk, mla, dtype, timer, cache, flush) if gk is not None else None
         uk = choose_absorbed_key(gk, mla, dtype, timer, cache, flush) if gk is not None else None
         f32 = choose_absorbed_float32(mla, dtype, timer, cache, flush)
         split = split_wins(gk, mla, dtype, timer, cache, flush) if gk is not None and f32 is None else False
         k.absorbed = absorbed_gemm(gk, uv, uk, f32, split) if gk is not None or f32 is not None else None
-        k.absorbed_in_layers = k.absorbed_in_layers or f32 is not None or split  # those two were timed against bmm
     if grouped and moe is not None:
         k.moe_experts = choose_grouped_experts(grouped, moe, dtype, timer, cache, flush)
     if moe is not None:

@@ -91,7 +91,6 @@ class MLAttention(nn.Module):
             tuple[GroupedLinear | GroupScaledKey | SplitGrouped, GroupedLinear | GroupedQuantLinear | SplitGrouped]
             | None
         ) = None
-        self.absorbed_in_layers = True  # False: they serve decode programs, this layer's decode runs bmm (timed)
 
     def bind_kernels(self, kernels: CpuKernels) -> None:
         k = kernels.latent_attn
@@ -99,7 +98,6 @@ class MLAttention(nn.Module):
         self.kernel = k if k is not None and k.takes_latent(self.num_heads, width, self.kv_cache.dtype, block) else None
         self.kernel_at = kernels.latent_attn_at if self.kernel is not None else ()
         self.absorbed = kernels.absorbed(self) if kernels.absorbed is not None else None
-        self.absorbed_in_layers = kernels.absorbed_in_layers
         if self.interleaved:  # in place: q_pe and k_pe are slices of fresh projections
             pairs = kernels.rope_pairs
             self.rotate = pairs.rotary_interleaved if pairs is not None else apply_rotary_interleaved
@@ -161,10 +159,9 @@ class MLAttention(nn.Module):
 
     def _decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         lat, (b, h) = self.kv_lora_rank, q_nope.shape[:2]
-        absorbed = self.absorbed if self.absorbed_in_layers else None
-        if absorbed is not None:  # per head as row groups of one call: [H * B, N] → [H * B, L]
+        if self.absorbed is not None:  # per head as row groups of one call: [H * B, N] → [H * B, L]
             heads = [b] * h
-            q_lat = absorbed[0](q_nope.transpose(0, 1).reshape(h * b, -1), heads).view(h, b, lat).transpose(0, 1)
+            q_lat = self.absorbed[0](q_nope.transpose(0, 1).reshape(h * b, -1), heads).view(h, b, lat).transpose(0, 1)
         else:
             q_lat = torch.bmm(q_nope.transpose(0, 1), self._absorbed_weights()[0]).transpose(0, 1)  # [B, H, L]
         q = torch.cat((q_lat, q_pe), dim=-1)  # [B, H, L + R]
@@ -175,8 +172,8 @@ class MLAttention(nn.Module):
         else:
             assert ctx.decode_mask is not None
             o = latent_attention(q, self._gather(ctx.decode_block_tables.flatten()), ctx.decode_mask, self.scale, lat)
-        if absorbed is not None:
-            return absorbed[1](o.transpose(0, 1).reshape(h * b, lat), heads).view(h, b, -1).transpose(0, 1)
+        if self.absorbed is not None:
+            return self.absorbed[1](o.transpose(0, 1).reshape(h * b, lat), heads).view(h, b, -1).transpose(0, 1)
         return torch.bmm(o.transpose(0, 1), self._absorbed_weights()[1]).transpose(0, 1)  # [B, H, V]
 
     def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
