@@ -237,10 +237,10 @@ static void block_into(int64_t m, int64_t K, const float *x, const uint16_t *wb,
 // of 32 (engine.kernels.gemm.interleave_halves; N a multiple of 64), b likewise; y [M][N / 2] gets
 // silu(x Wg^T + bg) * (x Wu^T + bu) in float32, SiLU as x / (1 + exp(-x)) (silu.h, as wbf16_grouped's). WHY: no [M][2I]
 // intermediate, no separate SiLU and multiply, and a decode program (engine.kernels.program) can call it.
-// A block's rows go through block_into SR at a time, as wbf16_linear's do: with 6-row tiles over the whole block
-// each group of rows read the block again from L2, and on a Zen 3 (2026-12-07) this entry ran 2.4x wbf16_linear's
-// time at 32 rows, so the plan kept the plain one (one layout a weight) and a decode program stopped for Python
-// at every gated MLP to run the act in torch.
+// A block's rows go through block_into SR at a time, the tiles wbf16_linear runs (each quarter's weights in L1
+// for every row group). Before (6-row tiles over the whole block, through the spilling clone quarters' comment
+// tells of) this entry ran 2-3x wbf16_linear's time past one row on a Zen 3 (2026-12-07), so the plan kept the
+// plain entry (one layout a weight) and a decode program stopped for Python at every gated MLP to run the act.
 #define SR 64  // rows of a block at a time: SR x 64 floats of output on the stack
 void wbf16_linear_silu_mul(int64_t M, int64_t N, int64_t K, const float *x, const uint16_t *w, const float *b,
                            float *y, int nthreads) {
