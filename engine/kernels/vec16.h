@@ -57,16 +57,21 @@ static inline float hmax_v(vf v) {
     return m;
 }
 
-// exp(x) for x <= 0 (scores minus their running max): 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], a degree-6
-// polynomial (relative error ~2e-7). Below -87 the result is 0, as expf's would underflow to. vexp over v16f,
-// vexp_v over vf (the same function where AL is 16).
-// (truncation toward zero of x*log2e - 0.5 rounds to nearest for x <= 0)
+// exp(x): 2^n * p(r), n = x / ln2 rounded to nearest, r = x - n ln2 in [-ln2/2, ln2/2], a degree-6 polynomial
+// (relative error ~2.5e-7 against expf over [-87, 100]); 0 below -87 (where expf's would underflow), inf past
+// 88.72 (where expf overflows). vexp over v16f (the softmax's scores less their maximum), vexp_v over vf (SiLU's
+// exp(-g) in silu.h; the same function where AL is 16). 2^n is two normal factors 2^(n/2) and 2^(n - n/2): no n
+// in [-126, 128] wraps the exponent field, and each product by a power of two is exact.
 #define VEXP(name, F, I)                                                                                      \
     static inline F name(F x) {                                                                               \
-        const F lo = (F){0} - 87.0f;                                                                          \
-        const I under = x < lo;                                                                               \
-        x = (F)((I)x & ~under) + (F)((I)lo & under);                                                          \
-        const F n = __builtin_convertvector(__builtin_convertvector(x * 1.44269504f + (F){0} - 0.5f, I), F); \
+        const F lo = (F){0} - 87.0f, hi = (F){0} + 89.0f;                                                     \
+        const I under = x < lo, over = x > hi;                                                                \
+        x = (F)(((I)x & ~under) | ((I)lo & under));                                                           \
+        x = (F)(((I)x & ~over) | ((I)hi & over));                                                             \
+        const F t = x * 1.44269504f;                                                                          \
+        const I neg = t < 0; /* truncation after adding +-0.5 rounds to nearest on both sides of zero */     \
+        const F half = (F)(((I)((F){0} + 0.5f) & ~neg) | ((I)((F){0} - 0.5f) & neg));                        \
+        const F n = __builtin_convertvector(__builtin_convertvector(t + half, I), F);                         \
         const F r = x - n * 0.693359375f + n * 2.12194440e-4f;                                                \
         F p = (F){0} + 1.0f / 720;                                                                            \
         p = p * r + 1.0f / 120;                                                                               \
@@ -75,11 +80,12 @@ static inline float hmax_v(vf v) {
         p = p * r + 0.5f;                                                                                     \
         p = p * r + 1.0f;                                                                                     \
         p = p * r + 1.0f;                                                                                     \
-        const I bits = (__builtin_convertvector(n, I) + 127) << 23;                                           \
-        F scale;                                                                                              \
-        memcpy(&scale, &bits, sizeof(scale));                                                                 \
-        const F out = p * scale;                                                                              \
-        return (F)((I)out & ~under);                                                                          \
+        const I ni = __builtin_convertvector(n, I), n1 = ni >> 1;                                             \
+        const I b1 = (n1 + 127) << 23, b2 = (ni - n1 + 127) << 23;                                            \
+        F s1, s2;                                                                                             \
+        memcpy(&s1, &b1, sizeof(s1));                                                                         \
+        memcpy(&s2, &b2, sizeof(s2));                                                                         \
+        return (F)((I)(p * s1 * s2) & ~under);                                                                \
     }
 VEXP(vexp, v16f, v16i)
 #if AL == 16
