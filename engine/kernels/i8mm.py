@@ -48,6 +48,8 @@ class PackedInt8:
 class I8MM:
     """The compiled kernel: pack an int8 weight once, then run W8A8 linear layers over it."""
 
+    rows = torch.bfloat16  # the grouped call's rows (engine.quant.grouped.rows_dtype)
+
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib = lib
         lib.i8mm_linear.argtypes = [_i64, _i64, _i64, _ptr, _int, _ptr, _ptr, _ptr, _ptr, _ptr, _int]
@@ -132,7 +134,7 @@ class I8MM:
         [rows, N] bf16, or [rows, N / 2] = silu(gate) * up where the weights are gated MLPs' [gate; up] rows
         interleaved in blocks of 32 (N a multiple of 64). The C side trusts its arguments: engine.quant.grouped
         checks them."""
-        return self.run_grouped(self.lib.i8mm_grouped, x, counts, shape, weights, silu_mul, "i8mm")
+        return self.run_grouped(self.grouped_entry(), x, counts, shape, weights, silu_mul, "i8mm", self.rows)
 
     @staticmethod
     def run_grouped(
@@ -169,21 +171,14 @@ class I8MMFloat32Rows(I8MM):
     """The same compiled kernel whose grouped call takes and gives float32 rows (i8mm_grouped_f32: float32 math,
     on any AVX512-VNNI CPU, with AVX512-BF16 or not; silu(gate) * up in float32), over i8mm's packed copies."""
 
-    rows = torch.float32  # the grouped call's rows (engine.quant.grouped.rows_dtype)
+    rows = torch.float32
 
     def __init__(self, kernel: I8MM) -> None:  # shares the library, whose entries I8MM set up
         self.lib, self.has_silu_mul = kernel.lib, kernel.has_silu_mul
         self.has_grouped = True
 
-    def grouped_entry(self) -> object:
+    def grouped_entry(self) -> object:  # I8MM.grouped calls it: float32 rows x [rows, K] → [rows, N] (N / 2) float32
         return self.lib.i8mm_grouped_f32
-
-    def grouped(
-        self, x: torch.Tensor, counts: ctypes.Array, shape: tuple[int, int], weights: tuple[ctypes.Array, ...],
-        silu_mul: bool,
-    ) -> torch.Tensor:  # fmt: skip
-        """I8MM.grouped over float32 rows x [rows, K] → [rows, N] (N / 2 with silu_mul) float32."""
-        return self.run_grouped(self.lib.i8mm_grouped_f32, x, counts, shape, weights, silu_mul, "i8mm", torch.float32)
 
 
 def i8_entry(fn: ctypes._CFuncPtr, w: PackedInt8, silu: bool, dtype: torch.dtype = torch.bfloat16) -> CEntry:
