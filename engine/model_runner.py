@@ -22,7 +22,7 @@ from engine.kernels.op_choice import choose_kernels, decode_attention_kernels, g
 from engine.kernels.select import streams_from_memory
 from engine.loader import ModelFiles, load_model
 from engine.malloc import keep_freed_memory, release_freed_memory
-from engine.models.decode_program import programmable
+from engine.models.decode_program import programmable, programs_possible
 from engine.outputs import ModelOutput, ScheduledSeq, SchedulerOutput
 from engine.parallel.group import Group, SingleGroup
 from engine.params import torch_seed
@@ -144,9 +144,11 @@ class ModelRunner:
             attn = decode_attention_kernels()
             timer = selector.timer if selector.measure else None  # a forced gemm_path binds every kernel untimed
             grouped = grouped_kernels(self.dtype, c.gemm_path)
+            programs = programs_possible(self.model, c.decode_program)
             kernels = choose_kernels(
-                self.model, pw, attn, self.dtype, timer, selector.cache, self.block_size, grouped, selector.flush
-            )
+                self.model, pw, attn, self.dtype, timer, selector.cache, self.block_size, grouped, selector.flush,
+                programs,
+            )  # fmt: skip
         kernels.decode_program = c.decode_program
         return bind_cpu_kernels(self.model, [self.sampler], kernels, selector, c.max_num_seqs)
 

@@ -28,6 +28,7 @@
 
 #include "grouped_tasks.h"
 #include "i8_rows.h"
+#include "silu.h"
 
 // Row tiles a block may have for its tiles to prefetch the next block (see i8mm_linear): bf16mm's figure, from a
 // Zen 4. i8mm.py also builds the kernel with -DPF_TILES=1 (no software prefetch); the selection times both.
@@ -97,14 +98,9 @@ static void row_tile_any(int mr, int64_t K4, const uint8_t *xq, const uint8_t *w
 #include "avx512_math.h"
 #endif
 
-// silu(g) * u of a block's 32 gate and 32 up float sums (o: gate, then up) into 32 float32 outputs, SiLU as
-// g / (1 + exp(-g)) (the float32 torch code's formula, as w4f32's and i8avx2's fused entries compute it).
-static void store_silu_mul_f32(const float *o, float *yr) {
-    for (int j = 0; j < NB / 2; j++) {
-        const float g = o[j], u = o[NB / 2 + j];
-        yr[j] = g / (1.0f + expf(-g)) * u;
-    }
-}
+// silu(g) * u of a block's 32 gate and 32 up float sums (o: gate, then up) into 32 float32 outputs: silu.h's, as
+// w4f32's, i8avx2's and wbf16's fused entries compute it (a vector exp; libm's expf once an output before).
+static void store_silu_mul_f32(const float *o, float *yr) { silu_mul_f32(o, o + NB / 2, yr, NB / 2); }
 
 // x [M][K] (bf16 when bf16, else float32) → y [M][N] of the same type (with silu_mul y [M][N / 2], see
 // i8mm_linear_silu_mul). w: the packed weight; colsum, ws, b: int32 / float [ceil(N/64) * 64] (b may be NULL).

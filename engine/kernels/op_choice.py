@@ -5,12 +5,17 @@ kept only where faster. Decode attention has more than one kernel where the CPU 
 MLA's latent decode has the same choice (for float32 math: engine.kernels.decode_attn_latent).
 
 The kernels were each checked against torch when they were built (engine.kernels.cbuild.Once); here only speed
-is in question. Timings go into the same on-disk table as the GEMMs' (engine.kernels.select.PlanCache)."""
+is in question. Timings go into the same on-disk table as the GEMMs' (engine.kernels.select.PlanCache).
+
+Where decode programs may run (engine.models.decode_program), what a program calls is bound even where torch won
+its timing: a program calls only C kernels, and the program against the layers is itself measured per batch class
+on the engine's own steps."""
 
 from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import math
 from collections.abc import Callable
 
@@ -55,6 +60,8 @@ from engine.quant.paths import quant_paths
 from engine.quant.weights import Int4Weight
 from engine.sampler import inverse_cdf
 
+log = logging.getLogger(__name__)
+
 ROWS = 32  # a decode batch: where these ops' per-call overhead matters
 # quantized experts' plans at decode's rows (bf16 math; float32 math: w4f32, i8avx2)
 DECODE_QUANT_PATHS = ("w4mm", "w4mm-vnni", "w4mm-amx", "i8mm", "i8mm-amx", "w4f32", "i8avx2")
@@ -63,6 +70,16 @@ BLOCK = 16
 PREFILL_LENGTHS = (32, 128, 512, 2048)  # prompt chunks timed both ways for prefill in place
 COLD_BYTES = 256 << 20  # the most the decode attention probe allocates to read its caches from memory
 PROBE_EXPERTS = 16  # routed experts timed for the grouped call (engine.kernels.grouped.GroupedExperts)
+
+
+def for_programs(won: bool, programs: bool, what: str) -> bool:
+    """Whether to bind a kernel a decode program calls, that `won` (or lost) its timing against torch: where
+    programs may run, either way, for the layers too, so that a step gives the same bits as a program or through
+    the layers. WHY: one such timing lost otherwise keeps every decode step out of the programs (DeepSeek on a Zen
+    3, 2026-12-07, while its MoE router ran 1.26x torch's time at 32 rows; torch's RoPE on tiny test shapes)."""
+    if not won and programs:
+        log.info("%s: torch was faster at %d rows; the kernel is bound anyway, as decode programs call it", what, ROWS)
+    return won or programs
 
 
 def faster(
@@ -919,20 +936,25 @@ def choose_kernels(
     block_size: int = BLOCK,
     grouped: dict[str, GroupedKernel] | None = None,
     flush: Callable[[], None] | None = None,
+    programs: bool = False,
 ) -> CpuKernels:
     """The kernels (of those that built) that beat torch at this model's sizes on this machine; with no `timer`,
     every one that applies (a forced configuration: engine.config's gemm_path). `attn`, `grouped`: the decode
     attention and grouped GEMM kernels built here (decode_attention_kernels, grouped_kernels); `flush`: the GEMM
-    selection's cache flush where the model does not stay in the caches (the experts' choice is timed cold)."""
+    selection's cache flush where the model does not stay in the caches (the experts' choice is timed cold).
+    `programs`: decode programs may run (engine.models.decode_program.programs_possible): the kernels they call
+    are bound whichever way their timing went (for_programs)."""
     norm = next((m for m in model.modules() if isinstance(m, RMSNorm)), None)
     layer = next((m for m in model.modules() if isinstance(m, PagedAttention)), None)
     head = getattr(model, "lm_head", None)
     k = CpuKernels()
     if pw is not None:
-        if norm is not None and rms_norm_wins(pw, norm.weight.shape[0], dtype, timer, cache):
+        if norm is not None and for_programs(
+            rms_norm_wins(pw, norm.weight.shape[0], dtype, timer, cache), programs, "RMSNorm"
+        ):
             k.rms_norm = pw
-        if layer is not None and rope_wins(
-            pw, layer.num_heads + layer.num_kv_heads, layer.head_dim, dtype, timer, cache
+        if layer is not None and for_programs(
+            rope_wins(pw, layer.num_heads + layer.num_kv_heads, layer.head_dim, dtype, timer, cache), programs, "RoPE"
         ):
             k.rope = pw
         if head is not None and argmax_wins(pw, head.out_features, dtype, timer, cache):
@@ -941,25 +963,28 @@ def choose_kernels(
             k.sample = pw
     mla = next((m for m in model.modules() if isinstance(m, MLAttention)), None)
     moe = next((m for m in model.modules() if isinstance(m, MoE)), None)
-    if pw is not None and mla is not None and rope_pairs_wins(pw, mla.num_heads, mla.rope, dtype, timer, cache):
-        k.rope_pairs = pw
-    if pw is not None and moe is not None and moe_combine_wins(pw, moe, dtype, timer, cache):
-        k.moe_combine = pw
-    if pw is not None and moe is not None and moe_route_wins(pw, moe, dtype, timer, cache):
-        k.moe_route = pw
+    if pw is not None and mla is not None:
+        won = rope_pairs_wins(pw, mla.num_heads, mla.rope, dtype, timer, cache)
+        k.rope_pairs = pw if for_programs(won, programs, "RoPE on pairs") else None
+    if pw is not None and moe is not None:
+        won = moe_combine_wins(pw, moe, dtype, timer, cache)
+        k.moe_combine = pw if for_programs(won, programs, "the MoE combine") else None
+        if pw.routes(torch.empty(1, moe.gate.weight.shape[1], dtype=dtype), moe.gate):  # (else it never runs)
+            won = moe_route_wins(pw, moe, dtype, timer, cache)
+            k.moe_route = pw if for_programs(won, programs, "the MoE routing") else None
     if mla is not None:
         k.latent_attn, k.latent_attn_at = choose_latent_attention(
             latent_attention_kernels(attn, dtype), mla, dtype, timer, cache
         )
     if mla is not None:
         gk = choose_absorbed_gemm(grouped, mla, dtype, timer, cache, flush) if grouped else None
-        if gk is None and grouped and program.library() is not None:
+        if gk is None and grouped and programs:
             # torch.bmm won this timing (at 32 rows, often by a hair), but a decode program cannot run bmm: the
-            # grouped calls are bound anyway, for the layers too, so that a step gives the same bits as a program
-            # or through the layers, and programs against the layers are measured per batch class on the engine's
-            # own steps (engine.models.decode_program). WHY: on a Zen 3 (2026-12-07) a 4% loss here at 32 rows
-            # kept DeepSeek's every decode step out of programs, 1.6x its batch-1 time.
+            # grouped calls are bound anyway, as for_programs does. WHY: on a Zen 3 (2026-12-07) a 4% loss here
+            # at 32 rows kept DeepSeek's every decode step out of programs, 1.6x its batch-1 time.
             gk = next(iter(_absorbed_fits(grouped, mla, dtype).values()), None)
+            log.info("MLA's W_UK / W_UV: torch.bmm was faster at %d rows; grouped calls are bound anyway, as decode "
+                     "programs call them", ROWS)  # fmt: skip
         uv = choose_absorbed_quant(gk, mla, dtype, timer, cache, flush) if gk is not None else None
         uk = choose_absorbed_key(gk, mla, dtype, timer, cache, flush) if gk is not None else None
         f32 = choose_absorbed_float32(mla, dtype, timer, cache, flush)

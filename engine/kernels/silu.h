@@ -1,8 +1,9 @@
 // silu(g) * u over float32 rows in vectors of AL lanes (vec16.h), SiLU as g / (1 + exp(-g)), the float32 torch
-// code's formula, with vec16.h's vexp_v: the fused gated-MLP epilogues of the float32 kernels (wbf16.c,
-// w4f32.c, i8avx2.c) share it, so each kernel's entries give the same bits whichever a batch class takes.
-// WHY: they called libm's expf once an output; at 32 rows of Qwen2-0.5B's gate/up that was ~15% of wbf16's fused
-// call on a Zen 3 (2026-12-07). cbuild.py hashes this header with every source that includes it.
+// code's formula, with vec16.h's vexp_v: the fused gated-MLP epilogues of the float32 kernels (wbf16.c, w4f32.c,
+// i8avx2.c, and i8mm.c over float32 rows) share it, so each kernel's entries give the same bits whichever a batch
+// class takes. WHY: they called libm's expf once an output; at 32 rows of Qwen2-0.5B's gate/up that was ~15% of
+// wbf16's fused call on a Zen 3 (2026-12-07), and 45% of i8mm's float32 one on a Zen 5 (645 -> 351 us, 2 threads).
+// cbuild.py hashes this header with every source that includes it.
 #ifndef TIANMEN_SILU_H
 #define TIANMEN_SILU_H
 #include <stdint.h>

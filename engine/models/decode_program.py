@@ -90,10 +90,18 @@ def make_programs(model: nn.Module, build: Callable[..., Program | str], kernels
 def programs_may_run(model: nn.Module) -> bool:
     """Whether a model's decode steps may run as programs: it has them, not forced off, one rank, bf16 or float32
     math (as the builders check)."""
-    programs, dtype = getattr(model, "programs", None), model.model.norm.weight.dtype  # type: ignore[union-attr]
-    if not isinstance(programs, DecodePrograms) or programs.mode == "layers" or model.group.size != 1:  # type: ignore[union-attr]
+    programs = getattr(model, "programs", None)
+    return isinstance(programs, DecodePrograms) and programs_possible(model, programs.mode)
+
+
+def programs_possible(model: nn.Module, mode: str) -> bool:
+    """Whether decode programs may be built for `model` once its kernels are bound (engine.kernels.op_choice then
+    binds what a program calls): a family that builds them (it has a `programs` attribute), `mode` (EngineConfig's
+    decode_program) not forcing the layers, the executor built, one rank, bf16 or float32 math."""
+    if not hasattr(model, "programs") or mode == "layers" or program.library() is None:
         return False
-    return dtype in (torch.bfloat16, torch.float32)
+    group, dtype = getattr(model, "group", None), model.model.norm.weight.dtype  # type: ignore[union-attr]
+    return getattr(group, "size", 1) == 1 and dtype in (torch.bfloat16, torch.float32)
 
 
 def programmable(ctx: AttentionContext, rows: int) -> bool:

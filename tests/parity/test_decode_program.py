@@ -82,6 +82,26 @@ def test_a_programmed_step_gives_the_layers_logits_bit_for_bit(
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)) and "1" in _programs_run(solo, variant)
 
 
+def test_programs_run_where_torch_won_the_small_ops_timings(bf16_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The selection timed, not forced, and torch winning every small op's timing (RMSNorm, RoPE, argmax,
+    sampling): what a program calls is bound anyway where programs may run, and decode steps run through programs,
+    with the same bits as the layers; where programs are off, the layers keep torch's code."""
+    import engine.kernels.op_choice
+
+    monkeypatch.setattr(engine.kernels.op_choice, "faster", lambda *_: False)
+    prompts = mixed_prompts(4)
+    programmed = make_core(bf16_dir, dtype="float32", decode_program="program")
+    got = step_logits(programmed, prompts, 8)
+    model = programmed.runner.model
+    assert model.model.norm.kernel is not None and model.model.layers[0].self_attn.kernel is not None
+    assert "<=8" in _programs_run(programmed)
+    auto = make_core(bf16_dir, dtype="float32", decode_program="auto")
+    want = step_logits(auto, prompts, 8)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))  # the layers run the same kernels
+    off = make_core(bf16_dir, dtype="float32", decode_program="layers")
+    assert off.runner.model.model.norm.kernel is None and off.runner.model.model.layers[0].self_attn.kernel is None
+
+
 QUANT = {"w8a8": i8mm.supported() and bf16mm.supported(), "w4a16": bf16mm.supported()}
 
 

@@ -86,7 +86,7 @@ def test_the_float32_fused_silu_entry_equals_the_unfused_entry_then_the_float32_
     kernel: I8MM, n: int, k: int
 ) -> None:
     """Float32 math on any AVX512-VNNI CPU (no AVX512-BF16 needed): i8mm_linear_silu_mul_f32 gives silu(gate) * up
-    of the plain entry's float32 sums, in float32 (the C library's exp against torch's: float rounding apart)."""
+    of the plain entry's float32 sums, in float32 (silu.h's vector exp against torch's: float rounding apart)."""
     w = int8_weight(n, k)
     bias = torch.randn(n, generator=torch.Generator().manual_seed(2))
     act = ActAndMul("silu")

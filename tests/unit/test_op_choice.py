@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.context import AttentionContext
-from engine.kernels import amxmm, bf16mm, decode_attn_amx, decode_attn_dp, decode_attn_latent, pointwise, program, wbf16
+from engine.kernels import amxmm, bf16mm, decode_attn_amx, decode_attn_dp, decode_attn_latent, pointwise, wbf16
 from engine.kernels.decode_attn import DECODE_ROWS, DecodeAttention, runs_at
 from engine.kernels.grouped import GroupedExperts, GroupedKernel, GroupedLinear
 from engine.kernels.kernel_set import CpuKernels
@@ -41,6 +41,7 @@ from engine.kernels.select import CacheFlush, PlanCache, Timer, call_seconds
 from engine.layers.attention import PagedAttention
 from engine.layers.mla import MLAttention
 from engine.layers.moe import MoE, MoEGate
+from engine.layers.norm import RMSNorm
 
 
 def quiet() -> bool:  # the machine is never busy for these tests
@@ -71,13 +72,29 @@ def test_kernels_measured_slower_are_not_bound() -> None:
     if pw is None:
         pytest.skip("the pointwise kernels did not build here (the warning says why)")
     model = torch.nn.Sequential(torch.nn.Linear(4, 4))
-    from engine.layers.norm import RMSNorm
-
     model.append(RMSNorm(64, 1e-6))
     slow_kernel = choose_kernels(model, pw, {}, torch.float32, lambda fn: 1.0, None)
     assert slow_kernel.rms_norm is None  # every call "takes" 1 s: a tie is not a win
     forced = choose_kernels(model, pw, {}, torch.float32, None, None)
     assert forced.rms_norm is pw and forced.decode_attn is None
+
+
+def test_where_programs_may_run_the_kernels_they_call_are_bound_though_torch_won() -> None:
+    """Torch wins every timing (a tie is not a win): where decode programs may run, RMSNorm, RoPE, MLA's RoPE on
+    pairs and the MoE routing and combine are bound anyway (a program calls only C kernels; the layers run the same
+    ones, so both ways give the same bits); argmax and sampling, which no program calls, stay with torch; where no
+    program runs, none is bound."""
+    pw = pointwise.kernel()
+    assert pw is not None
+    moe = MoE(MoEGate(64, 8, 2, "softmax", 1, 1, False, 1.0), 64, 32, 1, "silu")
+    model = torch.nn.Sequential(RMSNorm(64, 1e-6), PagedAttention(8, 2, 64, 64**-0.5), MLAttention(*MLA), moe)
+    model.lm_head = torch.nn.Linear(64, 1000)
+    program_ops = ("rms_norm", "rope", "rope_pairs", "moe_combine", "moe_route")
+    got = choose_kernels(model, pw, {}, torch.float32, lambda fn: 1.0, None, programs=True)
+    assert all(getattr(got, op) is pw for op in program_ops), [getattr(got, op) for op in program_ops]
+    assert got.argmax is None and got.sample is None
+    got = choose_kernels(model, pw, {}, torch.float32, lambda fn: 1.0, None)
+    assert all(getattr(got, op) is None for op in program_ops)
 
 
 @pytest.mark.parametrize("method", ["rotary_interleaved", "moe_combine"])
@@ -497,17 +514,17 @@ def test_grouped_w_uk_w_uv_are_bound_where_programs_run_even_where_bmm_won_the_t
         fn()
         return 1.0 if ran else 1e-3
 
-    got = choose_kernels(torch.nn.Sequential(mla), None, {}, torch.bfloat16, bmm_fast, None, grouped={"a": kernel})  # type: ignore[dict-item]
-    assert program.library() is not None and got.absorbed is not None
+    got = choose_kernels(torch.nn.Sequential(mla), None, {}, torch.bfloat16, bmm_fast, None, grouped={"a": kernel},  # type: ignore[dict-item]
+                         programs=True)  # fmt: skip
+    assert got.absorbed is not None
     mla.bind_kernels(got)
     assert mla.absorbed is not None and isinstance(mla.absorbed[0], GroupedLinear)
     assert mla.absorbed[0].kernel is kernel and mla.absorbed[1].kernel is kernel  # type: ignore[union-attr]
 
 
-def test_without_the_program_executor_bmm_keeps_mla_where_it_won(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_where_no_program_runs_bmm_keeps_mla_where_it_won() -> None:
     ran: list[str] = []
     kernel = _Recording(ran, "a")
-    monkeypatch.setattr(program, "library", lambda: None)
 
     def bmm_fast(fn: Callable[[], object]) -> float:
         ran.clear()
