@@ -26,8 +26,8 @@ from engine.quant.paths import quant_paths
 from tests.parity.conftest import hf_expected, make_core, mixed_prompts, run_core, step_logits
 
 BF16_GEMM = "bf16mm" if bf16mm.supported() else "amxmm" if amxmm.supported() else None
-# dtype, the forced GEMM path (which binds every other kernel too, untimed: on these tiny shapes torch's RoPE may
-# win the timing, and a program calls only kernels the layers run), whether the gated MLP's GEMM is the fused one
+# dtype, the forced GEMM path (which binds every other kernel too, untimed: the engines compared take the same
+# kernels whatever the timings), whether the gated MLP's GEMM is the fused one
 VARIANTS = {
     "float32": ("float32", "wbf16", True),
     "float32-unfused": ("float32", "wbf16", False),
