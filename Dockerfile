@@ -48,9 +48,13 @@ COPY gateway /src/gateway
 COPY engine /src/engine
 COPY security /src/security
 COPY audit /src/audit
+# the last check compiles one kernel from the installed package (the image compiles them again for its host at
+# first start): a wheel without the kernels' headers once left every kernel unbuilt and the engine on torch alone
 RUN pip install "/src${EXTRAS:+[$EXTRAS]}" \
  && python -c "import gateway.server, engine, security.sm4, audit" \
- && python -c "from security.gcrypt import BUNDLED, Gcrypt; g = Gcrypt.load(); assert g and g.path == str(BUNDLED), g"
+ && python -c "from security.gcrypt import BUNDLED, Gcrypt; g = Gcrypt.load(); assert g and g.path == str(BUNDLED), g" \
+ && TIANMEN_KERNEL_CACHE=/tmp/kernels python -I -c "from engine.kernels import pointwise; assert pointwise.kernel()" \
+ && rm -rf /tmp/kernels
 
 FROM ${BASE_IMAGE}
 ARG TIANMEN_UID=10001
