@@ -11,6 +11,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "latent_split.h"
 #include "thread_buffer.h"
 #include "vec16.h"
 
@@ -100,9 +101,6 @@ static inline void value_tile(int64_t n, const float *const *rows, const float *
         for (int j = 0; j < JB; j++) memcpy(o + (h0 + h) * LV + j0 + j * AL, &acc[h][j], sizeof(vf));
 }
 
-#define MAX_PARTS 8  // parts a sequence's tokens are split in at most
-#define MIN_PART 64  // tokens a part at least where a sequence's tokens are split over threads
-
 // A task's result over part of a sequence's tokens, before normalising: the values' sums o, and per head the
 // running maximum m and the softmax denominator l.
 typedef struct {
@@ -189,40 +187,28 @@ static __thread thread_buffer parts_buf;
 // q, out: [B][H][LD]; cache: [blocks][bs][LD] (kc == vc: K and V are the same rows); tables: [B][W] block ids;
 // ctx_lens: [B]. Writes out[b][h][0 .. LV) and zeros the rest. The family's signature (decode_attn.py): KV must be
 // 1 and D == LD, H a multiple of HB (the caller checks: decode_attn_latent.py); one task per sequence and group of
-// up to MAX_H heads, or with fewer such tasks than threads, one per part of a sequence's tokens (whole CH-token
-// chunks, at least MIN_PART tokens a part), the parts combined after (decode_attn_latent_dp.c's split). WHY: at
-// batch 1 one thread attended while the other waited (DeepSeek-V2-tiny W4A16 on a Zen 3, 2026-12-07: 0.75 ms of a
-// 10.1 ms token). Without memory for the parts it runs one task a sequence.
+// up to MAX_H heads, or one per part of a sequence's tokens (latent_split.h). Without memory for the parts it runs
+// one task a sequence.
 void decode_attn_latent_f32(int64_t B, int64_t H_all, int64_t KV, int64_t D, const float *q, const float *kc,
                             const float *vc, int64_t bs, const int64_t *tables, int64_t W, const int64_t *ctx_lens,
                             float scale, float *out, int nthreads) {
     (void)KV, (void)D, (void)vc;
     const int64_t groups = (H_all + MAX_H - 1) / MAX_H, tasks = B * groups;
     if (tasks <= 0) return;
-    int64_t split = tasks < nthreads ? nthreads / tasks : 1;
-    split = split > MAX_PARTS ? MAX_PARTS : split;
+    int64_t split = latent_split(tasks, nthreads);
     partial_t *parts = split > 1 ? grow_aligned(&parts_buf, sizeof(partial_t) * (size_t)(tasks * split)) : NULL;
     if (!parts) split = 1;
     int64_t n_parts[tasks];
-    for (int64_t t = 0; t < tasks; t++) {
-        const int64_t chunks = (ctx_lens[t / groups] + CH - 1) / CH, most = ctx_lens[t / groups] / MIN_PART;
-        const int64_t n = split < most ? split : most;
-        n_parts[t] = n > 1 && chunks >= n ? n : 1;
-    }
+    latent_parts(tasks, groups, split, CH, ctx_lens, n_parts);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
     for (int64_t i = 0; i < tasks * split; i++) {
         // this task's heads: a group of at most MAX_H (DeepSeek-V2/V3 have 128: eight groups read the same rows)
         const int64_t t = i / split, p = i % split, n = n_parts[t];
         if (p >= n) continue;
-        const int64_t b = t / groups, first = t % groups * MAX_H;
-        const int64_t H = H_all - first < MAX_H ? H_all - first : MAX_H, L = ctx_lens[b], chunks = (L + CH - 1) / CH;
-        if (n == 1) {
-            task(b, first, H, H_all, q, kc, bs, tables + b * W, 0, L, scale, out, NULL);
-            continue;
-        }
-        const int64_t end = chunks * (p + 1) / n * CH;
-        task(b, first, H, H_all, q, kc, bs, tables + b * W, chunks * p / n * CH, end < L ? end : L, scale, out,
-             parts + i);
+        const int64_t b = t / groups, first = t % groups * MAX_H, H = H_all - first < MAX_H ? H_all - first : MAX_H;
+        int64_t t0 = 0, t1 = ctx_lens[b];
+        if (n > 1) latent_part_tokens(p, n, ctx_lens[b], CH, &t0, &t1);
+        task(b, first, H, H_all, q, kc, bs, tables + b * W, t0, t1, scale, out, n > 1 ? parts + i : NULL);
     }
     for (int64_t t = 0; t < tasks; t++)
         if (n_parts[t] > 1) {

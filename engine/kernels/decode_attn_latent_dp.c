@@ -22,6 +22,7 @@
 #include <string.h>
 
 #include "avx512_math.h"
+#include "latent_split.h"
 #include "thread_buffer.h"
 
 #define LD 576      // a cached row: kv_lora_rank 512 + qk_rope_head_dim 64 (DeepSeek-V2/V3)
@@ -34,8 +35,6 @@
 #define NV (LV / 16)  // value vectors of 16 columns a head (interleaved order: unpacklo, unpackhi halves)
 #define HB 4        // heads a value tile
 #define JB 4        // value vectors a value tile: HB x JB accumulators (2 alike, 8 slower)
-#define MAX_PARTS 8 // parts a sequence's tokens are split in at most
-#define MIN_PART 64 // tokens a part at least where a sequence's tokens are split over threads (decode_attn_latent_dp)
 
 // A task's result over part of a sequence's tokens, before normalising: the values' sums o (interleaved column
 // order), and per head (lanes) the running maximum m and the softmax denominator l.
@@ -194,41 +193,27 @@ static __thread thread_buffer parts_buf;
 // q, out: [B][H][LD] bf16; cache: [blocks][bs][LD] (kc == vc: K and V are the same rows); tables: [B][W] block
 // ids; ctx_lens: [B]. Writes out[b][h][0 .. LV) and zeros the rest. The family's signature (decode_attn.py): KV
 // is 1 and D == LD (the caller checks: decode_attn_latent_dp.py). One task per sequence and group of up to 16
-// heads (DeepSeek-V2/V3 have 128: eight groups read the same rows), or with fewer such tasks than threads, one per
-// part of a sequence's tokens (whole CH-token chunks, at least MIN_PART tokens a part), the parts combined after.
-// Without memory for the parts it runs one task a sequence.
+// heads (DeepSeek-V2/V3 have 128: eight groups read the same rows), or one per part of a sequence's tokens
+// (latent_split.h). Without memory for the parts it runs one task a sequence.
 void decode_attn_latent_dp(int64_t B, int64_t H_all, int64_t KV, int64_t D, const uint16_t *q, const uint16_t *kc,
                            const uint16_t *vc, int64_t bs, const int64_t *tables, int64_t W, const int64_t *ctx_lens,
                            float scale, uint16_t *out, int nthreads) {
     (void)KV, (void)D, (void)vc;
     const int64_t groups = (H_all + MAX_H - 1) / MAX_H, tasks = B * groups;
     if (tasks <= 0) return;
-    // fewer tasks than threads (one sequence at batch 1): each sequence's tokens in parts of whole chunks, a task
-    // each, then combined. WHY: one thread attended while the other waited; DeepSeek-V2-tiny at 1,000 tokens
-    // took ~180 us a layer on a 2-core Zen 4.
-    int64_t split = tasks < nthreads ? nthreads / tasks : 1;
-    split = split > MAX_PARTS ? MAX_PARTS : split;
+    int64_t split = latent_split(tasks, nthreads);
     partial_t *parts = split > 1 ? grow_aligned(&parts_buf, sizeof(partial_t) * (size_t)(tasks * split)) : NULL;
     if (!parts) split = 1;  // no memory for the parts: one task a sequence as before
     int64_t n_parts[tasks];
-    for (int64_t t = 0; t < tasks; t++) {
-        const int64_t chunks = (ctx_lens[t / groups] + CH - 1) / CH, most = ctx_lens[t / groups] / MIN_PART;
-        const int64_t n = split < most ? split : most;
-        n_parts[t] = n > 1 && chunks >= n ? n : 1;
-    }
+    latent_parts(tasks, groups, split, CH, ctx_lens, n_parts);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
     for (int64_t i = 0; i < tasks * split; i++) {
         const int64_t t = i / split, p = i % split, n = n_parts[t];
         if (p >= n) continue;
         const int64_t b = t / groups, h0 = t % groups * MAX_H, H = H_all - h0 < MAX_H ? H_all - h0 : MAX_H;
-        const int64_t L = ctx_lens[b], chunks = (L + CH - 1) / CH;
-        if (n == 1) {
-            task(b, h0, H, H_all, q, kc, bs, tables + b * W, 0, L, scale, out, NULL);
-            continue;
-        }
-        const int64_t end = chunks * (p + 1) / n * CH;
-        task(b, h0, H, H_all, q, kc, bs, tables + b * W, chunks * p / n * CH, end < L ? end : L, scale, out,
-             parts + i);
+        int64_t t0 = 0, t1 = ctx_lens[b];
+        if (n > 1) latent_part_tokens(p, n, ctx_lens[b], CH, &t0, &t1);
+        task(b, h0, H, H_all, q, kc, bs, tables + b * W, t0, t1, scale, out, n > 1 ? parts + i : NULL);
     }
     for (int64_t t = 0; t < tasks; t++)
         if (n_parts[t] > 1) {
