@@ -12,7 +12,6 @@
 #include <string.h>
 
 #include "latent_split.h"
-#include "thread_buffer.h"
 #include "vec16.h"
 
 #define LD 576  // a cached row: kv_lora_rank 512 + qk_rope_head_dim 64 (DeepSeek-V2/V3)
@@ -110,8 +109,12 @@ typedef struct {
 
 // Sequence b's heads [first, first + H) over its tokens [t0, t1): normalised into out, or with `part` that part's
 // sums, maximum and denominator into it.
-static void task(int64_t b, int64_t first, int64_t H, int64_t H_all, const float *q, const float *kc, int64_t bs,
-                 const int64_t *table, int64_t t0, int64_t t1, float scale, float *out, partial_t *part) {
+static void task(const latent_call *call, int64_t b, int64_t first, int64_t H, int64_t t0, int64_t t1, void *into) {
+    const float *q = call->q, *kc = call->kc;
+    const float scale = call->scale;
+    const int64_t H_all = call->H_all, bs = call->bs, *table = call->tables + b * call->W;
+    float *out = call->out;
+    partial_t *part = into;
     float qt[LD * MAX_H] __attribute__((aligned(64))), s[CH * MAX_H] __attribute__((aligned(64)));
     float o[MAX_H * LV] __attribute__((aligned(64))), alpha[MAX_H], l[MAX_H];
     const float *rows[CH];
@@ -162,8 +165,10 @@ static void task(int64_t b, int64_t first, int64_t H, int64_t H_all, const float
 
 // Sequence b's heads [first, first + H) from its n parts' results: each part's sums and denominator weighed by
 // exp(its maximum - the largest), then normalised into out.
-static void combine(int64_t b, int64_t first, int64_t H, int64_t H_all, const partial_t *parts, int64_t n,
-                    float *out) {
+static void combine(const latent_call *call, int64_t b, int64_t first, int64_t H, const void *results, int64_t n) {
+    const partial_t *parts = results;
+    const int64_t H_all = call->H_all;
+    float *out = call->out;
     for (int64_t h = 0; h < H; h++) {
         float mx = parts[0].m[h], w[MAX_PARTS], l = 0.0f;
         for (int64_t p = 1; p < n; p++) mx = parts[p].m[h] > mx ? parts[p].m[h] : mx;
@@ -182,8 +187,6 @@ static void combine(int64_t b, int64_t first, int64_t H, int64_t H_all, const pa
     }
 }
 
-static __thread thread_buffer parts_buf;
-
 // q, out: [B][H][LD]; cache: [blocks][bs][LD] (kc == vc: K and V are the same rows); tables: [B][W] block ids;
 // ctx_lens: [B]. Writes out[b][h][0 .. LV) and zeros the rest. The family's signature (decode_attn.py): KV must be
 // 1 and D == LD, H a multiple of HB (the caller checks: decode_attn_latent.py); one task per sequence and group of
@@ -193,26 +196,6 @@ void decode_attn_latent_f32(int64_t B, int64_t H_all, int64_t KV, int64_t D, con
                             const float *vc, int64_t bs, const int64_t *tables, int64_t W, const int64_t *ctx_lens,
                             float scale, float *out, int nthreads) {
     (void)KV, (void)D, (void)vc;
-    const int64_t groups = (H_all + MAX_H - 1) / MAX_H, tasks = B * groups;
-    if (tasks <= 0) return;
-    int64_t split = latent_split(tasks, nthreads);
-    partial_t *parts = split > 1 ? grow_aligned(&parts_buf, sizeof(partial_t) * (size_t)(tasks * split)) : NULL;
-    if (!parts) split = 1;
-    int64_t n_parts[tasks];
-    latent_parts(tasks, groups, split, CH, ctx_lens, n_parts);
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
-    for (int64_t i = 0; i < tasks * split; i++) {
-        // this task's heads: a group of at most MAX_H (DeepSeek-V2/V3 have 128: eight groups read the same rows)
-        const int64_t t = i / split, p = i % split, n = n_parts[t];
-        if (p >= n) continue;
-        const int64_t b = t / groups, first = t % groups * MAX_H, H = H_all - first < MAX_H ? H_all - first : MAX_H;
-        int64_t t0 = 0, t1 = ctx_lens[b];
-        if (n > 1) latent_part_tokens(p, n, ctx_lens[b], CH, &t0, &t1);
-        task(b, first, H, H_all, q, kc, bs, tables + b * W, t0, t1, scale, out, n > 1 ? parts + i : NULL);
-    }
-    for (int64_t t = 0; t < tasks; t++)
-        if (n_parts[t] > 1) {
-            const int64_t first = t % groups * MAX_H, H = H_all - first < MAX_H ? H_all - first : MAX_H;
-            combine(t / groups, first, H, H_all, parts + t * split, n_parts[t], out);
-        }
+    const latent_call c = {q, kc, tables, H_all, W, bs, scale, out};
+    latent_run(&c, B, MAX_H, CH, ctx_lens, nthreads, sizeof(partial_t), task, combine);
 }

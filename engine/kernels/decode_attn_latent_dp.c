@@ -23,7 +23,6 @@
 
 #include "avx512_math.h"
 #include "latent_split.h"
-#include "thread_buffer.h"
 
 #define LD 576      // a cached row: kv_lora_rank 512 + qk_rope_head_dim 64 (DeepSeek-V2/V3)
 #define LV 512      // its latent part, the values
@@ -65,8 +64,12 @@ static inline __attribute__((always_inline)) void slice_scores(const uint16_t *r
 
 // One task: sequence b, heads [h0, h0 + H) of H_all (H <= MAX_H), its tokens [t0, L) (t0 a multiple of CH) →
 // the normalised values in out, or with `part` that part's sums, maximum and denominator in it.
-static void task(int64_t b, int64_t h0, int64_t H, int64_t H_all, const uint16_t *q, const uint16_t *kc, int64_t bs,
-                 const int64_t *table, int64_t t0, int64_t L, float scale, uint16_t *out, partial_t *part) {
+static void task(const latent_call *call, int64_t b, int64_t h0, int64_t H, int64_t t0, int64_t L, void *into) {
+    const uint16_t *q = call->q, *kc = call->kc;
+    const int64_t H_all = call->H_all, bs = call->bs, *table = call->tables + b * call->W;
+    const float scale = call->scale;
+    uint16_t *out = call->out;
+    partial_t *part = into;
     __m512i qt[PAIRS] __attribute__((aligned(64)));  // lane h: head h's dims 2p, 2p + 1 (zero past H)
     __m512 o[MAX_H][NV] __attribute__((aligned(64)));
     __m512i V2[CH / 2][NV] __attribute__((aligned(64)));  // token pairs of the chunk interleaved, per 16 columns
@@ -162,8 +165,10 @@ static void task(int64_t b, int64_t h0, int64_t H, int64_t H_all, const uint16_t
 
 // Sequence b's heads [h0, h0 + H) from its parts' results: each part's sums and denominator weighed by
 // exp(its maximum - the largest), then normalised into out.
-static void combine(int64_t b, int64_t h0, int64_t H, int64_t H_all, const partial_t *parts, int64_t n,
-                    uint16_t *out) {
+static void combine(const latent_call *call, int64_t b, int64_t h0, int64_t H, const void *results, int64_t n) {
+    const partial_t *parts = results;
+    const int64_t H_all = call->H_all;
+    uint16_t *out = call->out;
     __m512 mx = parts[0].m;
     for (int64_t p = 1; p < n; p++) mx = _mm512_max_ps(mx, parts[p].m);
     float w[MAX_PARTS][MAX_H] __attribute__((aligned(64)));
@@ -188,8 +193,6 @@ static void combine(int64_t b, int64_t h0, int64_t H, int64_t H_all, const parti
     }
 }
 
-static __thread thread_buffer parts_buf;
-
 // q, out: [B][H][LD] bf16; cache: [blocks][bs][LD] (kc == vc: K and V are the same rows); tables: [B][W] block
 // ids; ctx_lens: [B]. Writes out[b][h][0 .. LV) and zeros the rest. The family's signature (decode_attn.py): KV
 // is 1 and D == LD (the caller checks: decode_attn_latent_dp.py). One task per sequence and group of up to 16
@@ -199,25 +202,6 @@ void decode_attn_latent_dp(int64_t B, int64_t H_all, int64_t KV, int64_t D, cons
                            const uint16_t *vc, int64_t bs, const int64_t *tables, int64_t W, const int64_t *ctx_lens,
                            float scale, uint16_t *out, int nthreads) {
     (void)KV, (void)D, (void)vc;
-    const int64_t groups = (H_all + MAX_H - 1) / MAX_H, tasks = B * groups;
-    if (tasks <= 0) return;
-    int64_t split = latent_split(tasks, nthreads);
-    partial_t *parts = split > 1 ? grow_aligned(&parts_buf, sizeof(partial_t) * (size_t)(tasks * split)) : NULL;
-    if (!parts) split = 1;  // no memory for the parts: one task a sequence as before
-    int64_t n_parts[tasks];
-    latent_parts(tasks, groups, split, CH, ctx_lens, n_parts);
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
-    for (int64_t i = 0; i < tasks * split; i++) {
-        const int64_t t = i / split, p = i % split, n = n_parts[t];
-        if (p >= n) continue;
-        const int64_t b = t / groups, h0 = t % groups * MAX_H, H = H_all - h0 < MAX_H ? H_all - h0 : MAX_H;
-        int64_t t0 = 0, t1 = ctx_lens[b];
-        if (n > 1) latent_part_tokens(p, n, ctx_lens[b], CH, &t0, &t1);
-        task(b, h0, H, H_all, q, kc, bs, tables + b * W, t0, t1, scale, out, n > 1 ? parts + i : NULL);
-    }
-    for (int64_t t = 0; t < tasks; t++)
-        if (n_parts[t] > 1) {
-            const int64_t h0 = t % groups * MAX_H, H = H_all - h0 < MAX_H ? H_all - h0 : MAX_H;
-            combine(t / groups, h0, H, H_all, parts + t * split, n_parts[t], out);
-        }
+    const latent_call c = {q, kc, tables, H_all, W, bs, scale, out};
+    latent_run(&c, B, MAX_H, CH, ctx_lens, nthreads, sizeof(partial_t), task, combine);
 }
