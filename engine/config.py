@@ -8,7 +8,7 @@ import torch
 
 from engine.errors import ConfigError
 
-GEMM_PATHS = ("auto", "onednn", "torch", "bf16mm", "amxmm", "wbf16")
+GEMM_PATHS = ("auto", "onednn", "torch", "bf16mm", "bf16fma", "amxmm", "wbf16")
 QUANTIZATIONS = ("auto", "none", "w8a8", "w4a16")
 DECODE_PROGRAM_MODES = ("auto", "program", "layers")
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}

@@ -109,6 +109,15 @@ _once_plain = Once(
 )
 
 
+# the same tiles in float32 FMAs over the same packed weights (FMA32 in bf16mm_block.h): timed beside it
+_once_fma = Once(
+    lambda: BF16MM.build(("-march=native", "-DFMA32")),
+    log,
+    "bfloat16 linear layers are not timed with float32 FMAs",
+    check=self_check,
+)
+
+
 def kernel() -> BF16MM | None:
     """The process-wide kernel for this CPU; None without AVX512-BF16, or (logged once) where it can't be built."""
     return _once() if supported() else None
@@ -117,3 +126,8 @@ def kernel() -> BF16MM | None:
 def kernel_without_prefetch() -> BF16MM | None:
     """The kernel built with no software prefetch (PF_TILES=1, PF_AHEAD=0), as kernel() otherwise."""
     return _once_plain() if supported() else None
+
+
+def kernel_fma32() -> BF16MM | None:
+    """The kernel whose tiles widen the weights and multiply in float32 FMAs (FMA32), as kernel() otherwise."""
+    return _once_fma() if supported() else None

@@ -8,6 +8,9 @@
 #include <string.h>
 
 #include "avx512_math.h"
+#ifdef FMA32
+#include "thread_buffer.h"
+#endif
 #define NB 64
 #define MR 6
 // Rows per pass over the weights: large batches (prefill) go through in chunks whose activations stay in L2
@@ -90,8 +93,84 @@ static inline __attribute__((always_inline)) void tile(const int mr, int64_t K, 
         for (int j = 0; j < 4; j++) _mm512_storeu_ps(out + r * NB + j * 16, acc[r][j]);
 }
 
+#ifdef FMA32
+// The same tile in float32 FMAs (bf16mm.c built with -DFMA32, "bf16fma"): each k-pair's weights widened in
+// registers (the even k a shift, the odd one a mask) and x's rows read as float32 (block() widens each row tile's
+// rows once). WHY: the products are those VDPBF16PS makes, summed in float32, but where a CPU runs VDPBF16PS at
+// half an instruction a cycle and two FMAs a cycle (a Xeon model 207 whose VM hides AMX: 83 against 172 GFLOP/s a
+// core, 2026-12-07) this does ~1.7x the arithmetic a cycle; the GEMM selection times it beside the VDPBF16PS build
+// on every CPU, sharing its packed weights.
+static inline __attribute__((always_inline)) void tile_f(const int mr, int64_t K, const float *x,
+                                                         const uint16_t *w, const float *bias, float *out,
+                                                         const char *pf, const char *pf_end, const int64_t pf_step,
+                                                         const int ahead) {
+    __m512 acc[MR][4];
+    for (int r = 0; r < mr; r++)
+        for (int j = 0; j < 4; j++) acc[r][j] = _mm512_loadu_ps(bias + 16 * j);
+    const __m512i odd = _mm512_set1_epi32((int)0xFFFF0000u);
+    const float *x0 = x, *x3 = x + (mr > 3 ? 3 : 0) * K;  // as tile()'s NOTE says
+    const int64_t full = K / 2;
+    for (int64_t kp = 0; kp < full; kp++) {
+        for (int64_t l = 0; l < pf_step && pf < pf_end; l++, pf += 64) _mm_prefetch(pf, _MM_HINT_T1);
+        if (PF_AHEAD > 0 && ahead)
+            for (int l = 0; l < 4; l++) _mm_prefetch((const char *)(w + kp * 2 * NB) + PF_AHEAD + 64 * l, _MM_HINT_T0);
+        const uint16_t *wk = w + kp * 2 * NB;
+        __m512 wv[4];  // the even k, then (loaded again from L1: four registers fewer) the odd one
+        for (int j = 0; j < 4; j++)
+            wv[j] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512((const void *)(wk + 32 * j)), 16));
+        for (int r = 0; r < mr; r++) {
+            const __m512 xv = _mm512_set1_ps((r < 3 ? x0 + r * K : x3 + (r - 3) * K)[2 * kp]);
+            for (int j = 0; j < 4; j++) acc[r][j] = _mm512_fmadd_ps(xv, wv[j], acc[r][j]);
+        }
+        for (int j = 0; j < 4; j++)
+            wv[j] = _mm512_castsi512_ps(_mm512_and_si512(_mm512_loadu_si512((const void *)(wk + 32 * j)), odd));
+        for (int r = 0; r < mr; r++) {
+            const __m512 xv = _mm512_set1_ps((r < 3 ? x0 + r * K : x3 + (r - 3) * K)[2 * kp + 1]);
+            for (int j = 0; j < 4; j++) acc[r][j] = _mm512_fmadd_ps(xv, wv[j], acc[r][j]);
+        }
+    }
+    if (K & 1) {  // the last pair's odd weights are the zero padding: its even half only
+        const uint16_t *wk = w + full * 2 * NB;
+        for (int j = 0; j < 4; j++) {
+            const __m512 wj = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512((const void *)(wk + 32 * j)), 16));
+            for (int r = 0; r < mr; r++) acc[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * K + K - 1]), wj, acc[r][j]);
+        }
+    }
+    for (int r = 0; r < mr; r++)
+        for (int j = 0; j < 4; j++) _mm512_storeu_ps(out + r * NB + j * 16, acc[r][j]);
+}
+
+// Rows of bf16 x as float32 into xf (n values).
+static inline void widen_rows(const uint16_t *x, float *xf, int64_t n) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(xf + i, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                     _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + i))), 16)));
+    for (; i < n; i++) {
+        const uint32_t u = (uint32_t)x[i] << 16;
+        memcpy(xf + i, &u, 4);
+    }
+}
+#endif
+
 static void tile_any(int mr, int64_t K, const uint16_t *x, const uint16_t *w, const float *bias, float *out,
                      const char *pf, const char *pf_end, int64_t pf_step, int ahead) {
+#ifdef FMA32
+    static __thread thread_buffer xf_buf;
+    float *xf = grow_aligned(&xf_buf, sizeof(float) * (size_t)(mr * K));
+    if (xf) {  // (without the memory, the VDPBF16PS tile below: the same products)
+        widen_rows(x, xf, mr * K);
+        switch (mr) {
+        case 1: tile_f(1, K, xf, w, bias, out, pf, pf_end, pf_step, ahead); break;
+        case 2: tile_f(2, K, xf, w, bias, out, pf, pf_end, pf_step, ahead); break;
+        case 3: tile_f(3, K, xf, w, bias, out, pf, pf_end, pf_step, ahead); break;
+        case 4: tile_f(4, K, xf, w, bias, out, pf, pf_end, pf_step, ahead); break;
+        case 5: tile_f(5, K, xf, w, bias, out, pf, pf_end, pf_step, ahead); break;
+        default: tile_f(6, K, xf, w, bias, out, pf, pf_end, pf_step, ahead); break;
+        }
+        return;
+    }
+#endif
     switch (mr) {  // a constant row count lets the compiler keep every accumulator in a register
     case 1: tile(1, K, x, w, bias, out, pf, pf_end, pf_step, ahead); break;
     case 2: tile(2, K, x, w, bias, out, pf, pf_end, pf_step, ahead); break;

@@ -80,6 +80,9 @@ def gemm_paths(dtype: torch.dtype, batch_hint: int, use_kernels: bool, bf16_weig
             # the builds pack alike: each pair shares one packed copy (layout), so a weight can hold both
             plain_silu = FusedSiluPath(bf16mm.SiluMulBF16MM(plain), "bf16mm-silu" + TIMED_ONLY, "bf16mm-silu")
             paths += [KernelPath("bf16mm" + TIMED_ONLY, plain, dtype, "bf16mm"), plain_silu]
+        if (fma := bf16mm.kernel_fma32()) is not None:  # float32 FMAs over the same packed copies
+            fma_silu = FusedSiluPath(bf16mm.SiluMulBF16MM(fma), "bf16fma-silu", "bf16mm-silu")
+            paths += [KernelPath("bf16fma", fma, dtype, "bf16mm"), fma_silu]
     if dtype == torch.bfloat16 and (a := amxmm.kernel()) is not None:
         paths += [KernelPath("amxmm", a, dtype), FusedSiluPath(amxmm.SiluMulAMXMM(a), "amxmm-silu")]
         if (ap := amxmm.kernel_without_prefetch()) is not None:

@@ -67,6 +67,7 @@ def test_prefill_logits_are_as_close_to_float32_as_transformers_bf16(bf16_dir: P
 CONFIGS = {"selected": {}, "torch-only": {"cpu_kernels": False}, "torch-gemm": {"gemm_path": "torch"}}
 if bf16mm.supported():
     CONFIGS["bf16mm"] = {"gemm_path": "bf16mm"}
+    CONFIGS["bf16fma"] = {"gemm_path": "bf16fma"}
 if amxmm.supported():
     CONFIGS["amxmm"] = {"gemm_path": "amxmm"}
 if bf16mm.supported() or amxmm.supported():  # every decode step one C call (engine.models.llama_program)

@@ -43,7 +43,7 @@ CONFIG: dict[str, object] = dict(
     eos_token_id=2,
 )
 CONFIGS: dict[str, dict[str, object]] = {"selected": {}, "torch-only": {"cpu_kernels": False}}
-FORCED = [name for name, module in (("amxmm", amxmm), ("bf16mm", bf16mm)) if module.supported()]
+FORCED = [name for name, module in (("amxmm", amxmm), ("bf16mm", bf16mm), ("bf16fma", bf16mm)) if module.supported()]
 for name in FORCED:
     CONFIGS[name] = {"gemm_path": name}  # forced: every kernel that fits is bound, untimed (that path's first)
 
@@ -74,7 +74,7 @@ def test_forced_kernels_take_the_experts_and_the_latent_attention(ds16: Path, fo
     modules = list(_core(ds16, **CONFIGS[forced]).runner.model.modules())
     moes = [m for m in modules if isinstance(m, MoE)]
     mlas = [m for m in modules if isinstance(m, MLAttention)]
-    kernel = (amxmm if forced == "amxmm" else bf16mm).kernel()
+    kernel = {"amxmm": amxmm.kernel, "bf16mm": bf16mm.kernel, "bf16fma": bf16mm.kernel_fma32}[forced]()
     assert moes and all(m.grouped is not None and m.grouped.down.kernel is kernel for m in moes)
     experts = [lin for m in moes for e in m.local_experts() for lin in (e.gate_up_proj, e.down_proj)]
     assert all(not lin.packable and lin.weight.numel() == 0 for lin in experts)  # no GEMM plans or plain copies

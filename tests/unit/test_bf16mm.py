@@ -1,4 +1,5 @@
-"""The AVX512-BF16 GEMM (engine.kernels.bf16mm), compiled here with gcc, against float32 math rounded to bf16.
+"""The AVX512-BF16 GEMM (engine.kernels.bf16mm), compiled here with gcc, against float32 math rounded to bf16:
+both builds, VDPBF16PS's tiles and the float32 FMA ones (FMA32, "bf16fma"), over the same packed weights.
 
 It exists only for CPUs with AVX512-BF16 (the engine uses oneDNN elsewhere), so these tests run where the CPU
 has it: Zen 4 and Intel from Cooper Lake on."""
@@ -22,12 +23,20 @@ from tests.kernel_checks import bf16 as _bf16
 pytestmark = pytest.mark.skipif(not bf16mm.supported(), reason="this CPU has no AVX512-BF16")
 
 
+BUILDS = {"vdpbf16ps": (), "fma32": ("-DFMA32",)}
+
+
+@pytest.fixture(scope="module", params=list(BUILDS))
+def flags(request: pytest.FixtureRequest) -> tuple[str, ...]:
+    return ("-march=native", *BUILDS[request.param])
+
+
 @pytest.fixture(scope="module")
-def kernel(tmp_path_factory: pytest.TempPathFactory) -> BF16MM:
+def kernel(tmp_path_factory: pytest.TempPathFactory, flags: tuple[str, ...]) -> BF16MM:
     mp = pytest.MonkeyPatch()
     mp.setenv("TIANMEN_KERNEL_CACHE", str(tmp_path_factory.mktemp("kernels")))
     try:
-        return BF16MM.build()
+        return BF16MM.build(flags)
     finally:
         mp.undo()
 
@@ -143,12 +152,12 @@ def test_gated_mlp_fuses_silu_only_where_the_kernel_takes_the_weight(kernel: BF1
 
 
 def test_the_build_without_prefetch_computes_the_same_and_is_only_ever_timed(
-    kernel: BF16MM, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    kernel: BF16MM, flags: tuple[str, ...], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from engine.kernels.bind import TIMED_ONLY, gemm_paths, make_selector
 
     monkeypatch.setenv("TIANMEN_KERNEL_CACHE", str(tmp_path))
-    plain = BF16MM.build(("-march=native", "-DPF_TILES=1"))
+    plain = BF16MM.build((*flags, "-DPF_TILES=1"))
     for i, (m, n, k) in enumerate(((1, 192, 96), (16, 640, 130), (40, 200, 64))):  # 2-8 row tiles: it prefetches
         x, w = _bf16(m, k, seed=i), _bf16(n, k, seed=10 + i)
         assert torch.equal(plain.linear(x, plain.pack(w), n, None), kernel.linear(x, kernel.pack(w), n, None))
@@ -156,3 +165,21 @@ def test_the_build_without_prefetch_computes_the_same_and_is_only_ever_timed(
     assert "bf16mm" + TIMED_ONLY in names and "bf16mm-silu" + TIMED_ONLY in names
     forced = make_selector(gemm_paths(torch.bfloat16, 1, True, True), torch.bfloat16, forced="bf16mm")
     assert not any(name.endswith(TIMED_ONLY) for name in forced.paths)
+
+
+def test_the_fma_build_computes_float32_sums_and_shares_the_packed_weights(kernel: BF16MM) -> None:
+    """bf16fma is timed beside bf16mm over one packed copy (layout "bf16mm"), forced by its own name; its sums are
+    float32's (products exact, fp32 adds), so at one k it gives float32's result rounded once, the same bits as
+    VDPBF16PS's build; over many k both stay within bf16 rounding of float32 (the test above)."""
+    from engine.kernels.bind import gemm_paths, make_selector
+    from engine.kernels.op_choice import grouped_kernels
+
+    paths = {p.name: p for p in gemm_paths(torch.bfloat16, 1, True, True)}
+    assert paths["bf16fma"].layout == "bf16mm" and paths["bf16fma-silu"].layout == "bf16mm-silu"
+    assert "bf16fma" in grouped_kernels(torch.bfloat16)
+    forced = make_selector(list(paths.values()), torch.bfloat16, forced="bf16fma")
+    assert set(list(forced.paths)[:2]) == {"bf16fma", "bf16fma-silu"}  # the forced family first
+    fma = bf16mm.kernel_fma32()
+    assert fma is not None
+    w, x = _bf16(130, 2, seed=20), _bf16(7, 2, seed=21)  # one k-pair: one rounding either way
+    assert torch.equal(fma.linear(x, kernel.pack(w), 130, None), kernel.linear(x, kernel.pack(w), 130, None))

@@ -17,6 +17,7 @@ KERNELS = {
     "amxmm": (amxmm.supported, amxmm.kernel),
     "bf16mm": (bf16mm.supported, bf16mm.kernel),
     "bf16mm-noprefetch": (bf16mm.supported, bf16mm.kernel_without_prefetch),
+    "bf16fma": (bf16mm.supported, bf16mm.kernel_fma32),
     "wbf16": (lambda: True, wbf16.kernel),
 }
 
