@@ -60,6 +60,28 @@ static inline __attribute__((always_inline)) void step(const int mr, __m512 acc[
 
 typedef int32_t __attribute__((may_alias, aligned(1))) pair_t;  // a k-pair of bf16, anywhere in a row
 
+// A tile's accumulators start from the bias (the block's 64 columns, zeros without one).
+static inline __attribute__((always_inline)) void acc_from_bias(const int mr, __m512 acc[MR][4], const float *bias) {
+    for (int r = 0; r < mr; r++)
+        for (int j = 0; j < 4; j++) acc[r][j] = _mm512_loadu_ps(bias + 16 * j);
+}
+
+static inline __attribute__((always_inline)) void store_acc(const int mr, __m512 acc[MR][4], float *out) {
+    for (int r = 0; r < mr; r++)
+        for (int j = 0; j < 4; j++) _mm512_storeu_ps(out + r * NB + j * 16, acc[r][j]);
+}
+
+// At a tile's k-pair wk: its share of the next block (pf up to pf_end, pf_step lines a pair; returns pf advanced)
+// and, for a block's only tile (ahead), the weights PF_AHEAD bytes on.
+static inline __attribute__((always_inline)) const char *prefetch_pair(const char *pf, const char *pf_end,
+                                                                       const int64_t pf_step, const int ahead,
+                                                                       const uint16_t *wk) {
+    for (int64_t l = 0; l < pf_step && pf < pf_end; l++, pf += 64) _mm_prefetch(pf, _MM_HINT_T1);
+    if (PF_AHEAD > 0 && ahead)
+        for (int l = 0; l < 4; l++) _mm_prefetch((const char *)wk + PF_AHEAD + 64 * l, _MM_HINT_T0);
+    return pf;
+}
+
 // pf, pf_end: the part of the next column block this tile asks for, spread over its k steps (see block()).
 // ahead: this tile is its block's only one, and asks for the weights PF_AHEAD bytes on.
 static inline __attribute__((always_inline)) void tile(const int mr, int64_t K, const uint16_t *x,
@@ -67,16 +89,13 @@ static inline __attribute__((always_inline)) void tile(const int mr, int64_t K, 
                                                        const char *pf, const char *pf_end, const int64_t pf_step,
                                                        const int ahead) {
     __m512 acc[MR][4];
-    for (int r = 0; r < mr; r++)
-        for (int j = 0; j < 4; j++) acc[r][j] = _mm512_loadu_ps(bias + 16 * j);
+    acc_from_bias(mr, acc, bias);
     // NOTE: rows 0-2 and 3-5 as two pointers and one stride, which the CPU's addressing adds for free: six row
     // pointers (with the prefetch's) spilled, and each pair went through a general register to its broadcast
     const uint16_t *x0 = x, *x3 = x + (mr > 3 ? 3 : 0) * K;
     const int64_t full = K / 2;
     for (int64_t kp = 0; kp < full; kp++) {
-        for (int64_t l = 0; l < pf_step && pf < pf_end; l++, pf += 64) _mm_prefetch(pf, _MM_HINT_T1);
-        if (PF_AHEAD > 0 && ahead)
-            for (int l = 0; l < 4; l++) _mm_prefetch((const char *)(w + kp * 2 * NB) + PF_AHEAD + 64 * l, _MM_HINT_T0);
+        pf = prefetch_pair(pf, pf_end, pf_step, ahead, w + kp * 2 * NB);
         __m512bh wk[4];
         load_pair(w + kp * 2 * NB, wk);
         for (int r = 0; r < mr; r++) {
@@ -89,45 +108,44 @@ static inline __attribute__((always_inline)) void tile(const int mr, int64_t K, 
         for (int r = 0; r < mr; r++) p[r] = pair_at(x + r * K, full, K);
         step(mr, acc, w + full * 2 * NB, p);
     }
-    for (int r = 0; r < mr; r++)
-        for (int j = 0; j < 4; j++) _mm512_storeu_ps(out + r * NB + j * 16, acc[r][j]);
+    store_acc(mr, acc, out);
 }
 
 #ifdef FMA32
 // The same tile in float32 FMAs (bf16mm.c built with -DFMA32, "bf16fma"): each k-pair's weights widened in
-// registers (the even k a shift, the odd one a mask) and x's rows read as float32 (block() widens each row tile's
+// registers (the even k a shift, the odd one a mask) and x's rows read as float32 (tile_any widens each row tile's
 // rows once). WHY: the products are those VDPBF16PS makes, summed in float32, but where a CPU runs VDPBF16PS at
 // half an instruction a cycle and two FMAs a cycle (a Xeon model 207 whose VM hides AMX: 83 against 172 GFLOP/s a
 // core, 2026-12-07) this does ~1.7x the arithmetic a cycle; the GEMM selection times it beside the VDPBF16PS build
 // on every CPU, sharing its packed weights.
+// Every row's 64 sums += its float32 x at k (rows 0-2 from x0, 3-5 from x3, stride K) times the widened weights wv.
+static inline __attribute__((always_inline)) void fma_rows(const int mr, __m512 acc[MR][4], const float *x0,
+                                                           const float *x3, int64_t K, int64_t k, const __m512 wv[4]) {
+    for (int r = 0; r < mr; r++) {
+        const __m512 xv = _mm512_set1_ps((r < 3 ? x0 + r * K : x3 + (r - 3) * K)[k]);
+        for (int j = 0; j < 4; j++) acc[r][j] = _mm512_fmadd_ps(xv, wv[j], acc[r][j]);
+    }
+}
+
 static inline __attribute__((always_inline)) void tile_f(const int mr, int64_t K, const float *x,
                                                          const uint16_t *w, const float *bias, float *out,
                                                          const char *pf, const char *pf_end, const int64_t pf_step,
                                                          const int ahead) {
     __m512 acc[MR][4];
-    for (int r = 0; r < mr; r++)
-        for (int j = 0; j < 4; j++) acc[r][j] = _mm512_loadu_ps(bias + 16 * j);
+    acc_from_bias(mr, acc, bias);
     const __m512i odd = _mm512_set1_epi32((int)0xFFFF0000u);
     const float *x0 = x, *x3 = x + (mr > 3 ? 3 : 0) * K;  // as tile()'s NOTE says
     const int64_t full = K / 2;
     for (int64_t kp = 0; kp < full; kp++) {
-        for (int64_t l = 0; l < pf_step && pf < pf_end; l++, pf += 64) _mm_prefetch(pf, _MM_HINT_T1);
-        if (PF_AHEAD > 0 && ahead)
-            for (int l = 0; l < 4; l++) _mm_prefetch((const char *)(w + kp * 2 * NB) + PF_AHEAD + 64 * l, _MM_HINT_T0);
+        pf = prefetch_pair(pf, pf_end, pf_step, ahead, w + kp * 2 * NB);
         const uint16_t *wk = w + kp * 2 * NB;
         __m512 wv[4];  // the even k, then (loaded again from L1: four registers fewer) the odd one
         for (int j = 0; j < 4; j++)
             wv[j] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512((const void *)(wk + 32 * j)), 16));
-        for (int r = 0; r < mr; r++) {
-            const __m512 xv = _mm512_set1_ps((r < 3 ? x0 + r * K : x3 + (r - 3) * K)[2 * kp]);
-            for (int j = 0; j < 4; j++) acc[r][j] = _mm512_fmadd_ps(xv, wv[j], acc[r][j]);
-        }
+        fma_rows(mr, acc, x0, x3, K, 2 * kp, wv);
         for (int j = 0; j < 4; j++)
             wv[j] = _mm512_castsi512_ps(_mm512_and_si512(_mm512_loadu_si512((const void *)(wk + 32 * j)), odd));
-        for (int r = 0; r < mr; r++) {
-            const __m512 xv = _mm512_set1_ps((r < 3 ? x0 + r * K : x3 + (r - 3) * K)[2 * kp + 1]);
-            for (int j = 0; j < 4; j++) acc[r][j] = _mm512_fmadd_ps(xv, wv[j], acc[r][j]);
-        }
+        fma_rows(mr, acc, x0, x3, K, 2 * kp + 1, wv);
     }
     if (K & 1) {  // the last pair's odd weights are the zero padding: its even half only
         const uint16_t *wk = w + full * 2 * NB;
@@ -136,8 +154,7 @@ static inline __attribute__((always_inline)) void tile_f(const int mr, int64_t K
             for (int r = 0; r < mr; r++) acc[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * K + K - 1]), wj, acc[r][j]);
         }
     }
-    for (int r = 0; r < mr; r++)
-        for (int j = 0; j < 4; j++) _mm512_storeu_ps(out + r * NB + j * 16, acc[r][j]);
+    store_acc(mr, acc, out);
 }
 
 // Rows of bf16 x as float32 into xf (n values).
