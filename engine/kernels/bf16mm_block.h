@@ -112,12 +112,6 @@ static inline __attribute__((always_inline)) void tile(const int mr, int64_t K, 
 }
 
 #ifdef FMA32
-// The same tile in float32 FMAs (bf16mm.c built with -DFMA32, "bf16fma"): each k-pair's weights widened in
-// registers (the even k a shift, the odd one a mask) and x's rows read as float32 (tile_any widens each row tile's
-// rows once). WHY: the products are those VDPBF16PS makes, summed in float32, but where a CPU runs VDPBF16PS at
-// half an instruction a cycle and two FMAs a cycle (a Xeon model 207 whose VM hides AMX: 83 against 172 GFLOP/s a
-// core, 2026-12-07) this does ~1.7x the arithmetic a cycle; the GEMM selection times it beside the VDPBF16PS build
-// on every CPU, sharing its packed weights.
 // Every row's 64 sums += its float32 x at k (rows 0-2 from x0, 3-5 from x3, stride K) times the widened weights wv.
 static inline __attribute__((always_inline)) void fma_rows(const int mr, __m512 acc[MR][4], const float *x0,
                                                            const float *x3, int64_t K, int64_t k, const __m512 wv[4]) {
@@ -127,6 +121,12 @@ static inline __attribute__((always_inline)) void fma_rows(const int mr, __m512 
     }
 }
 
+// The same tile in float32 FMAs (bf16mm.c built with -DFMA32, "bf16fma"): each k-pair's weights widened in
+// registers (the even k a shift, the odd one a mask) and x's rows read as float32 (tile_any widens each row tile's
+// rows once). WHY: the products are those VDPBF16PS makes, summed in float32, but where a CPU runs VDPBF16PS at
+// half an instruction a cycle and two FMAs a cycle (a Xeon model 207 whose VM hides AMX: 83 against 172 GFLOP/s a
+// core, 2026-12-07) this does ~1.7x the arithmetic a cycle; the GEMM selection times it beside the VDPBF16PS build
+// on every CPU, sharing its packed weights.
 static inline __attribute__((always_inline)) void tile_f(const int mr, int64_t K, const float *x,
                                                          const uint16_t *w, const float *bias, float *out,
                                                          const char *pf, const char *pf_end, const int64_t pf_step,
