@@ -167,7 +167,7 @@ def test_the_build_without_prefetch_computes_the_same_and_is_only_ever_timed(
     assert not any(name.endswith(TIMED_ONLY) for name in forced.paths)
 
 
-def test_the_fma_build_computes_float32_sums_and_shares_the_packed_weights(kernel: BF16MM) -> None:
+def test_the_fma_build_computes_float32_sums_and_shares_the_packed_weights() -> None:
     """bf16fma is timed beside bf16mm over one packed copy (layout "bf16mm"), forced by its own name; its sums are
     float32's (products exact, fp32 adds), so at one k it gives float32's result rounded once, the same bits as
     VDPBF16PS's build; over many k both stay within bf16 rounding of float32 (the test above)."""
@@ -179,7 +179,8 @@ def test_the_fma_build_computes_float32_sums_and_shares_the_packed_weights(kerne
     assert "bf16fma" in grouped_kernels(torch.bfloat16)
     forced = make_selector(list(paths.values()), torch.bfloat16, forced="bf16fma")
     assert set(list(forced.paths)[:2]) == {"bf16fma", "bf16fma-silu"}  # the forced family first
-    fma = bf16mm.kernel_fma32()
-    assert fma is not None
+    dp, fma = bf16mm.kernel(), bf16mm.kernel_fma32()  # (not the fixture's: one run, the two builds against each other)
+    assert dp is not None and fma is not None
     w, x = _bf16(130, 2, seed=20), _bf16(7, 2, seed=21)  # one k-pair: one rounding either way
-    assert torch.equal(fma.linear(x, kernel.pack(w), 130, None), kernel.linear(x, kernel.pack(w), 130, None))
+    packed = dp.pack(w)
+    assert torch.equal(fma.linear(x, packed, 130, None), dp.linear(x, packed, 130, None))
