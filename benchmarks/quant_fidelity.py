@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from engine.gguf_import import find_demo_gguf, import_gguf
-from engine.quant.fidelity import FIDELITY_TOKENS, compare, fidelity_ids, score
+from engine.quant.fidelity import FIDELITY_TOKENS, Scores, compare, fidelity_ids, score, scores
 from engine.quant.gptq_model import GptqSettings
 from engine.quant.quantize import quantize
 
@@ -74,6 +74,41 @@ def demo_model(into: Path) -> Path:
     return import_gguf(gguf, into / "SmolLM2-135M-Instruct", dtype=torch.float32)
 
 
+def transformers_scores(src: Path, ids: list[int], dtype: torch.dtype) -> Scores:
+    """transformers' own run of `src` in `dtype` over `ids`, scored as engine.quant.fidelity scores ours."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype)
+    with torch.inference_mode():
+        logits = model(torch.tensor([ids[:-1]])).logits[0]
+        return scores(logits.split(256), ids)
+
+
+def yardstick(src: Path, ids: list[int], reference: Scores) -> None:
+    """How far bf16 arithmetic alone moves the unquantized model from its float32 self: the agreement a quantized
+    copy can be expected to reach is of this order, since any change to the logits flips the positions where the
+    top two tokens are close."""
+    rows = (
+        ("bf16 math, tianmen", lambda: score(src, ids, dtype="bfloat16")),
+        ("bf16 math, transformers", lambda: transformers_scores(src, ids, torch.bfloat16)),
+    )
+    for name, run in rows:
+        try:
+            scored = run()
+        except ImportError:
+            print(f"{name:<36} not run (transformers is not installed)")
+            continue
+        f, ties = compare(reference, scored), int((scored.margin == 0).sum())
+        change = f"{f.perplexity_change:+.2%}"
+        print(f"{name:<36} {f.top1_agreement:>7.2%} {f.perplexity_candidate:>8.3f} {change:>8} {'':>9} "
+              f"({ties} positions whose top two logits tie)")  # fmt: skip
+    top2 = reference.margin
+    print(
+        f"float32 positions whose top two logits are within 0.1 / 0.05: {int((top2 < 0.1).sum())} / "
+        f"{int((top2 < 0.05).sum())} of {len(top2)}"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", type=Path, help="a float model directory (default: the demo model)")
@@ -82,6 +117,7 @@ def main() -> None:
     ap.add_argument("--gptq-tokens", type=int, default=GptqSettings().tokens)
     ap.add_argument("--one-pass", action="store_true", help="GPTQ: every Hessian from the float model")
     ap.add_argument("--no-float-target", action="store_true", help="GPTQ w4a16: layers aim at W·X̃, not W·X")
+    ap.add_argument("--no-yardstick", action="store_true", help="skip the unquantized model's bf16 rows")
     args = ap.parse_args()
     settings = GptqSettings(args.gptq_tokens, sequential=not args.one_pass, float_target=not args.no_float_target)
     with tempfile.TemporaryDirectory(prefix="tianmen-fidelity-") as tmp:
@@ -92,6 +128,8 @@ def main() -> None:
         how = f"{'sequential' if settings.sequential else 'one pass'}, {'float' if settings.float_target else 'own'}"
         print(f"GPTQ: {settings.tokens} calibration tokens, {how} target for 4-bit layers")
         print(f"{'recipe':<36} {'top-1':>7} {'ppl':>8} {'change':>8} {'quantize':>9}")
+        if not args.no_yardstick:
+            yardstick(src, ids, reference)
         for i, r in enumerate(RECIPES):
             if args.only and args.only not in r.name:
                 continue

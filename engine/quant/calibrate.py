@@ -39,12 +39,12 @@ def calibration_ids(files: DirectoryFiles, hf: dict[str, Any], tokens: int) -> l
     return Tokenizer.from_files(files.read).encode(calibration_text(), add_special_tokens=False)[: min(tokens, longest)]
 
 
-def float_core(src: str | Path, tokens: int, gemm_path: str = "onednn") -> EngineCore:
-    """Our engine on `src`, float32 math, oneDNN / torch kernels only, sized for one prompt of `tokens`
-    prefilled in one step. gemm_path torch: F.linear, and quantized layers by their reference math."""
+def float_core(src: str | Path, tokens: int, gemm_path: str = "onednn", dtype: str = "float32") -> EngineCore:
+    """Our engine on `src`, float32 math (or `dtype`'s), oneDNN / torch kernels only, sized for one prompt of
+    `tokens` prefilled in one step. gemm_path torch: F.linear, and quantized layers by their reference math."""
     cfg = EngineConfig(
         model=src,
-        dtype="float32",
+        dtype=dtype,
         device="cpu",
         max_num_seqs=1,
         cpu_kernels=False,

@@ -6,6 +6,7 @@ next-token choice (top-1 agreement) and each model's perplexity on the text."""
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,21 +36,23 @@ def fidelity_ids(model: str | Path, positions: int = FIDELITY_TOKENS) -> list[in
 
 @dataclass(slots=True)
 class Scores:
-    """One model on the fidelity text: its top-1 next token and the log-probability it gives the actual next
-    token, at each position."""
+    """One model on the fidelity text: its top-1 next token, the log-probability it gives the actual next token
+    and how far its top logit leads the second, at each position."""
 
     top1: torch.Tensor  # [positions] int64
     logprob: torch.Tensor  # [positions] float64
+    margin: torch.Tensor  # [positions] float64: top-1 logit minus top-2 (a small one flips at any perturbation)
 
     @property
     def perplexity(self) -> float:
         return math.exp(-float(self.logprob.mean()))
 
 
-def score(model: str | Path, ids: list[int]) -> Scores:
-    """Run `ids` through `model` in one prefill and score every position but the last."""
+def score(model: str | Path, ids: list[int], dtype: str = "float32") -> Scores:
+    """Run `ids` through `model` in one prefill and score every position but the last. `dtype` bfloat16: the
+    same in bf16 math (what bf16 rounding alone moves, the yardstick for a quantized copy's agreement)."""
     # the reference math: the oneDNN int8 GEMM is exact too but takes ~20 s a prompt-sized call on some CPUs
-    core = float_core(model, len(ids), gemm_path="torch")
+    core = float_core(model, len(ids), gemm_path="torch", dtype=dtype)
     net = core.runner.model
     hidden: list[torch.Tensor] = []
     net.register_forward_hook(lambda _m, _args, out: hidden.append(out.detach()))  # [T, hidden], every position
@@ -57,15 +60,27 @@ def score(model: str | Path, ids: list[int]) -> Scores:
     h = hidden[0] if hidden else torch.empty(0)
     if h.shape[0] != len(ids):
         raise ModelLoadError(f"expected one prefill of {len(ids)} positions; the first forward had {h.shape[0]}")
-    target = torch.tensor(ids[1:])
-    top1, logprob = [], []
+    h = h[: len(ids) - 1]  # the last position predicts past the text
     with torch.inference_mode():
-        for i in range(0, len(ids) - 1, ROWS):
-            logits = net.compute_logits(h[i : min(i + ROWS, len(ids) - 1)]).double()
-            top1.append(logits.argmax(dim=-1))
-            lp = torch.log_softmax(logits, dim=-1)
-            logprob.append(lp.gather(1, target[i : i + logits.shape[0], None])[:, 0])
-    return Scores(torch.cat(top1), torch.cat(logprob))
+        return scores((net.compute_logits(h[i : i + ROWS]) for i in range(0, len(h), ROWS)), ids)
+
+
+def scores(logits: Iterable[torch.Tensor], ids: list[int]) -> Scores:
+    """Scores from a model's logits over `ids`, given in consecutive slices of positions (each [rows, vocab],
+    covering every position but the last), each slice taken to float64 on its own."""
+    target = torch.tensor(ids[1:])
+    top1, logprob, margin = [], [], []
+    at = 0
+    for chunk in logits:
+        chunk = chunk.double()
+        top1.append(chunk.argmax(dim=-1))  # a tie (frequent in bf16 logits) goes to the lowest id, as greedy's
+        top2 = chunk.topk(2, dim=-1).values
+        margin.append(top2[:, 0] - top2[:, 1])
+        logprob.append(torch.log_softmax(chunk, dim=-1).gather(1, target[at : at + chunk.shape[0], None])[:, 0])
+        at += chunk.shape[0]
+    if at != len(target):
+        raise ValueError(f"logits for {at} positions; {len(target)} expected")
+    return Scores(torch.cat(top1), torch.cat(logprob), torch.cat(margin))
 
 
 @dataclass(slots=True, frozen=True)
