@@ -49,6 +49,10 @@
                        // Zen 3 at two threads 4096 streamed 17-22 GB/s, 2048 13-17, 2026-12-06)
 #endif
 
+#ifndef PANEL_PF
+#define PANEL_PF 1  // the panel asks for the next group's words while this group's tiles run (0: it does not)
+#endif
+
 #ifdef SCALE16
 #define SC_GROUP (3 * NB / 4)  // floats a group of a block's scales
 #else
@@ -489,6 +493,15 @@ static void panel_rows(int64_t mc, int64_t K, int64_t G, const float *x, const u
     memset(out, 0, sizeof(float) * (size_t)(mc * NB));
     for (int64_t g = 0; g < groups; g++) {
         widen_group(G, wb + g * (G / 8) * NB, wg);
+#if PANEL_PF
+        // WHY: the panel reads a group's words (G / 2 * NB bytes: 2 KB at G = 128) in a burst, then runs its tiles
+        // for a while: short runs the hardware prefetchers do not run ahead of, so each group began with misses to
+        // memory. The next group's words (past the last group: the next block's first, which this thread takes
+        // next) and scales are asked for now, while this group's FMAs run. A prefetch past the end never faults.
+        const char *next = (const char *)(wb + (g + 1) * (G / 8) * NB);
+        for (int64_t o = 0; o < (G / 8) * NB * 4; o += 64) __builtin_prefetch(next + o, 0, 3);
+        __builtin_prefetch(sb + (g + 1) * SC_GROUP, 0, 3);
+#endif
         const float *s = group_scales(sb, g, buf);
         for (int64_t r = 0; r < mc; r += MR) {
             const int mr = mc - r < MR ? (int)(mc - r) : MR;

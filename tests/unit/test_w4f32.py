@@ -68,6 +68,23 @@ def test_both_entry_points_equal_the_reference(
         assert (got - want).abs().max() <= 1e-5 * want.abs().max()
 
 
+@pytest.mark.parametrize("ymm", [False, True])
+def test_the_panels_prefetch_changes_no_bits(ymm: bool) -> None:
+    """The panel asks for the next group's words (past the last block: beyond the weight, which a prefetch may);
+    built without it (-DPANEL_PF=0) it gives the same bits, plain and fused, through every block and group."""
+    flags = ("-march=native", *(("-DW4F32_YMM",) if ymm else ()))
+    with_pf, without = W4F32.build(flags), W4F32.build((*flags, "-DPANEL_PF=0"))
+    w = int4_weight(192, 384, 64, symmetric=False)
+    packed = W4F32.pack(w.packed, w.scale, w.zero, 64)
+    for rows in (3, 12, 40):
+        x = torch.randn(rows, 384, generator=torch.Generator().manual_seed(rows))
+        for entry in ("panel", "panel_silu_mul"):
+            a, b = getattr(with_pf, entry)(x, packed, None), getattr(without, entry)(x, packed, None)
+            assert torch.equal(a, b)
+        want = w.reference(x, None)
+        assert (with_pf.panel(x, packed, None) - want).abs().max() <= 1e-5 * want.abs().max()
+
+
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="builds the portable code by -march=x86-64")
 def test_the_portable_code_passes_the_same_check() -> None:
     """What a CPU without AVX2 (or another ISA) runs: built without the intrinsics, self-checked, and compared."""
