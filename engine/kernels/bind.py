@@ -92,6 +92,10 @@ def gemm_paths(dtype: torch.dtype, batch_hint: int, use_kernels: bool, bf16_weig
         paths.append(KernelPath("wbf16", w, dtype))
         if (silu := wbf16.silu_mul_kernel()) is not None:
             paths.append(FusedSiluPath(silu, "wbf16-silu"))
+        if (plain := wbf16.kernel_without_prefetch()) is not None:  # whether prefetching pays is measured
+            paths.append(KernelPath("wbf16" + TIMED_ONLY, plain, dtype, "wbf16"))
+            if silu is not None:
+                paths.append(FusedSiluPath(wbf16.SiluMulWBF16(plain), "wbf16-silu" + TIMED_ONLY, "wbf16-silu"))
     return paths
 
 

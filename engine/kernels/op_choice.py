@@ -219,7 +219,8 @@ def grouped_kernels(dtype: torch.dtype, prefer: str = "auto") -> dict[str, Group
     builders = (("amxmm", amxmm.AMXMM.dtype, amxmm.kernel), ("bf16mm", bf16mm.BF16MM.dtype, bf16mm.kernel),
                 ("bf16mm-noprefetch", bf16mm.BF16MM.dtype, bf16mm.kernel_without_prefetch),
                 ("bf16fma", bf16mm.BF16MM.dtype, bf16mm.kernel_fma32),
-                ("wbf16", wbf16.WBF16.dtype, wbf16.kernel))  # fmt: skip
+                ("wbf16", wbf16.WBF16.dtype, wbf16.kernel),
+                ("wbf16-noprefetch", wbf16.WBF16.dtype, wbf16.kernel_without_prefetch))  # fmt: skip
     found = ((name, build()) for name, math, build in builders if math == dtype)  # builds only what can run
     kernels = {name: k for name, k in found if k is not None}
     return dict(sorted(kernels.items(), key=lambda item: item[0] != prefer))

@@ -13,14 +13,28 @@
 #define NB 64
 #define MR 6
 
+// Row tiles a block may have for its tiles to ask for the next block by software (next_block): with one, the
+// hardware prefetchers follow the single pass; with many, the block's arithmetic outlasts the stream anyway.
+// -DPF_TILES=1 builds it without (to measure against).
+#ifndef PF_TILES
+#define PF_TILES 8
+#endif
+
 #ifdef __AVX512F__
 #include <immintrin.h>
+// pf .. pf_end: this tile's share of the next block's weights, one line asked for a k step (a share is at most K
+// lines: two lines a k over at least two tiles).
 static inline __attribute__((always_inline)) void tile(const int mr, int64_t K, const float *x, int64_t ldx,
-                                                       const uint16_t *w, float *out) {
+                                                       const uint16_t *w, float *out, const char *pf,
+                                                       const char *pf_end) {
     __m512 acc[MR][4];
     for (int r = 0; r < mr; r++) for (int j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_ps();
     const __m512i hi_mask = _mm512_set1_epi32((int)0xFFFF0000u);
     for (int64_t k = 0; k < K; k++) {
+        if (pf < pf_end) {
+            _mm_prefetch(pf, _MM_HINT_T1);
+            pf += 64;
+        }
         const __m512i a = _mm512_loadu_si512((const void *)(w + k * NB));
         const __m512i b = _mm512_loadu_si512((const void *)(w + k * NB + 32));
         const __m512 w0 = _mm512_castsi512_ps(_mm512_slli_epi32(a, 16));
@@ -151,7 +165,9 @@ static inline __attribute__((always_inline)) void block_rows_first(int64_t M, in
     }
 }
 
-static void tile(const int mr, int64_t K, const float *x, int64_t ldx, const uint16_t *w, float *out) {
+static void tile(const int mr, int64_t K, const float *x, int64_t ldx, const uint16_t *w, float *out,
+                 const char *pf, const char *pf_end) {
+    (void)pf, (void)pf_end;  // the quarters ask for their block's own rows ahead on the first pass (quarter_tile)
     if (mr == 1) {
         row_tile(K, x, w, out);
         return;
@@ -162,7 +178,9 @@ static void tile(const int mr, int64_t K, const float *x, int64_t ldx, const uin
 typedef float v16f __attribute__((vector_size(64)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
 static inline __attribute__((always_inline)) void tile(const int mr, int64_t K, const float *x, int64_t ldx,
-                                                       const uint16_t *w, float *out) {
+                                                       const uint16_t *w, float *out, const char *pf,
+                                                       const char *pf_end) {
+    (void)pf, (void)pf_end;
     v16f acc[MR][4];
     for (int r = 0; r < mr; r++) for (int j = 0; j < 4; j++) acc[r][j] = (v16f){0};
     for (int64_t k = 0; k < K; k++) {
@@ -181,15 +199,40 @@ static inline __attribute__((always_inline)) void tile(const int mr, int64_t K, 
 }
 #endif
 
-static void tile_any(int mr, int64_t K, const float *x, int64_t ldx, const uint16_t *w, float *out) {
+static void tile_any(int mr, int64_t K, const float *x, int64_t ldx, const uint16_t *w, float *out, const char *pf,
+                     const char *pf_end) {
     switch (mr) {  // a constant row count lets the compiler keep every accumulator in a register
-    case 1: tile(1, K, x, ldx, w, out); break;
-    case 2: tile(2, K, x, ldx, w, out); break;
-    case 3: tile(3, K, x, ldx, w, out); break;
-    case 4: tile(4, K, x, ldx, w, out); break;
-    case 5: tile(5, K, x, ldx, w, out); break;
-    default: tile(6, K, x, ldx, w, out); break;
+    case 1: tile(1, K, x, ldx, w, out, pf, pf_end); break;
+    case 2: tile(2, K, x, ldx, w, out, pf, pf_end); break;
+    case 3: tile(3, K, x, ldx, w, out, pf, pf_end); break;
+    case 4: tile(4, K, x, ldx, w, out, pf, pf_end); break;
+    case 5: tile(5, K, x, ldx, w, out, pf, pf_end); break;
+    default: tile(6, K, x, ldx, w, out, pf, pf_end); break;
     }
+}
+
+// WHY: a block's first row tile reads its weights from memory and the others from L2, where the hardware
+// prefetchers see no misses to follow, so the next block started cold and the stream and the arithmetic took
+// turns (as bf16mm's block() tells). Each of a block's tiles asks for its share of the next block (the one after
+// it in the packed weight, which the same thread takes next) over its k steps. Zen 5 in float32 math, 32 rows:
+// see wbf16.py.
+typedef struct {
+    const char *next, *end;  // the next block's weights; end == next: nothing to ask for
+    int64_t share;           // lines a tile asks for
+} next_block_t;
+
+static inline next_block_t next_block(const uint16_t *wb, int64_t K, int64_t rows, int has_next) {
+    const int64_t tiles = (rows + MR - 1) / MR, lines = K * NB * 2 / 64;
+    const char *next = (const char *)(wb + K * NB);
+    const int on = has_next && tiles > 1 && tiles <= PF_TILES;
+    return (next_block_t){next, on ? next + lines * 64 : next, on ? (lines + tiles - 1) / tiles : 0};
+}
+
+// Tile t's rows through the block, asking for its share of the next block.
+static inline void tile_next(int mr, int64_t K, const float *x, const uint16_t *wb, float *out, next_block_t nx,
+                             int64_t t) {
+    const char *pf = nx.next + t * nx.share * 64, *pf_end = pf + nx.share * 64;
+    tile_any(mr, K, x, K, wb, out, pf, pf_end < nx.end ? pf_end : nx.end);
 }
 
 // Threads split the output columns, so each streams only its share of the weights.
@@ -210,9 +253,10 @@ void wbf16_linear(int64_t M, int64_t N, int64_t K, const float *x, const uint16_
         }
 #endif
         float out[MR * NB];
+        const next_block_t nx = next_block(wb, K, M, nb + 1 < nblocks);
         for (int64_t m0 = 0; m0 < M; m0 += MR) {
             const int mr = M - m0 < MR ? (int)(M - m0) : MR;
-            tile_any(mr, K, x + m0 * K, K, wb, out);
+            tile_next(mr, K, x + m0 * K, wb, out, nx, m0 / MR);
             for (int r = 0; r < mr; r++) {
                 float *yr = y + (m0 + r) * N + n0;
                 if (b) for (int64_t j = 0; j < nn; j++) yr[j] = out[r * NB + j] + b[n0 + j];
@@ -222,15 +266,18 @@ void wbf16_linear(int64_t M, int64_t N, int64_t K, const float *x, const uint16_
     }
 }
 
-// One whole 64-column block (wb: its packed K x 64) for m rows of x (row stride K) into out[m][64].
-static void block_into(int64_t m, int64_t K, const float *x, const uint16_t *wb, float *out) {
+// One whole 64-column block (wb: its packed K x 64) for m rows of x (row stride K) into out[m][64]; has_next: a
+// block follows it in the packed weight.
+static void block_into(int64_t m, int64_t K, const float *x, const uint16_t *wb, float *out, int has_next) {
 #ifdef BLOCK_ROWS_FIRST
     if (m > 1) {
         block_rows_first(m, NB, K, x, wb, out);
         return;
     }
 #endif
-    for (int64_t m0 = 0; m0 < m; m0 += MR) tile_any(m - m0 < MR ? (int)(m - m0) : MR, K, x + m0 * K, K, wb, out + m0 * NB);
+    const next_block_t nx = next_block(wb, K, m, has_next);
+    for (int64_t m0 = 0; m0 < m; m0 += MR)
+        tile_next(m - m0 < MR ? (int)(m - m0) : MR, K, x + m0 * K, wb, out + m0 * NB, nx, m0 / MR);
 }
 
 // A gated MLP's [gate; up] projection with silu(gate) * up in the epilogue: W's N = 2I rows interleaved in blocks
@@ -251,7 +298,7 @@ void wbf16_linear_silu_mul(int64_t M, int64_t N, int64_t K, const float *x, cons
         float out[SR * NB];
         for (int64_t m0 = 0; m0 < M; m0 += SR) {
             const int64_t mr = M - m0 < SR ? M - m0 : SR;
-            block_into(mr, K, x + m0 * K, wb, out);
+            block_into(mr, K, x + m0 * K, wb, out, nb + 1 < nblocks);
             for (int64_t r = 0; r < mr; r++) {
                 const float *o = out + r * NB;
                 float g[NB / 2], u[NB / 2];
@@ -292,7 +339,7 @@ static void wgroup_task(const void *ctx, int64_t piece, int64_t nb, int64_t end)
     const wpiece_t *p = g->pieces + piece;
     const int64_t N = g->N, K = g->K, width = g->silu_mul ? N / 2 : N;
     float out[GR * NB];
-    block_into(p->m, K, p->x, p->w + nb * K * NB, out);
+    block_into(p->m, K, p->x, p->w + nb * K * NB, out, nb + 1 < (N + NB - 1) / NB);
     for (int64_t r = 0; r < p->m; r++) {
         const float *o = out + r * NB;
         float *yr = p->y + r * width;

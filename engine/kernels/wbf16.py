@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from engine.kernels.cbuild import BuildError, Once, SelfCheckError, build
+from engine.kernels.cbuild import BuildError, Once, SelfCheckError, build, cpu_flags
 from engine.kernels.gemm import CEntry, SiluMulKernel, gemm_entry, interleave_halves
 
 log = logging.getLogger(__name__)
@@ -175,6 +175,22 @@ _silu_once = Once(
     "float32 gated MLPs will run their SiLU apart from the projection",
     check=check_silu_mul_f32,
 )
+
+
+_plain_once = Once(
+    lambda: WBF16.build(("-march=native", "-DPF_TILES=1")),
+    log,
+    "wbf16 is timed with its prefetch of the next block only",
+    check=self_check,
+)
+
+
+def kernel_without_prefetch() -> WBF16 | None:
+    """The kernel built without its AVX-512 tiles' prefetch of the next block (PF_TILES=1), for the selection to
+    time beside kernel(): on a Zen 5 in float32 math it took 0.85-0.95x the time of a gated MLP's or a wide weight's
+    GEMM at 8-32 rows streamed from memory, and 1.19x at 8 rows of a 1,024 x 2,816 weight (2026-12-08). None
+    without AVX-512, where the flag changes no code (the AVX2 tiles ask for their own block ahead either way)."""
+    return _plain_once() if "avx512f" in cpu_flags() else None
 
 
 def _checked_kernel() -> WBF16:

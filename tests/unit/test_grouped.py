@@ -19,6 +19,7 @@ KERNELS = {
     "bf16mm-noprefetch": (bf16mm.supported, bf16mm.kernel_without_prefetch),
     "bf16fma": (bf16mm.supported, bf16mm.kernel_fma32),
     "wbf16": (lambda: True, wbf16.kernel),
+    "wbf16-noprefetch": (lambda: wbf16.kernel_without_prefetch() is not None, wbf16.kernel_without_prefetch),
 }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import platform
 from pathlib import Path
@@ -143,3 +144,32 @@ def test_fused_silu_mul_takes_blas_at_large_batches_with_the_same_result(kernel:
     got = fused.linear(x, fused.pack(w), 128, b)
     assert torch.allclose(got, torch.nn.functional.silu(gate) * up, rtol=1e-4, atol=1e-4)
     assert torch.allclose(got[:7], fused.linear(x[:7], fused.pack(w), 128, b), rtol=1e-5, atol=1e-5)
+
+
+def test_the_build_without_prefetch_computes_the_same_and_is_only_ever_timed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The AVX-512 tiles ask for the next block's weights (PF_TILES); built without it they give the same bits
+    through the plain, fused and grouped entries, at row counts with 2-8 tiles a block (where it asks) and more.
+    The selection times that build beside the other where it differs (AVX-512); a forced path never runs it."""
+    from engine.kernels.bind import TIMED_ONLY, gemm_paths, make_selector
+
+    monkeypatch.setenv("TIANMEN_KERNEL_CACHE", str(tmp_path))
+    with_pf, plain = WBF16.build(("-march=native",)), WBF16.build(("-march=native", "-DPF_TILES=1"))
+    fused = {"with": wbf16.SiluMulWBF16(with_pf), "plain": wbf16.SiluMulWBF16(plain)}
+    for i, (m, n, k) in enumerate(((7, 192, 96), (32, 320, 130), (40, 256, 64), (64, 128, 33))):
+        x, w = torch.randn(m, k, generator=torch.Generator().manual_seed(i)), _weight(n, k, seed=10 + i)
+        packed = with_pf.pack(w)
+        assert torch.equal(with_pf.linear(x, packed, n, None), plain.linear(x, packed, n, None))
+        assert torch.equal(fused["with"].linear(x, packed, n, None), fused["plain"].linear(x, packed, n, None))
+        counts = (ctypes.c_int64 * 2)(m // 2, m - m // 2)
+        weights = (ctypes.c_void_p * 2)(packed.data_ptr(), packed.data_ptr())
+        ys = [torch.empty(m, n) for _ in range(2)]
+        for kern, y in zip((with_pf, plain), ys, strict=True):
+            kern.grouped(counts, n, k, x, weights, y, False)
+        assert torch.equal(ys[0], ys[1])
+    names = [p.name for p in gemm_paths(torch.float32, 1, True, True)]
+    avx512 = "avx512f" in cbuild.cpu_flags()
+    assert ("wbf16" + TIMED_ONLY in names) == avx512 and ("wbf16-silu" + TIMED_ONLY in names) == avx512
+    forced = make_selector(gemm_paths(torch.float32, 1, True, True), torch.float32, forced="wbf16")
+    assert not any(name.endswith(TIMED_ONLY) for name in forced.paths)
