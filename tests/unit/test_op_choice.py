@@ -394,12 +394,14 @@ def test_a_forced_gemm_path_puts_its_own_grouped_kernel_first() -> None:
 
 
 def test_grouped_kernels_are_those_of_the_math() -> None:
-    """bf16 math: the bf16 kernels (where the CPU has them); float32 math: the bf16-weight kernel, on every CPU."""
+    """bf16 math: the bf16 kernels (where the CPU has them); float32 math: the bf16-weight kernel, on every CPU, and
+    its build without prefetch where that differs (AVX-512)."""
     assert all(k.dtype == torch.bfloat16 for k in grouped_kernels(torch.bfloat16).values())
     assert "wbf16" not in grouped_kernels(torch.bfloat16)
     if bf16mm.supported():  # both builds, timed against each other: the prefetch decides which streams faster
         assert {"bf16mm", "bf16mm-noprefetch"} <= set(grouped_kernels(torch.bfloat16))
-    assert list(grouped_kernels(torch.float32)) == ["wbf16"]
+    plain = ["wbf16-noprefetch"] if wbf16.kernel_without_prefetch() is not None else []
+    assert list(grouped_kernels(torch.float32)) == ["wbf16", *plain]
 
 
 EXPERTS = [*GROUPED, "wbf16"]  # the grouped experts' kernels: the bf16 ones and, for float32 math, wbf16
